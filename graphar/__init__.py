@@ -1,0 +1,31 @@
+"""graphar: fast collectives for tensor- and sequence-parallel models under torch.compile and CUDA graphs.
+
+    import graphar
+    graphar.init(group)                                   # every rank: set up the IPC all-reduce
+    model = torch.compile(model, backend="graphar")       # all-reduces and Q/K/V all-to-alls rewritten
+
+Public API:
+    init(group=None, ...)  set up graphar's custom all-reduce for a process group (collective)
+    shutdown()             release every communicator
+    graph(cuda_graph, ...) torch.cuda.graph with zero-copy all-reduces (pointers filled after capture)
+    BatchGraphs            capture a decode step for several batch sizes, replay by batch size
+    install(...)           add graphar's pass to backend="inductor" (also a context manager)
+    Config                 what the pass rewrites, and its limits
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import torch._logging
+
+from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
+from graphar.backend import graphar_backend, install, register as _register_backend
+from graphar.comm.allreduce import init, shutdown
+from graphar.config import Config
+from graphar.graphs import BatchGraphs, graph
+
+torch._logging._internal.register_log("graphar", "graphar")
+_register_backend()
+
+__all__ = ["BatchGraphs", "Config", "graph", "graphar_backend", "init", "install", "shutdown"]
