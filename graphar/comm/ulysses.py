@@ -1,0 +1,219 @@
+"""Ulysses all-to-alls: Q, K and V in one packed exchange, the output exchange, packed equal splits.
+
+Ops (functional, with fake implementations, side-effectful so DCE keeps them; every result is a new
+tensor, never staging memory):
+
+- `graphar::qkv_all_to_all(q, k, v, group_name) -> Tensor`: sequence -> heads for `[b, S, h_c, d]`
+  tensors (K/V may have fewer heads than Q). The result is `[b, P*S, H, d]` with H = (hq + hk + hv)/P:
+  Q's heads first, then K's, then V's; `split_heads` cuts it into three views. One tensor, not three,
+  because three results may not alias each other and their views are what makes the receive side free.
+- `graphar::heads_to_seq_all_to_all(o, group_name) -> Tensor`: `[b, P*S, h, d] -> [b, S, P*h, d]`.
+- `graphar::packed_all_to_all_single(xs, group_name) -> list[Tensor]`: N equal-split
+  `all_to_all_single`s on one group as one exchange, packed per destination rank.
+
+A heads-at-dim-1 layout `[b, h, S, d]` goes through the same ops as a permuted view (`seq_to_heads`).
+Packing and unpacking are copies of bits (`graphar.kernels.pack`), so every path gives the results of
+separate `all_to_all_single`s bit for bit. The decision to pack depends only on shapes, dtypes and the
+world size, equal on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphar import pool
+from graphar.kernels import pack
+
+_QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
+_OUT_SEND, _OUT_RECV = "ulysses.out.send", "ulysses.out.recv"
+_A2A_SEND, _A2A_RECV = "a2a.send", "a2a.recv"
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _world_size(group_name: str) -> int:
+    return _group(group_name).size()
+
+
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
+    try:
+        dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=_group(group_name))
+    except RuntimeError as e:
+        raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
+
+
+def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> None:
+    op = f"graphar::qkv_all_to_all on group {group_name!r}"
+    first = xs[0]
+    for x in xs:
+        if x.dim() != 4:
+            raise ValueError(f"{op}: expects [b, s_local, heads, d] tensors, got shape {tuple(x.shape)}")
+        if x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(f"{op}: q, k and v must share dtype and device")
+        if (x.shape[0], x.shape[1], x.shape[3]) != (first.shape[0], first.shape[1], first.shape[3]):
+            raise ValueError(f"{op}: q, k and v must share b, s_local and d; got {[tuple(t.shape) for t in xs]}")
+        if x.shape[2] % world_size:
+            raise ValueError(f"{op}: {x.shape[2]} heads do not split over {world_size} ranks")
+
+
+def _qkv_shape(xs: Sequence[torch.Tensor], world_size: int) -> tuple[int, int, int, int]:
+    b, s, _, d = xs[0].shape
+    return b, world_size * s, pack.packed_heads([x.shape[2] for x in xs], world_size), d
+
+
+@torch.library.custom_op("graphar::qkv_all_to_all", mutates_args=())
+def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sequence -> heads for Q, K and V in one exchange; see the module docstring for the result."""
+    xs = (q, k, v)
+    p = _world_size(group_name)
+    _check_qkv(xs, p, group_name)
+    b, s_global, heads, d = _qkv_shape(xs, p)
+    s_local = s_global // p
+    send = pool.staging(_QKV_SEND, (p, b, s_local, heads, d), q.dtype, q.device)
+    pack.pack_heads(xs, p, send)
+    out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
+    if b == 1:  # rank i's block lands at sequence offset i*S: the exchange writes the result directly
+        _all_to_all(out, send, group_name, "qkv_all_to_all")
+        return out
+    recv = pool.staging(_QKV_RECV, (p, b, s_local, heads, d), q.dtype, q.device)
+    _all_to_all(recv, send, group_name, "qkv_all_to_all")
+    pack.gather_sequence(recv, out)
+    return out
+
+
+@qkv_all_to_all.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
+    xs = (q, k, v)
+    p = _world_size(group_name)
+    _check_qkv(xs, p, group_name)
+    return q.new_empty(_qkv_shape(xs, p))
+
+
+def _check_output(o: torch.Tensor, world_size: int, group_name: str) -> None:
+    if o.dim() != 4 or o.shape[1] % world_size:
+        raise ValueError(f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
+                         f"with s divisible by {world_size}, got {tuple(o.shape)}")
+
+
+@torch.library.custom_op("graphar::heads_to_seq_all_to_all", mutates_args=())
+def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
+    p = _world_size(group_name)
+    _check_output(o, p, group_name)
+    b, s_global, h, d = o.shape
+    s_local = s_global // p
+    if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
+        send = o
+    else:
+        send = pool.staging(_OUT_SEND, (p, b, s_local, h, d), o.dtype, o.device)
+        pack.pack_sequence(o, p, send)
+    recv = pool.staging(_OUT_RECV, (p, b, s_local, h, d), o.dtype, o.device)
+    _all_to_all(recv, send, group_name, "heads_to_seq_all_to_all")
+    out = torch.empty((b, s_local, p * h, d), dtype=o.dtype, device=o.device)
+    pack.gather_heads(recv, out)
+    return out
+
+
+@heads_to_seq_all_to_all.register_fake
+def _(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    p = _world_size(group_name)
+    _check_output(o, p, group_name)
+    b, s_global, h, d = o.shape
+    return o.new_empty((b, s_global // p, p * h, d))
+
+
+def _check_packed(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> None:
+    op = f"graphar::packed_all_to_all_single on group {group_name!r}"
+    if not xs:
+        raise ValueError(f"{op}: needs at least one tensor")
+    for x in xs:
+        if x.dim() == 0 or x.shape[0] % world_size:
+            raise ValueError(f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks")
+        if x.dtype != xs[0].dtype or x.device != xs[0].device:
+            raise ValueError(f"{op}: all tensors must share dtype and device")
+
+
+@torch.library.custom_op("graphar::packed_all_to_all_single", mutates_args=())
+def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange: chunk j of every x goes to
+    rank j side by side, so the packed exchange moves each x's chunks exactly where its own would."""
+    p = _world_size(group_name)
+    _check_packed(xs, p, group_name)
+    widths = [x.numel() // p for x in xs]
+    total = sum(widths)
+    dtype, device = xs[0].dtype, xs[0].device
+    send = pool.staging(_A2A_SEND, (p, total), dtype, device)
+    torch.cat([x.reshape(p, w) for x, w in zip(xs, widths)], dim=1, out=send)
+    recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
+    _all_to_all(recv, send, group_name, "packed_all_to_all_single")
+    outs = []
+    offset = 0
+    for x, w in zip(xs, widths):
+        out = torch.empty(x.shape, dtype=dtype, device=device)
+        out.view(p, w).copy_(recv[:, offset : offset + w])
+        outs.append(out)
+        offset += w
+    return outs
+
+
+@packed_all_to_all_single.register_fake
+def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    _check_packed(xs, _world_size(group_name), group_name)
+    return [x.new_empty(x.shape) for x in xs]
+
+
+# Collectives: dead-code elimination must keep them even when a rank does not use the result.
+torch.fx.node.has_side_effect(torch.ops.graphar.qkv_all_to_all.default)
+torch.fx.node.has_side_effect(torch.ops.graphar.heads_to_seq_all_to_all.default)
+torch.fx.node.has_side_effect(torch.ops.graphar.packed_all_to_all_single.default)
+
+
+def split_heads(packed: torch.Tensor, head_counts: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Views of Q, K and V in `qkv_all_to_all`'s result, given each one's local head count."""
+    return tuple(packed.split(list(head_counts), dim=2))
+
+
+def seq_to_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, heads_dim: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence -> heads for Q, K, V: `[b, S, h, d] -> [b, P*S, h/P, d]` (heads_dim=2) or
+    `[b, h, S, d] -> [b, h/P, P*S, d]` (heads_dim=1). Returns views of one new tensor."""
+    if heads_dim not in (1, 2):
+        raise ValueError(f"heads_dim must be 1 or 2, got {heads_dim}")
+    xs = (q, k, v) if heads_dim == 2 else tuple(x.transpose(1, 2) for x in (q, k, v))
+    p = _world_size(group_name)
+    packed = torch.ops.graphar.qkv_all_to_all(*xs, group_name)
+    out = split_heads(packed, [x.shape[2] // p for x in xs])
+    return out if heads_dim == 2 else tuple(x.transpose(1, 2) for x in out)
+
+
+def heads_to_seq(o: torch.Tensor, group_name: str, heads_dim: int = 2) -> torch.Tensor:
+    """Heads -> sequence for the attention output, in either layout (see `seq_to_heads`)."""
+    if heads_dim not in (1, 2):
+        raise ValueError(f"heads_dim must be 1 or 2, got {heads_dim}")
+    if heads_dim == 2:
+        return torch.ops.graphar.heads_to_seq_all_to_all(o, group_name)
+    return torch.ops.graphar.heads_to_seq_all_to_all(o.transpose(1, 2), group_name).transpose(1, 2)
+
+
+def reserve(
+    shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device, group_name: str, graphs: int = 1
+) -> None:
+    """Reserve staging memory before capturing `graphs` graphs that exchange Q/K/V of `shapes`
+    (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output."""
+    p = _world_size(group_name)
+    b, s_local, _, d = shapes[0]
+    heads = pack.packed_heads([s[2] for s in shapes], p)
+    chunk = (p, b, s_local, heads, d)
+    pool.reserve(_QKV_SEND, chunk, dtype, device, graphs)
+    if b > 1:
+        pool.reserve(_QKV_RECV, chunk, dtype, device, graphs)
+    out_chunk = (p, b, s_local, shapes[0][2] // p, d)
+    if b > 1:  # for b == 1 a contiguous attention output is sent as it is
+        pool.reserve(_OUT_SEND, out_chunk, dtype, device, graphs)
+    pool.reserve(_OUT_RECV, out_chunk, dtype, device, graphs)

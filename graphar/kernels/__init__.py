@@ -1,0 +1,1 @@
+"""graphar's Triton kernels. Triton is optional: `pack` falls back to torch copies without it."""

@@ -1,0 +1,187 @@
+"""Data movement of the Ulysses exchanges: one strided copy kernel and the four layouts built on it.
+
+Every relayout here is a copy between 5-D views `[P, b, s, h, d]` (P: peer rank, b: batch, s: sequence
+block, h: heads, d: head dim, d contiguous): `relayout(pairs)` copies up to three (dst, src) pairs of
+such views in one Triton launch on CUDA tensors (and on CPU tensors under `TRITON_INTERPRET=1`), and
+with `Tensor.copy_` elsewhere. Both only move bits, so both give the same result.
+
+The layouts (P = world size, S = local sequence length, h_c = heads of tensor c):
+- `pack_heads`: send side of sequence -> heads. `packed[j, bi, si, o_c + l, e] = X_c[bi, si, j*h_c/P + l, e]`,
+  with `o_c` the heads of the earlier tensors over P: Q, K and V (K/V may have fewer heads) side by side.
+- `gather_sequence`: receive side for b > 1, `[P, b, S, H, d] -> [b, P*S, H, d]` (for b == 1 it is a view).
+- `pack_sequence`: send side of heads -> sequence, `[b, P*S, h, d] -> [P, b, S, h, d]`.
+- `gather_heads`: receive side of heads -> sequence, `[P, b, S, h, d] -> [b, S, P*h, d]`.
+Each returns True when the Triton kernel did the copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # graphar works without Triton; the copies then run through torch
+    triton = None
+
+# Elements a program moves: enough bytes in flight per SM without spilling registers.
+_TILE_ELEMENTS = 4096
+_INT32_MAX = 2**31 - 1
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_tile(
+        dst, src, heads, row_block, head_block, j,
+        s_j, s_b, s_s, s_h, d_j, d_b, d_s, d_h,
+        rows, seq,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
+    ):
+        r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        l = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        e = tl.arange(0, D_PAD)
+        if IDX64:
+            r = r.to(tl.int64)
+            l = l.to(tl.int64)
+            j = j.to(tl.int64)
+        bi = r // seq
+        si = r - bi * seq
+        src_row = j * s_j + bi * s_b + si * s_s
+        dst_row = j * d_j + bi * d_b + si * d_s
+        mask = (r < rows)[:, None, None] & (l < heads)[None, :, None] & (e < D)[None, None, :]
+        src_off = src_row[:, None, None] + (l * s_h)[None, :, None] + e[None, None, :]
+        dst_off = dst_row[:, None, None] + (l * d_h)[None, :, None] + e[None, None, :]
+        tl.store(dst + dst_off, tl.load(src + src_off, mask=mask), mask=mask)
+
+    # Sequence-dependent sizes are not specialised: a new sequence length must not recompile
+    # (the first call at that length may be inside a CUDA-graph capture).
+    @triton.jit(do_not_specialize=["rows", "seq"])
+    def _relayout_kernel(
+        dst0, src0, heads0, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+        dst1, src1, heads1, s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
+        dst2, src2, heads2, s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
+        rows, seq,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
+    ):
+        row_block = tl.program_id(0)
+        j = tl.program_id(1)
+        block = tl.program_id(2)
+        blocks0 = tl.cdiv(heads0, BLOCK_H)
+        blocks1 = tl.cdiv(heads1, BLOCK_H)
+        if block < blocks0:
+            _copy_tile(dst0, src0, heads0, row_block, block, j, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+        elif block < blocks0 + blocks1:
+            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, s1_j, s1_b, s1_s, s1_h,
+                       d1_j, d1_b, d1_s, d1_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+        else:
+            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, s2_j, s2_b, s2_s, s2_h,
+                       d2_j, d2_b, d2_s, d2_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(pairs: Sequence[Pair]) -> bool:
+    if triton is None or not 1 <= len(pairs) <= 3:
+        return False
+    on_device = all(t.is_cuda for pair in pairs for t in pair) or _interpreting()
+    return on_device and all(t.stride(-1) == 1 for pair in pairs for t in pair)
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+
+
+def _check_pairs(pairs: Sequence[Pair]) -> None:
+    if not pairs:
+        raise ValueError("relayout needs at least one (dst, src) pair")
+    p, b, s, _, d = pairs[0][0].shape
+    for dst, src in pairs:
+        if dst.dim() != 5 or dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"relayout: dst {tuple(dst.shape)}/{dst.dtype} and src {tuple(src.shape)}/{src.dtype} "
+                             "must be equal 5-D [P, b, s, h, d] views")
+        if (dst.shape[0], dst.shape[1], dst.shape[2], dst.shape[4]) != (p, b, s, d):
+            raise ValueError("relayout: all pairs must share P, b, s and d")
+
+
+def relayout(pairs: Sequence[Pair]) -> bool:
+    """`dst.copy_(src)` for each (dst, src) pair of 5-D views `[P, b, s, h_c, d]`; one launch on CUDA.
+
+    Returns True when the Triton kernel did the copy, False when torch did.
+    """
+    _check_pairs(pairs)
+    if not _use_triton(pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        return False
+    p, b, s, _, d = pairs[0][0].shape
+    rows = b * s
+    if rows == 0 or p == 0 or d == 0:
+        return True
+    d_pad = triton.next_power_of_2(d)
+    heads = [dst.shape[3] for dst, _ in pairs]
+    # The largest power of two dividing every head count: no program is mostly masked out.
+    common = 0
+    for h in heads:
+        common |= h
+    block_h = min(common & -common if common else 1, max(1, _TILE_ELEMENTS // d_pad // 4))
+    block_r = max(1, _TILE_ELEMENTS // (block_h * d_pad))
+    idx64 = any(_max_offset(t) > _INT32_MAX for pair in pairs for t in pair)
+    args: list[object] = []
+    for i in range(3):
+        dst, src = pairs[min(i, len(pairs) - 1)]
+        h = dst.shape[3] if i < len(pairs) else 0
+        args += [dst, src, h, *(src.stride(k) for k in (0, 1, 2, 3)), *(dst.stride(k) for k in (0, 1, 2, 3))]
+    grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
+    device = pairs[0][0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _relayout_kernel[grid](*args, rows, s, D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64,
+                               num_warps=4)
+    return True
+
+
+def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
+    """Heads per row of the packed buffer: the sum of each tensor's heads over the world size."""
+    return sum(h // world_size for h in head_counts)
+
+
+def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: torch.Tensor) -> bool:
+    """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]`."""
+    offset = 0
+    pairs = []
+    for x in xs:
+        h_local = x.shape[2] // world_size
+        src = x.unflatten(2, (world_size, h_local)).permute(2, 0, 1, 3, 4)
+        pairs.append((out[:, :, :, offset : offset + h_local], src))
+        offset += h_local
+    return relayout(pairs)
+
+
+def gather_sequence(recv: torch.Tensor, out: torch.Tensor) -> bool:
+    """`recv` `[P, b, S, H, d]` (chunk i from rank i) into `out` `[b, P*S, H, d]`."""
+    p = recv.shape[0]
+    return relayout([(out.unflatten(1, (p, recv.shape[2])).permute(1, 0, 2, 3, 4), recv)])
+
+
+def pack_sequence(o: torch.Tensor, world_size: int, out: torch.Tensor) -> bool:
+    """`o` `[b, P*S, h, d]` into `out` `[P, b, S, h, d]`: sequence block j goes to rank j."""
+    return relayout([(out, o.unflatten(1, (world_size, o.shape[1] // world_size)).permute(1, 0, 2, 3, 4))])
+
+
+def gather_heads(recv: torch.Tensor, out: torch.Tensor) -> bool:
+    """`recv` `[P, b, S, h, d]` (heads block i from rank i) into `out` `[b, S, P*h, d]`."""
+    p, h = recv.shape[0], recv.shape[3]
+    return relayout([(out.unflatten(2, (p, h)).permute(2, 0, 1, 3, 4), recv)])
