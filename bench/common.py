@@ -1,0 +1,240 @@
+"""Shared helpers for graphar's benchmarks (bench/allreduce.py, bench/decode.py, bench/ulysses.py).
+
+Each script sets the multicast-off environment before it imports torch, then:
+
+    launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
+                                        with torch.cuda.set_device(rank) and an NCCL default group ready
+    capture(fn, n, ...)                 warm up fn(0..), then capture fn(0), ..., fn(n-1) in one CUDA graph
+    time_gpu(run, repeats, per)         median GPU time (CUDA events) of run(), in us per `per` units,
+                                        ranks aligned before each repeat
+    time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
+    max_over_ranks(cells)               {key: float | str} -> the same keys, max over ranks (a str wins)
+    all_ranks(flag)                     True on every rank iff flag is True on every rank
+    header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
+    markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
+    report(title, info, sections, notes) + write_report(text, path)   the results file
+    results_path(name, gpu, world_size) bench/results/<name>-<gpu>-ws<N>.md
+
+Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer unavailable,
+"err" the measurement raised (the reason is printed once by rank 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Cell = float | str
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# About 50 us of GPU sleep on an H200 (1.98 GHz): the host enqueues the timed work meanwhile.
+_ALIGN_SLEEP_CYCLES = 100_000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device,
+    )
+    try:
+        dist.barrier()
+        worker(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: float = 300.0) -> None:
+    """Run worker(rank, world_size, *args) in world_size spawned processes, one per GPU.
+
+    `worker` must be a module-level function (it is pickled). A failing rank ends the others;
+    a hung collective ends after `timeout_s` through NCCL's watchdog.
+    """
+    available = torch.cuda.device_count()
+    if world_size > available:
+        raise SystemExit(f"needs {world_size} GPUs, {available} visible")
+    mp.spawn(_entry, args=(worker, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+
+
+def align_ranks() -> None:
+    """Queue a GPU sleep and a tiny all-reduce so that every rank's next kernel starts together."""
+    torch.cuda._sleep(_ALIGN_SLEEP_CYCLES)
+    dist.all_reduce(torch.zeros(1, device="cuda"))
+
+
+def capture(
+    fn: Callable[[int], object],
+    n: int,
+    *,
+    context: Callable[..., AbstractContextManager] = torch.cuda.graph,
+    warmup: int = 2,
+    pool: Any = None,
+) -> torch.cuda.CUDAGraph:
+    """Capture fn(0), ..., fn(n - 1) into one CUDA graph after `warmup` eager calls on the capture stream.
+
+    `context` is torch.cuda.graph or a drop-in with its arguments (graphar.graphs.graph).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i)
+    stream.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with context(graph, pool=pool, stream=stream):
+        for i in range(n):
+            fn(i)
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_gpu(run: Callable[[], object], *, repeats: int, per: int = 1) -> float:
+    """Median over `repeats` of the CUDA-event time of run(), in microseconds per `per` units."""
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        align_ranks()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / per)
+    return statistics.median(samples)
+
+
+def time_host(run: Callable[[int], object], *, iters: int, repeats: int = 3, warmup: int = 10) -> float:
+    """Median over `repeats` of the host time of run(0..iters-1) until the GPU is idle, us per call."""
+    for i in range(warmup):
+        run(i)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            run(i)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(samples)
+
+
+def combine(values: Iterable[Cell]) -> Cell:
+    """The max of floats; the first string if any rank reported one (n/a, err, ...)."""
+    values = list(values)
+    strings = [v for v in values if isinstance(v, str)]
+    return strings[0] if strings else max(values)
+
+
+def max_over_ranks(cells: Mapping[Any, Cell]) -> dict[Any, Cell]:
+    """Collective: every rank passes its cells (same keys); each key gets the max over ranks."""
+    gathered: list[Mapping[Any, Cell]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, dict(cells))
+    return {key: combine(rank_cells[key] for rank_cells in gathered) for key in cells}
+
+
+def all_ranks(flag: bool) -> bool:
+    """Collective: a decision every rank must take the same way (a split decision would hang)."""
+    t = torch.tensor([1 if flag else 0], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def versions() -> dict[str, str]:
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # CPU-only builds have no NCCL
+        nccl = "n/a"
+    try:
+        import graphar
+
+        graphar_version = graphar.__version__
+    except Exception as e:  # the dry run works without graphar
+        graphar_version = f"n/a ({type(e).__name__})"
+    return {"torch": torch.__version__, "NCCL": nccl, "graphar": graphar_version}
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the file-name form of a GPU name."""
+    words = [w for w in name.lower().replace("nvidia", "").split() if w.isalnum()]
+    return "-".join(words[:2]) or "gpu"
+
+
+def header(mode: str, world_size: int, gpu: str | None = None) -> dict[str, str]:
+    return {
+        "GPU": gpu or gpu_name(),
+        "world size": str(world_size),
+        **versions(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "mode": mode,
+    }
+
+
+def format_cell(cell: Cell) -> str:
+    return f"{cell:.1f}" if isinstance(cell, float) else str(cell)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Cell]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(format_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(title: str, info: Mapping[str, str], sections: Sequence[tuple[str, str]], notes: Sequence[str]) -> str:
+    """The results file: title, one line of run facts, a table per section, then notes."""
+    parts = [f"# {title}", "", "; ".join(f"{k}: {v}" for k, v in info.items()), ""]
+    for heading, table in sections:
+        parts += [f"## {heading}", "", table, ""]
+    if notes:
+        parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(parts)
+
+
+def results_path(name: str, gpu: str, world_size: int) -> Path:
+    return RESULTS_DIR / f"{name}-{gpu_slug(gpu)}-ws{world_size}.md"
+
+
+def write_report(text: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"written to {path}")
+
+
+def format_bytes(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+def parse_bytes(text: str) -> int:
+    """'16K', '4M', '65536' -> bytes."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
