@@ -1,0 +1,434 @@
+// The C ABI of graphar_cuda.h: communicator set-up and teardown, IPC, graph slots, launches.
+#include <cuda.h>  // driver types only: the driver entry point is resolved at run time, no -lcuda
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "custom_all_reduce.cuh"
+#include "graphar_cuda.h"
+
+// -DGRAPHAR_BUILD_ID=<hash of the sources>, set by graphar/_cuda.py
+#define GRAPHAR_STRINGIFY_(x) #x
+#define GRAPHAR_STRINGIFY(x) GRAPHAR_STRINGIFY_(x)
+#ifdef GRAPHAR_BUILD_ID
+#define GRAPHAR_BUILD_ID_STRING GRAPHAR_STRINGIFY(GRAPHAR_BUILD_ID)
+#else
+#define GRAPHAR_BUILD_ID_STRING "unversioned"
+#endif
+
+using namespace graphar;
+
+namespace {
+
+thread_local std::string t_last_error;
+
+int fail(int code, const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  t_last_error = buf;
+  return code;
+}
+
+int cuda_fail(cudaError_t e, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so that it does not surface in a later check
+  return fail(e, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+#define CUDA_TRY(call)                                 \
+  do {                                                 \
+    const cudaError_t e_ = (call);                     \
+    if (e_ != cudaSuccess) return cuda_fail(e_, #call); \
+  } while (0)
+
+// Makes `device` current for the scope and restores the caller's device (torch's, usually).
+class DeviceGuard {
+ public:
+  int enter(int device) {
+    CUDA_TRY(cudaGetDevice(&prev_));
+    if (prev_ != device) CUDA_TRY(cudaSetDevice(device));
+    device_ = device;
+    return 0;
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0 && prev_ != device_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+  int device_ = -1;
+};
+
+__host__ __device__ constexpr uint32_t probe_value(int writer, int owner) { return 0x6a000000u | (writer << 8) | owner; }
+
+__global__ void p2p_probe(RankSignals sg, int rank, int ranks, int phase, uint32_t* result) {
+  const int peer = threadIdx.x;
+  if (peer >= ranks) return;
+  Flag* theirs = tmp_buffer<Flag>(sg.signals[peer]);
+  Flag* mine = tmp_buffer<Flag>(sg.signals[rank]);
+  if (phase == 0) {
+    st_flag_volatile(&theirs[rank], probe_value(rank, peer));
+  } else {
+    result[peer] = ld_flag_volatile(&theirs[rank]);         // our store, loaded back from the peer
+    result[kMaxRanks + peer] = ld_flag_volatile(&mine[peer]);  // the peer's store into our memory
+  }
+}
+
+using Kernel = void (*)(Params);
+
+template <typename T>
+Kernel pick(int ranks, int algo) {
+  const bool one = algo == GRAPHAR_ONE_STAGE;
+  switch (ranks) {
+    case 2: return one ? one_stage<T, 2> : two_stage<T, 2>;
+    case 4: return one ? one_stage<T, 4> : two_stage<T, 4>;
+    case 6: return one ? one_stage<T, 6> : two_stage<T, 6>;
+    case 8: return one ? one_stage<T, 8> : two_stage<T, 8>;
+    default: return nullptr;
+  }
+}
+
+Kernel kernel_for(int dtype, int ranks, int algo) {
+  if (algo != GRAPHAR_ONE_STAGE && algo != GRAPHAR_TWO_STAGE) return nullptr;
+  switch (dtype) {
+    case GRAPHAR_FLOAT32: return pick<float>(ranks, algo);
+    case GRAPHAR_FLOAT16: return pick<__half>(ranks, algo);
+    case GRAPHAR_BFLOAT16: return pick<__nv_bfloat16>(ranks, algo);
+    default: return nullptr;
+  }
+}
+
+struct Comm {
+  int device = -1, rank = 0, ranks = 0, block_limit = 0, graph_slots = 0;
+  uint64_t max_bytes = 0, timeout_ns = 0;
+  char* meta = nullptr;    // Signal, then the 2stage tmp buffer (max_bytes)
+  char* buffer = nullptr;  // registered input buffer (max_bytes)
+  RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
+  ErrorRecord* error = nullptr;  // host-mapped
+  RankSignals signals{};
+  void* peer_buffers[kMaxRanks] = {};
+  bool opened = false;
+  std::map<std::string, char*> graph_mappings;  // peer graph allocations by IPC handle, opened once
+  cudaEvent_t last_event = nullptr;
+  cudaStream_t last_stream = nullptr;
+  bool launched = false;
+};
+
+int close_and_free(Comm* c) {
+  int first = 0;
+  auto note = [&](cudaError_t e, const char* what) {
+    if (e != cudaSuccess && first == 0) first = cuda_fail(e, what);
+  };
+  for (auto& kv : c->graph_mappings) note(cudaIpcCloseMemHandle(kv.second), "cudaIpcCloseMemHandle(graph buffer)");
+  c->graph_mappings.clear();
+  for (int r = 0; r < c->ranks && c->opened; r++) {
+    if (r == c->rank) continue;
+    if (c->signals.signals[r]) note(cudaIpcCloseMemHandle(c->signals.signals[r]), "cudaIpcCloseMemHandle(signal)");
+    if (c->peer_buffers[r]) note(cudaIpcCloseMemHandle(c->peer_buffers[r]), "cudaIpcCloseMemHandle(buffer)");
+  }
+  if (c->meta) note(cudaFree(c->meta), "cudaFree(meta)");
+  if (c->buffer) note(cudaFree(c->buffer), "cudaFree(buffer)");
+  if (c->slots) note(cudaFree(c->slots), "cudaFree(slots)");
+  if (c->error) note(cudaFreeHost(c->error), "cudaFreeHost(error record)");
+  if (c->last_event) note(cudaEventDestroy(c->last_event), "cudaEventDestroy");
+  delete c;
+  return first;
+}
+
+Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
+
+int create(Comm* c) {
+  CUDA_TRY(cudaMalloc(&c->meta, sizeof(Signal) + c->max_bytes));
+  CUDA_TRY(cudaMalloc(&c->buffer, c->max_bytes));
+  CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));
+  CUDA_TRY(cudaHostAlloc(&c->error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  memset(const_cast<ErrorRecord*>(c->error), 0, sizeof(ErrorRecord));
+  CUDA_TRY(cudaEventCreateWithFlags(&c->last_event, cudaEventDisableTiming));
+  // Zeroed before any handle leaves this process: a peer's first flag must never be wiped.
+  CUDA_TRY(cudaMemset(c->meta, 0, sizeof(Signal) + c->max_bytes));
+  CUDA_TRY(cudaMemset(c->buffer, 0, c->max_bytes));
+  CUDA_TRY(cudaMemset(c->slots, 0, sizeof(RankData) * c->graph_slots));
+  CUDA_TRY(cudaDeviceSynchronize());
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* graphar_last_error(void) { return t_last_error.c_str(); }
+
+const char* graphar_build_id(void) { return GRAPHAR_BUILD_ID_STRING; }
+
+int graphar_device_pci_bus_id(int device, char* out, int len) {
+  CUDA_TRY(cudaDeviceGetPCIBusId(out, len, device));
+  return 0;
+}
+
+int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable) {
+  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+  static GetAttributes get_attributes = nullptr;
+  if (get_attributes == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    CUDA_TRY(cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      return fail(GRAPHAR_EINVAL, "the CUDA driver has no cuPointerGetAttributes");
+    }
+    get_attributes = reinterpret_cast<GetAttributes>(fn);
+  }
+  CUdeviceptr start = 0;
+  size_t range = 0;
+  unsigned int capable = 0;  // the driver writes a boolean; a zeroed int reads it either way
+  CUpointer_attribute attrs[3] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                  CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* data[3] = {&start, &range, &capable};
+  const CUresult r = get_attributes(3, attrs, data, static_cast<CUdeviceptr>(ptr));
+  if (r != CUDA_SUCCESS) return fail(static_cast<int>(r), "cuPointerGetAttributes(0x%llx) failed with CUresult %d",
+                                     static_cast<unsigned long long>(ptr), static_cast<int>(r));
+  *base = start;
+  *size = range;
+  *ipc_capable = capable != 0;
+  return 0;
+}
+
+int graphar_ipc_handle(uint64_t base, void* handle_out) {
+  cudaIpcMemHandle_t h;
+  CUDA_TRY(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+  memcpy(handle_out, &h, sizeof(h));
+  return 0;
+}
+
+int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_limit, uint64_t timeout_ns,
+                        int graph_slots, void** comm_out) {
+  *comm_out = nullptr;
+  if (world_size != 2 && world_size != 4 && world_size != 6 && world_size != 8) {
+    return fail(GRAPHAR_EINVAL, "world size %d is not one of 2, 4, 6, 8", world_size);
+  }
+  if (rank < 0 || rank >= world_size) return fail(GRAPHAR_EINVAL, "rank %d out of [0, %d)", rank, world_size);
+  if (max_bytes == 0 || max_bytes % 16 != 0 || max_bytes / 16 > static_cast<uint64_t>(INT_MAX)) {
+    return fail(GRAPHAR_EINVAL, "max_bytes %llu must be a positive multiple of 16 below 32 GiB",
+                static_cast<unsigned long long>(max_bytes));
+  }
+  if (block_limit < 1 || block_limit > kMaxBlocks) {
+    return fail(GRAPHAR_EINVAL, "block limit %d out of [1, %d]", block_limit, kMaxBlocks);
+  }
+  if (graph_slots < 1) return fail(GRAPHAR_EINVAL, "graph_slots %d must be positive", graph_slots);
+  Comm* c = new Comm;
+  c->rank = rank;
+  c->ranks = world_size;
+  c->max_bytes = max_bytes;
+  c->block_limit = block_limit;
+  c->timeout_ns = timeout_ns;
+  c->graph_slots = graph_slots;
+  const cudaError_t e = cudaGetDevice(&c->device);
+  int rc = e != cudaSuccess ? cuda_fail(e, "cudaGetDevice") : create(c);
+  if (rc != 0) {
+    const std::string msg = t_last_error;
+    close_and_free(c);
+    t_last_error = msg;
+    return rc;
+  }
+  *comm_out = c;
+  return 0;
+}
+
+int graphar_comm_handles(void* comm, void* handles_out) {
+  Comm* c = as_comm(comm);
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  cudaIpcMemHandle_t h[2];
+  CUDA_TRY(cudaIpcGetMemHandle(&h[0], c->meta));
+  CUDA_TRY(cudaIpcGetMemHandle(&h[1], c->buffer));
+  memcpy(handles_out, h, sizeof(h));
+  return 0;
+}
+
+int graphar_comm_open(void* comm, const void* handles) {
+  Comm* c = as_comm(comm);
+  if (c->opened) return fail(GRAPHAR_EINVAL, "the peers' buffers are already open");
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
+  c->opened = true;  // from here on close_and_free closes whatever got opened
+  for (int r = 0; r < c->ranks; r++) {
+    if (r == c->rank) {
+      c->signals.signals[r] = reinterpret_cast<Signal*>(c->meta);
+      c->peer_buffers[r] = c->buffer;
+      continue;
+    }
+    void* meta = nullptr;
+    void* buffer = nullptr;
+    CUDA_TRY(cudaIpcOpenMemHandle(&meta, h[2 * r], cudaIpcMemLazyEnablePeerAccess));
+    c->signals.signals[r] = static_cast<Signal*>(meta);
+    CUDA_TRY(cudaIpcOpenMemHandle(&buffer, h[2 * r + 1], cudaIpcMemLazyEnablePeerAccess));
+    c->peer_buffers[r] = buffer;
+  }
+  RankData eager{};
+  for (int r = 0; r < c->ranks; r++) eager.ptrs[r] = c->peer_buffers[r];
+  CUDA_TRY(cudaMemcpy(c->slots, &eager, sizeof(eager), cudaMemcpyHostToDevice));
+  CUDA_TRY(cudaDeviceSynchronize());
+  return 0;
+}
+
+int graphar_comm_probe(void* comm, int phase, int* bad_peer) {
+  Comm* c = as_comm(comm);
+  *bad_peer = -1;
+  if (!c->opened) return fail(GRAPHAR_EINVAL, "probe before the peers' buffers were opened");
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  uint32_t* result = nullptr;
+  CUDA_TRY(cudaMalloc(&result, 2 * kMaxRanks * sizeof(uint32_t)));
+  p2p_probe<<<1, 32>>>(c->signals, c->rank, c->ranks, phase, result);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  uint32_t host[2 * kMaxRanks] = {};
+  if (e == cudaSuccess && phase != 0) e = cudaMemcpy(host, result, sizeof(host), cudaMemcpyDeviceToHost);
+  cudaFree(result);
+  if (e != cudaSuccess) return cuda_fail(e, "p2p probe");
+  for (int r = 0; phase != 0 && r < c->ranks; r++) {
+    if (host[r] != probe_value(c->rank, r) || host[kMaxRanks + r] != probe_value(r, c->rank)) {
+      *bad_peer = r;
+      break;
+    }
+  }
+  return 0;
+}
+
+int graphar_comm_error_record(void* comm, void** record_out) {
+  *record_out = as_comm(comm)->error;
+  return 0;
+}
+
+int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t input, uint64_t output,
+                            uint64_t nbytes, int slot, uint64_t stream_handle) {
+  Comm* c = as_comm(comm);
+  if (!c->opened) return fail(GRAPHAR_EINVAL, "launch before the peers' buffers were opened");
+  const Kernel kernel = kernel_for(dtype, c->ranks, algo);
+  if (kernel == nullptr) return fail(GRAPHAR_EINVAL, "no kernel for dtype %d, algorithm %d", dtype, algo);
+  if (nbytes == 0 || nbytes % 16 != 0 || nbytes > c->max_bytes) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes: not a positive multiple of 16 up to %llu",
+                static_cast<unsigned long long>(nbytes), static_cast<unsigned long long>(c->max_bytes));
+  }
+  if (input % 16 != 0 || output % 16 != 0) return fail(GRAPHAR_EINVAL, "input and output must be 16-byte aligned");
+  const bool graph_slot = mode == GRAPHAR_ZERO_COPY || mode == GRAPHAR_STAGED;
+  if (graph_slot && (slot < 1 || slot >= c->graph_slots)) {
+    return fail(GRAPHAR_EINVAL, "graph slot %d out of [1, %d)", slot, c->graph_slots);
+  }
+  if (!graph_slot && mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) {
+    return fail(GRAPHAR_EINVAL, "unknown input path %d", mode);
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int packs = static_cast<int>(nbytes / 16);
+  const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
+
+  Params p{};
+  p.data = c->slots + (graph_slot ? slot : 0);
+  p.signals = c->signals;
+  p.self = c->signals.signals[c->rank];
+  p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(input);
+  p.out = reinterpret_cast<void*>(output);
+  p.error = c->error;
+  p.timeout_ns = c->timeout_ns;
+  p.rank = c->rank;
+  p.packs = packs;
+
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  if (mode == GRAPHAR_STAGED) {
+    CUDA_TRY(cudaMemcpyAsync(c->buffer, reinterpret_cast<const void*>(input), nbytes, cudaMemcpyDeviceToDevice,
+                             stream));
+  }
+  // One op in flight per communicator: a launch on another stream waits for the previous one
+  // instead of racing it for the Signal and the registered buffer.
+  if (mode == GRAPHAR_EAGER && c->launched && stream != c->last_stream) {
+    CUDA_TRY(cudaStreamWaitEvent(stream, c->last_event, 0));
+  }
+  kernel<<<blocks, kThreads, 0, stream>>>(p);
+  CUDA_TRY(cudaGetLastError());
+  if (mode == GRAPHAR_EAGER) {
+    CUDA_TRY(cudaEventRecord(c->last_event, stream));
+    c->last_stream = stream;
+    c->launched = true;
+  }
+  return 0;
+}
+
+int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,
+                                const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs) {
+  Comm* c = as_comm(comm);
+  if (count <= 0) return 0;
+  if (first_slot < 1 || count > c->graph_slots - first_slot) {
+    return fail(GRAPHAR_EINVAL, "graph slots [%d, %d) exceed the %d available", first_slot, first_slot + count,
+                c->graph_slots);
+  }
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
+  std::vector<RankData> filled(count);
+  for (int i = 0; i < count; i++) {
+    for (int r = 0; r < c->ranks; r++) {
+      const int k = i * c->ranks + r;
+      if (staged[k]) {
+        filled[i].ptrs[r] = c->peer_buffers[r];
+      } else if (r == c->rank) {
+        filled[i].ptrs[r] = reinterpret_cast<const void*>(own_ptrs[i]);
+      } else {
+        const std::string key(reinterpret_cast<const char*>(&h[k]), sizeof(cudaIpcMemHandle_t));
+        auto it = c->graph_mappings.find(key);
+        if (it == c->graph_mappings.end()) {
+          void* base = nullptr;
+          CUDA_TRY(cudaIpcOpenMemHandle(&base, h[k], cudaIpcMemLazyEnablePeerAccess));
+          it = c->graph_mappings.emplace(key, static_cast<char*>(base)).first;
+        }
+        filled[i].ptrs[r] = it->second + offsets[k];
+      }
+    }
+  }
+  CUDA_TRY(cudaMemcpy(c->slots + first_slot, filled.data(), sizeof(RankData) * count, cudaMemcpyHostToDevice));
+  // A pageable host-to-device copy may return before it lands; no replay may see an empty slot.
+  CUDA_TRY(cudaDeviceSynchronize());
+  return 0;
+}
+
+int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
+  Comm* c = as_comm(comm);
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  std::vector<Signal> host(1);
+  Signal& s = host[0];
+  for (int b = 0; b < kMaxBlocks; b++) {
+    for (int r = 0; r < kMaxRanks; r++) {
+      s.self_counter[b][r] = value;
+      s.peer_counter[value & 1][b][r] = value;
+      s.peer_counter[(value + 1) & 1][b][r] = value - 1;
+    }
+  }
+  CUDA_TRY(cudaDeviceSynchronize());
+  CUDA_TRY(cudaMemcpy(c->meta, &s, sizeof(Signal), cudaMemcpyHostToDevice));
+  CUDA_TRY(cudaDeviceSynchronize());
+  return 0;
+}
+
+int graphar_comm_destroy(void* comm) {
+  Comm* c = as_comm(comm);
+  if (c == nullptr) return 0;
+  DeviceGuard g;
+  int rc = g.enter(c->device);
+  // Graph replays or eager launches may still read these buffers.
+  const cudaError_t e = cudaDeviceSynchronize();
+  const int freed = close_and_free(c);
+  if (rc == 0 && e != cudaSuccess) rc = cuda_fail(e, "cudaDeviceSynchronize");
+  return rc != 0 ? rc : freed;
+}
+
+}  // extern "C"

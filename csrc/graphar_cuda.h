@@ -1,0 +1,66 @@
+// graphar's CUDA library: a plain C ABI (no torch headers), loaded by graphar/_cuda.py with ctypes.
+//
+// Every function returns 0 on success, otherwise a CUDA error code or GRAPHAR_EINVAL, and leaves a
+// message for graphar_last_error() (per thread). Nothing here exits the process.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GRAPHAR_EINVAL (-1)
+#define GRAPHAR_IPC_HANDLE_BYTES 64
+
+// dtype codes of graphar_comm_all_reduce
+enum { GRAPHAR_FLOAT32 = 0, GRAPHAR_FLOAT16 = 1, GRAPHAR_BFLOAT16 = 2 };
+// algorithm codes
+enum { GRAPHAR_ONE_STAGE = 1, GRAPHAR_TWO_STAGE = 2 };
+// input paths of graphar_comm_all_reduce
+enum {
+  GRAPHAR_EAGER = 0,          // copy into the registered buffer inside the kernel; serialized across streams
+  GRAPHAR_CAPTURED_COPY = 1,  // the same, inside someone else's CUDA-graph capture
+  GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
+  GRAPHAR_STAGED = 3,         // copy into the registered buffer first, then read through a graph slot
+};
+
+const char* graphar_last_error(void);
+// Hash of the sources this library was built from.
+const char* graphar_build_id(void);
+int graphar_device_pci_bus_id(int device, char* out, int len);
+
+// Range and legacy-IPC capability of the allocation holding ptr (expandable segments: not capable).
+int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable);
+int graphar_ipc_handle(uint64_t base, void* handle_out);
+
+// On the current device: zeroed Signal+tmp and input buffers of max_bytes, graph slots, and a
+// host-mapped error record. Synchronizes before returning, so the handles may be shared at once.
+int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_limit, uint64_t timeout_ns,
+                        int graph_slots, void** comm_out);
+// Two IPC handles: [Signal+tmp, input buffer].
+int graphar_comm_handles(void* comm, void* handles_out);
+// world_size x two handles (as from graphar_comm_handles, rank order); the own entry is ignored.
+int graphar_comm_open(void* comm, const void* handles);
+// phase 0: store a pattern into every peer's memory; phase 1 (after every rank finished phase 0):
+// load everything back. *bad_peer is the first peer whose pattern did not round-trip, or -1.
+int graphar_comm_probe(void* comm, int phase, int* bad_peer);
+// Host address of the error record {failed, where, peer, block} (uint32 each).
+int graphar_comm_error_record(void* comm, void** record_out);
+int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t input, uint64_t output,
+                            uint64_t nbytes, int slot, uint64_t stream);
+// Fill slots [first_slot, first_slot + count) after a capture. Per call i and rank r (index i*ws+r):
+// a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the
+// call through its registered buffer; own_ptrs[i] is this rank's own input of call i.
+int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,
+                                const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs);
+// Test only: set every barrier counter as if `value` barriers had passed. Every rank must call it
+// with the same value while no kernel of the communicator runs anywhere.
+int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
+// Waits for the device, closes the peers' mappings and frees everything, even after an error.
+int graphar_comm_destroy(void* comm);
+
+#ifdef __cplusplus
+}
+#endif

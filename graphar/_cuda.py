@@ -1,0 +1,249 @@
+"""graphar's CUDA library (csrc/, a plain C ABI): build with nvcc, locate, load with ctypes.
+
+The library is looked up next to this file (put there by setup.py) and used when it was built from
+the sources at hand; otherwise it is built once into ~/.cache/graphar/<hash of sources, nvcc and
+archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises.
+
+setup.py loads this module by path, so it imports nothing from graphar.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from ctypes import POINTER, c_char_p, c_int, c_uint8, c_uint32, c_uint64, c_void_p
+from pathlib import Path
+
+LIB_NAME = "libgraphar_cuda.so"
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_ARCHS = "90a;80"
+_SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
+
+# name -> (restype, argtypes); the exports of csrc/graphar_cuda.h
+PROTOTYPES: dict[str, tuple[object, list[object]]] = {
+    "graphar_last_error": (c_char_p, []),
+    "graphar_build_id": (c_char_p, []),
+    "graphar_device_pci_bus_id": (c_int, [c_int, c_char_p, c_int]),
+    "graphar_pointer_info": (c_int, [c_uint64, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_int)]),
+    "graphar_ipc_handle": (c_int, [c_uint64, c_void_p]),
+    "graphar_comm_create": (c_int, [c_int, c_int, c_uint64, c_int, c_uint64, c_int, POINTER(c_void_p)]),
+    "graphar_comm_handles": (c_int, [c_void_p, c_void_p]),
+    "graphar_comm_open": (c_int, [c_void_p, c_void_p]),
+    "graphar_comm_probe": (c_int, [c_void_p, c_int, POINTER(c_int)]),
+    "graphar_comm_error_record": (c_int, [c_void_p, POINTER(c_void_p)]),
+    "graphar_comm_all_reduce": (c_int, [c_void_p, c_int, c_int, c_int, c_uint64, c_uint64, c_uint64, c_int, c_uint64]),
+    "graphar_comm_register_graph": (
+        c_int,
+        [c_void_p, c_int, c_int, c_void_p, POINTER(c_uint64), POINTER(c_uint8), POINTER(c_uint64)],
+    ),
+    "graphar_comm_set_barrier_counters": (c_int, [c_void_p, c_uint32]),
+    "graphar_comm_destroy": (c_int, [c_void_p]),
+}
+IPC_HANDLE_BYTES = 64
+
+
+class GrapharUnavailable(RuntimeError):
+    """The CUDA library cannot be used here: no GPU, no nvcc, or the build failed."""
+
+
+class GrapharCudaError(RuntimeError):
+    """A call into the CUDA library failed; the message names the group and the op."""
+
+
+def source_dir() -> Path | None:
+    """csrc/ of a wheel (copied into the package) or of a source tree; None when absent."""
+    for candidate in (PACKAGE_DIR / "csrc", PACKAGE_DIR.parent / "csrc"):
+        if (candidate / "graphar_cuda.cu").is_file():
+            return candidate
+    return None
+
+
+def source_hash(src: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+def find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.access(Path(cuda_home) / "bin" / "nvcc", os.X_OK):
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cuda_archs() -> list[str]:
+    """Targets from GRAPHAR_CUDA_ARCHS ("90a;80"), each a compute capability with an optional 'a'."""
+    archs = [a.strip() for a in re.split(r"[;,\s]+", os.environ.get("GRAPHAR_CUDA_ARCHS", DEFAULT_ARCHS)) if a.strip()]
+    bad = [a for a in archs if not re.fullmatch(r"\d{2,3}a?", a)]
+    if not archs or bad:
+        raise ValueError(f"GRAPHAR_CUDA_ARCHS must list compute capabilities like '90a;80', got {bad or archs}")
+    return archs
+
+
+def nvcc_command(nvcc: str, src: Path, out: Path, archs: list[str]) -> list[str]:
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    # PTX of the newest portable target ('a' targets are not forward compatible): newer GPUs JIT it.
+    portable = [a for a in archs if not a.endswith("a")]
+    if portable:
+        newest = max(portable, key=int)
+        gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+    return [
+        nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", *gencode,
+        f"-DGRAPHAR_BUILD_ID={source_hash(src)}", str(src / "graphar_cuda.cu"), "-o", str(out),
+    ]  # fmt: skip
+
+
+def build_library(out_dir: str | os.PathLike[str]) -> Path:
+    """Compile csrc/ into out_dir/libgraphar_cuda.so (replaced atomically); returns its path."""
+    src = source_dir()
+    if src is None:
+        raise GrapharUnavailable("graphar's CUDA sources (csrc/) are not there to build from")
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise GrapharUnavailable("nvcc not found (PATH, CUDA_HOME); it is needed to build graphar's CUDA library")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / LIB_NAME
+    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        result = subprocess.run(nvcc_command(nvcc, src, tmp, cuda_archs()), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise GrapharUnavailable(f"building {LIB_NAME} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _cache_root() -> Path:
+    if os.environ.get("GRAPHAR_CACHE_DIR"):
+        return Path(os.environ["GRAPHAR_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphar"
+
+
+def _cached_build(src: Path) -> Path:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise GrapharUnavailable(f"no up-to-date {LIB_NAME} next to the package and no nvcc to build one")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(f"{source_hash(src)}|{version}|{cuda_archs()}".encode()).hexdigest()[:16]
+    folder = _cache_root() / key
+    lib = folder / LIB_NAME
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank builds, the others wait and reuse it
+        if not lib.is_file():
+            build_library(folder)
+    return lib
+
+
+def _built_from(path: Path, src: Path) -> bool:
+    lib = ctypes.CDLL(str(path))
+    lib.graphar_build_id.restype = c_char_p
+    return lib.graphar_build_id().decode() == source_hash(src)
+
+
+def _locate() -> Path:
+    packaged = PACKAGE_DIR / LIB_NAME
+    src = source_dir()
+    if packaged.is_file() and (src is None or _built_from(packaged, src)):
+        return packaged
+    if src is None:
+        raise GrapharUnavailable(f"{LIB_NAME} is missing from the package and there are no sources to build it")
+    return _cached_build(src)
+
+
+_library: ctypes.CDLL | None = None
+_load_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (built first if needed); GrapharUnavailable when it cannot be had."""
+    global _library
+    if _library is not None:
+        return _library
+    with _load_lock:
+        if _library is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise GrapharUnavailable("no CUDA device is visible")
+            try:
+                lib = ctypes.CDLL(str(_locate()))
+            except OSError as e:
+                raise GrapharUnavailable(f"cannot load {LIB_NAME}: {e}") from e
+            for name, (restype, argtypes) in PROTOTYPES.items():
+                fn = getattr(lib, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+            _library = lib
+    return _library
+
+
+def available() -> bool:
+    """Whether the library loads here; never raises."""
+    try:
+        library()
+    except Exception:  # noqa: BLE001  (any failure means "not available")
+        return False
+    return True
+
+
+def last_error() -> str:
+    return library().graphar_last_error().decode(errors="replace")
+
+
+def check(rc: int, what: str) -> None:
+    """Raise GrapharCudaError naming `what` when a library call returned an error code."""
+    if rc != 0:
+        raise GrapharCudaError(f"{what}: {last_error()}")
+
+
+def pci_bus_id(device: int) -> str:
+    buf = ctypes.create_string_buffer(64)
+    check(library().graphar_device_pci_bus_id(device, buf, len(buf)), f"PCI bus id of cuda:{device}")
+    return buf.value.decode()
+
+
+# ---- NVML, for the NVLink check of world sizes above 2 ------------------------------------------
+
+_NVML_P2P_CAPS_INDEX_NVLINK = 2
+_NVML_P2P_STATUS_OK = 0
+_nvml: ctypes.CDLL | None = None
+
+
+def _nvml_library() -> ctypes.CDLL:
+    global _nvml
+    if _nvml is None:
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError as e:
+            raise GrapharUnavailable(f"NVML is not available: {e}") from e
+        if nvml.nvmlInit_v2() != 0:
+            raise GrapharUnavailable("nvmlInit failed")
+        _nvml = nvml
+    return _nvml
+
+
+def nvlink_between(bus_a: str, bus_b: str) -> bool:
+    """Whether NVML reports NVLink P2P between the GPUs at these PCI bus ids."""
+    nvml = _nvml_library()
+    handles = [c_void_p(), c_void_p()]
+    for bus, handle in zip((bus_a, bus_b), handles):
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) != 0:
+            raise GrapharUnavailable(f"NVML does not know the GPU at {bus}")
+    status = c_int(-1)
+    rc = nvml.nvmlDeviceGetP2PStatus(handles[0], handles[1], _NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status))
+    return rc == 0 and status.value == _NVML_P2P_STATUS_OK

@@ -1,0 +1,1 @@
+"""graphar's collectives: the IPC custom all-reduce (allreduce) and the packed Ulysses exchanges."""

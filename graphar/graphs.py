@@ -1,0 +1,132 @@
+"""CUDA-graph capture with zero-copy all-reduces, and the decode-loop helper.
+
+Inside `graph(...)`, every graphar all-reduce reads the caller's tensor in place: its kernel is
+captured with a placeholder slot, and when the capture ends every rank shares the (allocation
+handle, offset) of its recorded inputs and the slots are filled before `graph` returns, so no
+replay can see an empty slot. Captures graphar does not own (a plain `torch.cuda.graph`, Inductor's
+cudagraph trees) take the copy-in path instead: one local copy per call, no registration.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_state = threading.local()
+
+
+class Capture:
+    """The all-reduces recorded during one `graph(...)` capture, per communicator."""
+
+    def __init__(self) -> None:
+        self.calls: dict[Any, list[Any]] = {}
+
+    def record(self, comm: Any, call: Any) -> None:
+        self.calls.setdefault(comm, []).append(call)
+
+
+def current_capture() -> Capture | None:
+    """The graphar capture running on this thread, if any."""
+    return getattr(_state, "capture", None)
+
+
+@contextmanager
+def graph(
+    cuda_graph: torch.cuda.CUDAGraph,
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+) -> Iterator[None]:
+    """`torch.cuda.graph` whose graphar all-reduces are zero-copy; collective on exit.
+
+    Every rank of each group used inside must capture the same all-reduces: on exit they exchange
+    what they recorded (a mismatch raises on every rank) and fill the slots before returning.
+    """
+    if current_capture() is not None:
+        raise RuntimeError("graphar.graph captures cannot nest")
+    capture = Capture()
+    _state.capture = capture
+    try:
+        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            yield
+    finally:
+        _state.capture = None
+    # Group names are equal on every rank, so every rank registers its groups in the same order.
+    for comm in sorted(capture.calls, key=lambda c: c.group_name):
+        comm.register_graph(capture.calls[comm])
+
+
+class BatchGraphs:
+    """One callable captured for several batch sizes in one memory pool, replayed by batch size.
+
+    `fn(*make_inputs(b))` is warmed up and captured under `graph(...)` for each b, largest first.
+    A call pads dim 0 of its inputs to the next captured size (zero rows), copies them into the
+    static inputs, replays, and returns the first b rows of the static output: a view that the
+    next call overwrites.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
+        batch_sizes: Sequence[int],
+        *,
+        warmup: int = 2,
+        pool: Any = None,
+    ) -> None:
+        sizes = sorted({int(b) for b in batch_sizes}, reverse=True)
+        if not sizes or sizes[-1] < 1:
+            raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._entries: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        for b in sizes:
+            inputs = tuple(make_inputs(b))
+            if not inputs or any(x.shape[:1] != (b,) for x in inputs):
+                raise ValueError(f"make_inputs({b}) must return tensors whose dim 0 is {b}")
+            _warm_up(fn, inputs, warmup)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with graph(cuda_graph, pool=self._pool):
+                out = fn(*inputs)
+            if not isinstance(out, torch.Tensor) or out.shape[:1] != (b,):
+                raise ValueError(f"fn must return one tensor whose dim 0 is the batch size {b}")
+            self._entries[b] = (cuda_graph, inputs, out)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._entries))
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        b = inputs[0].shape[0] if inputs else 0
+        size = next((s for s in self.batch_sizes if s >= b), None)
+        if size is None or b < 1:
+            raise ValueError(f"batch size {b} is outside the captured sizes {self.batch_sizes}")
+        cuda_graph, static, out = self._entries[size]
+        if len(inputs) != len(static):
+            raise ValueError(f"expected {len(static)} inputs, got {len(inputs)}")
+        for dst, src in zip(static, inputs):
+            if src.shape[0] != b or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"input {tuple(src.shape)} {src.dtype} does not match the captured "
+                    f"{(b, *dst.shape[1:])} {dst.dtype}"
+                )
+            dst[:b].copy_(src)
+            if b < size:
+                dst[b:].zero_()
+        cuda_graph.replay()
+        return out[:b]
+
+
+def _warm_up(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], iterations: int) -> None:
+    """Run fn eagerly on a side stream, as capture needs (lazy init, cuBLAS workspaces, autotuning)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
