@@ -44,6 +44,8 @@ class Runtime(Protocol):
 
     def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor | None: ...
 
+    def transient(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
+
 
 class CudaRuntime:
     """The real runtime: graphar's MemPool per device, the capturing graph as owner."""
@@ -80,6 +82,10 @@ class CudaRuntime:
         with torch.cuda.use_mem_pool(pool, device):
             t = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return t if _lies_in(t, pool) else None
+
+    def transient(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Memory for one call, from wherever the allocator routes it now (a capture's own pool)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
@@ -119,7 +125,7 @@ class StagingPool:
             backing = self._get_locked(role, nbytes, device)
         if backing is None:
             self.transient += 1
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return self.runtime.transient(nbytes, device)
         return backing[:nbytes]
 
     def _get_locked(self, role: str, nbytes: int, device: torch.device) -> torch.Tensor | None:
