@@ -102,10 +102,10 @@ def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | Non
         return f"{nbytes} bytes is not a positive multiple of 16"
     if nbytes > max_bytes:
         return f"{nbytes} bytes is over the limit of {max_bytes}"
-    if x.device.type != "cuda" or x.device.index != device:
-        return f"on {x.device}, not on cuda:{device}"
     if x.data_ptr() % 16 != 0:
         return "data pointer is not 16-byte aligned"
+    if x.device.type != "cuda" or x.device.index != device:
+        return f"on {x.device}, not on cuda:{device}"
     return None
 
 

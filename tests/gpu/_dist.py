@@ -1,0 +1,106 @@
+"""Run a test body in one spawned process per GPU with an NCCL default group; fail loudly, never hang.
+
+    run_workers(fn, world_size, *args)   # fn(rank, world_size, *args) in every process
+
+`fn` must be importable (a module-level function). Skips when fewer than `world_size` GPUs are
+visible. A worker that raises makes the test fail with its traceback; a worker still running at
+the deadline is killed and the test fails naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZES = (2, 4, 6, 8)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...],
+           env: dict[str, str], error_dir: str) -> None:  # fmt: skip
+    os.environ.update(env)
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            device_id=torch.device("cuda", rank),
+        )
+        fn(rank, world_size, *args)
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)  # skip teardown that could wait on peers that are gone
+
+
+def run_workers(
+    fn: Callable[..., None],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (spawn, NCCL)."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:
+        port = _free_port()
+        procs = [
+            context.Process(target=_entry, args=(fn, rank, world_size, port, args, env or {}, error_dir))
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(30)
+        failures = [
+            f"rank {rank} (exit code {p.exitcode}):\n{_read(Path(error_dir, f'rank{rank}.txt'))}"
+            for rank, p in enumerate(procs)
+            if rank not in hung and p.exitcode != 0
+        ]
+    if hung or failures:
+        head = f"ranks {hung} still running after {timeout_s:.0f} s, killed\n" if hung else ""
+        pytest.fail(head + "\n".join(failures), pytrace=False)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else "(no traceback: the process died without raising)"
+
+
+def integer_valued(numel: int, dtype: torch.dtype, low: int = -8, high: int = 8) -> torch.Tensor:
+    """Fresh random integers in [low, high] on the current GPU: sums of a few are exact in every dtype."""
+    return torch.randint(low, high + 1, (numel,), device="cuda").to(dtype)
+
+
+def assert_equal_across_ranks(t: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `group` holds bitwise the same `t`."""
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, t.contiguous(), group=group)
+    differing = [r for r, g in enumerate(gathered) if not torch.equal(g.view(torch.uint8), gathered[0].view(torch.uint8))]
+    assert not differing, f"{what}: ranks {differing} differ from rank 0"

@@ -1,0 +1,224 @@
+"""The custom all-reduce on real GPUs: exact against NCCL, bitwise equal across ranks, never a hang."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, run_workers
+
+import graphar
+from graphar.comm.allreduce import GrapharCommError, GrapharTimeoutError, communicator
+
+pytestmark = pytest.mark.gpu
+
+KB, MB = 1 << 10, 1 << 20
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ALGOS = (None, "1stage", "2stage")
+MAX_BYTES = 8 * MB
+# 16 B up to the limit, odd multiples of 16 B included (shards with remainders for 2stage).
+SIZES = (16, 48, 16 * 33, 16 * 1001, 64 * KB, 256 * KB + 16 * 3, MB + 16 * 7, 4 * MB - 16, MAX_BYTES)
+
+
+def _nccl_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    ref = x.clone()
+    dist.all_reduce(ref, group=group)
+    return ref
+
+
+def _poison_next_output(nbytes: int) -> None:
+    """Leave NaN in the allocator block that the next output of this size will most likely get."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda")  # freed at once, back to the cache
+
+
+def _check_exact(comm, x: torch.Tensor, algo: str | None, group=None) -> None:
+    before = x.clone()
+    _poison_next_output(x.numel() * x.element_size())
+    y = comm.all_reduce(x, algo=algo)
+    what = f"{x.numel()} x {x.dtype}, algo {algo}"
+    assert torch.equal(y, _nccl_sum(x, group)), f"differs from NCCL: {what}"
+    assert torch.equal(x, before), f"input modified: {what}"
+    assert_equal_across_ranks(y, what, group)
+
+
+def _exact_against_nccl(rank: int, world_size: int) -> None:
+    comm = graphar.init(max_bytes=MAX_BYTES)
+    assert comm is not None and comm.world_size == world_size and comm.rank == rank
+    try:
+        for dtype in DTYPES:
+            for nbytes in SIZES:
+                for algo in ALGOS:
+                    x = integer_valued(nbytes // dtype.itemsize, dtype)
+                    assert comm.eligible(x)
+                    _check_exact(comm, x, algo)
+        # Non-integer data: no exact reference, but the ranks must agree bit for bit.
+        for algo in ALGOS:
+            x = torch.randn(MB // 2, device="cuda", dtype=torch.bfloat16)
+            y = comm.all_reduce(x, algo=algo)
+            assert_equal_across_ranks(y, f"random normal bf16, algo {algo}")
+            torch.testing.assert_close(y, _nccl_sum(x), rtol=2e-2, atol=2e-2)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_exact_against_nccl(world_size: int) -> None:
+    run_workers(_exact_against_nccl, world_size)
+
+
+def _repeated_calls(rank: int, world_size: int) -> None:
+    comm = graphar.init(max_bytes=MAX_BYTES)
+    try:
+        # Grid size, algorithm and dtype change from call to call; every barrier slot phase is hit.
+        cases = [(16, "1stage"), (32 * KB, "2stage"), (MB + 16, None), (MAX_BYTES, "2stage"), (4 * KB, "1stage")]
+        inputs = [integer_valued(n // 2, torch.bfloat16) for n, _ in cases]
+        refs = [_nccl_sum(x) for x in inputs]
+        mismatches = []
+        for i in range(3000):
+            k = i % len(cases)
+            if not torch.equal(comm.all_reduce(inputs[k], algo=cases[k][1]), refs[k]):
+                mismatches.append(i)
+        assert not mismatches, f"calls {mismatches[:20]} differ from NCCL"
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_thousands_of_calls_stay_exact(world_size: int) -> None:
+    run_workers(_repeated_calls, world_size)
+
+
+def _two_streams_back_to_back(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        xs = [integer_valued(64 * KB, torch.float32) for _ in range(200)]
+        ys = []
+        torch.cuda.synchronize()
+        for i, x in enumerate(xs):  # no ordering between a and b from the caller
+            with torch.cuda.stream(a if i % 2 else b):
+                ys.append(comm.all_reduce(x))
+        torch.cuda.synchronize()
+        for x, y in zip(xs, ys):
+            assert torch.equal(y, _nccl_sum(x))
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_two_streams_are_serialized(world_size: int) -> None:
+    run_workers(_two_streams_back_to_back, world_size)
+
+
+def _two_groups(rank: int, world_size: int) -> None:
+    whole = dist.new_group(list(range(world_size)))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size, 2)]  # every rank creates every group
+    groups = [None, whole, pairs[rank // 2]]
+    comms = [graphar.init(g) for g in groups]
+    assert all(c is not None for c in comms)
+    assert len({c.group_name for c in comms}) == len(comms)
+    assert graphar.init(whole) is comms[1]
+    try:
+        for i in range(50):
+            # Different numbers of calls per group per round: the groups must stay independent.
+            for k, (group, comm) in enumerate(zip(groups, comms)):
+                for _ in range(1 + (i + k) % 3):
+                    _check_exact(comm, integer_valued(4 * KB * (k + 1), torch.float16), None, group)
+    finally:
+        graphar.shutdown()
+    assert all(communicator(c.group_name) is None for c in comms)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_two_groups_in_one_process(world_size: int) -> None:
+    run_workers(_two_groups, world_size)
+
+
+def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
+    comm = graphar.init(max_bytes=MB)
+    try:
+        name = comm.group_name
+        cases = {
+            "int32": torch.ones(64, dtype=torch.int32, device="cuda"),
+            "24 bytes": torch.ones(12, dtype=torch.float16, device="cuda"),
+            "non-contiguous": integer_valued(64 * 64, torch.float32).view(64, 64).t(),
+            "misaligned view": integer_valued(65, torch.float32)[1:],
+            "over the limit": integer_valued(MB // 4 + 4, torch.float32),
+            "cpu": torch.ones(64, dtype=torch.float32),
+        }
+        for what, x in cases.items():
+            assert not comm.eligible(x), what
+            with pytest.raises(ValueError, match=name):
+                comm.all_reduce(x)
+            if x.is_cuda:  # the op serves ineligible inputs through NCCL
+                assert torch.equal(torch.ops.graphar.all_reduce(x, name), _nccl_sum(x.contiguous())), what
+        with pytest.raises(ValueError, match="1stage"):
+            comm.all_reduce(integer_valued(64, torch.float32), algo="3stage")
+    finally:
+        comm.close()
+    with pytest.raises(GrapharCommError, match="closed"):
+        comm.all_reduce(integer_valued(64, torch.float32))
+    assert not comm.eligible(integer_valued(64, torch.float32))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_ineligible_inputs(world_size: int) -> None:
+    run_workers(_ineligible_inputs_fall_back, world_size)
+
+
+TIMEOUT_S = 0.5
+
+
+def _peer_stops_calling(rank: int, world_size: int) -> None:
+    comm = graphar.init(timeout_s=TIMEOUT_S)
+    try:
+        x = integer_valued(MB // 2, torch.bfloat16)
+        _check_exact(comm, x, None)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:  # the only rank that calls: its kernel must give up, not spin forever
+            start = time.monotonic()
+            comm.all_reduce(x, algo="1stage")
+            torch.cuda.synchronize()
+            elapsed = time.monotonic() - start
+            assert elapsed < TIMEOUT_S + 5, f"the kernel returned only after {elapsed:.1f} s"
+            expected = f"group {re.escape(repr(comm.group_name))}.*rank [1-7] did not reach the 1stage entry"
+            for _ in range(2):  # broken for good
+                with pytest.raises(GrapharTimeoutError, match=expected):
+                    comm.all_reduce(x)
+        dist.barrier()  # NCCL is unaffected
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_peer_that_stops_calling_times_out(world_size: int) -> None:
+    run_workers(_peer_stops_calling, world_size, timeout_s=120)
+
+
+def _counters_wrap(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        comm._set_barrier_counters(2**32 - 5)
+        for i in range(12):  # each call passes 2 or 3 barriers: well past the wrap
+            algo = "1stage" if i % 2 else "2stage"
+            _check_exact(comm, integer_valued(16 * KB * (i + 1), torch.bfloat16), algo)
+        x = integer_valued(32 * KB, torch.float32)
+        graph = torch.cuda.CUDAGraph()
+        with graphar.graph(graph):
+            y = comm.all_reduce(x)
+        comm._set_barrier_counters(2**32 - 1)
+        for _ in range(4):
+            x.copy_(integer_valued(x.numel(), x.dtype))
+            graph.replay()
+            assert torch.equal(y, _nccl_sum(x))
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_barrier_counters_wrap(world_size: int) -> None:
+    run_workers(_counters_wrap, world_size)

@@ -1,0 +1,215 @@
+"""CUDA graphs: zero-copy capture in graphar.graph, copy-in in foreign captures, the decode helper."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, run_workers
+
+import graphar
+from graphar import _cuda
+
+pytestmark = pytest.mark.gpu
+
+KB, MB = 1 << 10, 1 << 20
+
+
+def _nccl_sum(x: torch.Tensor) -> torch.Tensor:
+    ref = x.clone()
+    dist.all_reduce(ref)
+    return ref
+
+
+def _refill(x: torch.Tensor) -> torch.Tensor:
+    """New integer values in the static input; returns a copy of them."""
+    x.copy_(integer_valued(x.numel(), x.dtype).view_as(x))
+    return x.clone()
+
+
+def _capture_then_replay(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        for algo in ("1stage", "2stage"):
+            for dtype, nbytes in ((torch.bfloat16, 16), (torch.float32, 64 * KB + 16), (torch.float16, MB + 48)):
+                x = integer_valued(nbytes // dtype.itemsize, dtype)
+                graph = torch.cuda.CUDAGraph()
+                slots_before = comm._next_slot
+                with graphar.graph(graph):
+                    y = comm.all_reduce(x, algo=algo)
+                assert comm._next_slot == slots_before + 1, "the call did not take the zero-copy path"
+                for _ in range(3):
+                    values = _refill(x)
+                    y.fill_(float("nan"))
+                    graph.replay()
+                    assert torch.equal(y, _nccl_sum(values)), f"{algo}, {nbytes} B {dtype}"
+                    assert torch.equal(x, values), "input modified"
+                    assert_equal_across_ranks(y, f"{algo}, {nbytes} B {dtype}")
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_capture_then_replay(world_size: int) -> None:
+    run_workers(_capture_then_replay, world_size)
+
+
+def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None:
+    comm = graphar.init()
+    capture = graphar.graph if graphar_capture else torch.cuda.graph
+    try:
+        for algo in ("1stage", "2stage"):
+            x = integer_valued(2 * MB, torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            slots_before = comm._next_slot
+            with capture(graph):
+                y = comm.all_reduce(x, algo=algo)
+                x.mul_(-1)  # overwrites the input while slow peers might still read it
+                z = comm.all_reduce(x, algo=algo)
+                x.add_(3)
+            assert comm._next_slot - slots_before == (2 if graphar_capture else 0)
+            for i in range(20):
+                values = _refill(x)
+                graph.replay()
+                assert torch.equal(y, _nccl_sum(values)), f"{algo}, replay {i}: first all-reduce"
+                assert torch.equal(z, _nccl_sum(-values)), f"{algo}, replay {i}: second all-reduce"
+                assert torch.equal(x, 3 - values)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("graphar_capture", [True, False], ids=["graphar.graph", "torch.cuda.graph"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_write_after_read(world_size: int, graphar_capture: bool) -> None:
+    run_workers(_write_after_read, world_size, graphar_capture)
+
+
+HIDDEN = 256
+
+
+def _decode_loop(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    w1 = integer_valued(HIDDEN * HIDDEN, torch.float32, -2, 2).view(HIDDEN, HIDDEN)
+    w2 = integer_valued(HIDDEN * HIDDEN, torch.float32, -2, 2).view(HIDDEN, HIDDEN)
+
+    def step(h: torch.Tensor) -> torch.Tensor:  # a TP block: two all-reduces
+        y = comm.all_reduce(h @ w1)
+        return comm.all_reduce((y - 3) @ w2)
+
+    def reference(h: torch.Tensor) -> torch.Tensor:
+        return _nccl_sum((_nccl_sum(h @ w1) - 3) @ w2)
+
+    try:
+        graphs = graphar.BatchGraphs(
+            step, lambda b: (torch.zeros(b, HIDDEN, device="cuda"),), batch_sizes=[8, 1, 4, 2]
+        )
+        assert graphs.batch_sizes == (1, 2, 4, 8)
+        order = random.Random(0).choices(range(1, 9), k=60)  # same order on every rank
+        for i, b in enumerate(order):
+            h = integer_valued(b * HIDDEN, torch.float32, -2, 2).view(b, HIDDEN)
+            out = graphs(h)
+            assert out.shape == (b, HIDDEN)
+            assert torch.equal(out, reference(h)), f"call {i}, batch {b}"
+            if i % 3 == 0:  # eager calls between replays use the same buffers and barriers
+                x = integer_valued(HIDDEN * (i + 1), torch.bfloat16)
+                assert torch.equal(comm.all_reduce(x), _nccl_sum(x))
+        with pytest.raises(ValueError, match="captured sizes"):
+            graphs(torch.zeros(9, HIDDEN, device="cuda"))
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_batch_graphs_replayed_in_any_order(world_size: int) -> None:
+    run_workers(_decode_loop, world_size)
+
+
+def _capture_eager_replay(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        xs = [integer_valued(n, torch.bfloat16) for n in (8, 8 * KB, 256 * KB)]
+        graph = torch.cuda.CUDAGraph()
+        with graphar.graph(graph):
+            ys = [comm.all_reduce(x) for x in xs]
+        for n, algo in ((8 * KB, "2stage"), (MB, "1stage"), (16, None)):  # eager, between capture and replay
+            x = integer_valued(n, torch.float32)
+            assert torch.equal(comm.all_reduce(x, algo=algo), _nccl_sum(x))
+        values = [_refill(x) for x in xs]
+        graph.replay()
+        for y, v in zip(ys, values):
+            assert torch.equal(y, _nccl_sum(v))
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_capture_eager_replay(world_size: int) -> None:
+    run_workers(_capture_eager_replay, world_size)
+
+
+def _many_replays(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        xs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (4 * KB, 32 * KB) * 50]
+        graph = torch.cuda.CUDAGraph()
+        with graphar.graph(graph):  # 100 all-reduces, alternating algorithms
+            ys = [comm.all_reduce(x, algo=("1stage", "2stage")[i % 2]) for i, x in enumerate(xs)]
+        graph.replay()
+        first = torch.cat(ys).clone()
+        assert_equal_across_ranks(first, "first replay")
+        for i in range(1000):  # 10^5 all-reduces
+            graph.replay()
+            if i % 250 == 249:
+                now = torch.cat(ys)
+                assert torch.equal(now.view(torch.int16), first.view(torch.int16)), f"replay {i} changed"
+                assert_equal_across_ranks(now, f"replay {i}")
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_hundred_thousand_replays_stay_bitwise_equal(world_size: int) -> None:
+    run_workers(_many_replays, world_size)
+
+
+def _expandable_segments(rank: int, world_size: int, ranks_expandable: tuple[int, ...]) -> None:
+    if rank in ranks_expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        torch.cuda.empty_cache()
+    comm = graphar.init()
+    assert comm is not None, "expandable segments must not stop graphar.init"
+    try:
+        xs = [integer_valued(n, torch.bfloat16) for n in (7 * KB, 300 * KB)]
+        info = [_pointer_info(x) for x in xs]
+        if rank in ranks_expandable:
+            assert not any(capable for capable in info), "the premise: legacy IPC cannot share these"
+        graph = torch.cuda.CUDAGraph()
+        with graphar.graph(graph):  # staged on the expandable ranks, zero copy on the others
+            ys = [comm.all_reduce(x, algo=algo) for x in xs for algo in ("1stage", "2stage")]
+        for _ in range(3):
+            values = [_refill(x) for x in xs]
+            graph.replay()
+            for i, y in enumerate(ys):
+                assert torch.equal(y, _nccl_sum(values[i // 2])), f"call {i}"
+            x = integer_valued(64 * KB, torch.float32)
+            assert torch.equal(comm.all_reduce(x), _nccl_sum(x))
+    finally:
+        comm.close()
+
+
+def _pointer_info(x: torch.Tensor) -> bool:
+    """Whether legacy IPC can share x's allocation, as graphar sees it at capture time."""
+    base, size, capable = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
+    rc = _cuda.library().graphar_pointer_info(x.data_ptr(), ctypes.byref(base), ctypes.byref(size), ctypes.byref(capable))
+    _cuda.check(rc, "pointer info")
+    assert base.value <= x.data_ptr() < base.value + size.value
+    return bool(capable.value)
+
+
+@pytest.mark.parametrize("ranks_expandable", [(0,), (0, 1)], ids=["rank 0", "ranks 0 and 1"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_expandable_segments_take_the_staged_path(world_size: int, ranks_expandable: tuple[int, ...]) -> None:
+    run_workers(_expandable_segments, world_size, ranks_expandable)

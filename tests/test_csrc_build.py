@@ -1,0 +1,235 @@
+"""CPU checks of the custom all-reduce: the nvcc build (no spills, the barrier's PTX, the C ABI)
+and the communicator's pure-Python logic (algorithm choice, eligibility, agreement, store exchange)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from graphar import _cuda, graphs
+from graphar.comm import allreduce as ar
+
+KB, MB = 1 << 10, 1 << 20
+needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
+
+
+# ---- the build -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """One build for sm_90a and sm_80 with ptxas statistics and the intermediate PTX kept."""
+    out = tmp_path_factory.mktemp("graphar-build")
+    lib = out / _cuda.LIB_NAME
+    command = _cuda.nvcc_command(_cuda.find_nvcc(), _cuda.source_dir(), lib, ["90a", "80"])
+    command += ["-Xptxas", "-v", "--keep", "--keep-dir", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return lib, out, result.stderr
+
+
+def _kernel_stats(ptxas_log: str) -> dict[str, str]:
+    """Kernel (mangled name, arch) -> its 'stack frame / spill' line."""
+    stats = {}
+    for m in re.finditer(r"Function properties for (\S+)\n\s*(.*spill loads)", ptxas_log):
+        stats.setdefault(m.group(1), m.group(2))
+    return stats
+
+
+@needs_nvcc
+def test_kernels_have_no_spills_or_local_memory(build) -> None:
+    _, _, log = build
+    stats = _kernel_stats(log)
+    kernels = {name: line for name, line in stats.items() if "one_stage" in name or "two_stage" in name}
+    assert len(kernels) == 24, sorted(kernels)  # ws 2, 4, 6, 8 x 3 dtypes x 2 algorithms
+    for name, line in kernels.items():
+        assert line.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, line)
+
+
+def _ptx_function(ptx: str, fragment: str) -> str:
+    start = ptx.index(".entry " + next(n for n in re.findall(r"\.entry (\S+)\(", ptx) if fragment in n))
+    return ptx[start : ptx.index("\n}", start)]
+
+
+@needs_nvcc
+def test_barrier_ptx_has_the_intended_orderings(build) -> None:
+    _, out, _ = build
+    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    one = _ptx_function(ptx, "one_stageI13__nv_bfloat16Li2E")
+    two = _ptx_function(ptx, "two_stageI13__nv_bfloat16Li8E")
+    for body in (one, two):
+        # fused copy-in entry and 2stage middle: release store / acquire spin; plain entry and 1stage
+        # exit: volatile; every spin bounded by the global timer; never a trap
+        for instruction in ("st.release.sys.global.u32", "ld.acquire.sys.global.u32", "st.volatile.global.u32",
+                            "ld.volatile.global.u32", "%globaltimer", "bar.red.or.pred"):  # fmt: skip
+            assert instruction in body
+        assert "trap" not in body and ".local" not in body
+        assert "ld.global.v4.u32" in body or "ld.v4.u32" in body  # 16-byte packs
+    # block syncs: 1stage before the fenced entry and the exit; 2stage before the fenced entry and
+    # the middle, none for an exit barrier
+    assert one.count("bar.sync") == 2 and two.count("bar.sync") == 2
+
+
+@needs_nvcc
+def test_c_abi_exports_and_returns_errors(build) -> None:
+    lib_path, _, _ = build
+    lib = ctypes.CDLL(str(lib_path))  # no libcuda dependency: loads on a machine without a driver
+    for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    assert lib.graphar_build_id().decode() == _cuda.source_hash(_cuda.source_dir())
+    handle = ctypes.c_void_p()
+    assert lib.graphar_comm_create(0, 3, MB, 36, 0, 16, ctypes.byref(handle)) == -1
+    assert b"world size 3" in lib.graphar_last_error() and handle.value is None
+    assert lib.graphar_comm_create(0, 2, MB, 65, 0, 16, ctypes.byref(handle)) == -1
+    assert b"block limit 65" in lib.graphar_last_error()
+    if not torch.cuda.is_available():  # a CUDA failure is an error code and a message, never an exit
+        assert lib.graphar_comm_create(0, 2, MB, 36, 0, 16, ctypes.byref(handle)) > 0
+        assert b"cuda" in lib.graphar_last_error().lower() and handle.value is None
+
+
+def test_exported_names_match_the_header() -> None:
+    header = (_cuda.source_dir() / "graphar_cuda.h").read_text()
+    assert set(re.findall(r"\b(graphar_\w+)\(", header)) == set(_cuda.PROTOTYPES)
+
+
+def test_nvcc_command_targets(monkeypatch) -> None:
+    monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "90a; 80")
+    command = _cuda.nvcc_command("nvcc", _cuda.source_dir(), Path("out.so"), _cuda.cuda_archs())
+    assert "-gencode=arch=compute_90a,code=sm_90a" in command
+    assert "-gencode=arch=compute_80,code=sm_80" in command
+    assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
+    assert {"-O3", "-shared", "-std=c++17", "-fPIC"} <= set(command)
+    monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "sm_90")
+    with pytest.raises(ValueError, match="GRAPHAR_CUDA_ARCHS"):
+        _cuda.cuda_archs()
+
+
+def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(_cuda, "find_nvcc", lambda: None)
+    with pytest.raises(_cuda.GrapharUnavailable, match="nvcc"):
+        _cuda.build_library(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_library_without_gpu() -> None:
+    assert _cuda.available() is False
+    with pytest.raises(_cuda.GrapharUnavailable, match="CUDA device"):
+        _cuda.library()
+
+
+# ---- policy and eligibility ----------------------------------------------------------------
+
+
+def test_algorithm_choice() -> None:
+    assert all(ar.choose_algo(2, n) == "1stage" for n in (16, 256 * KB, 8 * MB))
+    assert ar.choose_algo(4, 512 * KB - 16) == "1stage" and ar.choose_algo(4, 512 * KB) == "2stage"
+    for ws in (6, 8):
+        assert ar.choose_algo(ws, 256 * KB - 16) == "1stage" and ar.choose_algo(ws, 256 * KB) == "2stage"
+    assert ar.choose_algo(2, 8 * MB, "2stage") == "2stage"
+    assert ar.choose_algo(8, 8 * MB, "1stage") == "1stage"
+    with pytest.raises(ValueError, match="1stage"):
+        ar.choose_algo(2, 16, "oneshot")
+
+
+def test_settings_from_the_environment(monkeypatch) -> None:
+    for name in ("GRAPHAR_ALLREDUCE_ALGO", "GRAPHAR_BLOCK_LIMIT", "GRAPHAR_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    assert ar.env_algo() is None and ar.block_limit(9) == 36 and ar.timeout_from_env() == ar.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("GRAPHAR_ALLREDUCE_ALGO", "2stage")
+    monkeypatch.setenv("GRAPHAR_BLOCK_LIMIT", "48")
+    monkeypatch.setenv("GRAPHAR_TIMEOUT_S", "0")
+    assert ar.env_algo() == "2stage" and ar.block_limit(9) == 48 and ar.timeout_from_env() == 0.0
+    monkeypatch.setenv("GRAPHAR_ALLREDUCE_ALGO", "3stage")
+    with pytest.raises(ValueError):
+        ar.env_algo()
+    for bad in ("0", "65"):
+        monkeypatch.setenv("GRAPHAR_BLOCK_LIMIT", bad)
+        with pytest.raises(ValueError, match="GRAPHAR_BLOCK_LIMIT"):
+            ar.block_limit(9)
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: torch.ones(64, dtype=torch.int32), "dtype"),
+        (lambda: torch.ones(8, 8).t(), "contiguous"),
+        (lambda: torch.ones(12, dtype=torch.float16), "24 bytes"),
+        (lambda: torch.ones(0), "0 bytes"),
+        (lambda: torch.ones(MB // 4 + 4), "over the limit"),
+        (lambda: torch.ones(65)[1:], "aligned"),
+        (lambda: torch.ones(64, dtype=torch.bfloat16), "not on cuda:0"),
+    ],
+)
+def test_ineligible_inputs_say_why(make, reason) -> None:
+    x = make()
+    got = ar.ineligible_reason(x, 0, MB)
+    assert got is not None and reason in got, got
+
+
+# ---- agreement between ranks ---------------------------------------------------------------
+
+
+def _facts(host="h", bus="0000:01:00.0", settings=(MB, 36, None), error=None):
+    return {"host": host, "bus": bus, "settings": settings, "error": error}
+
+
+def test_shared_verdict() -> None:
+    assert ar._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
+    assert "several hosts" in ar._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
+    assert "share a GPU" in ar._shared_reason([_facts(), _facts()])
+    differing = ar._shared_reason([_facts(), _facts(bus="0000:02:00.0", settings=(MB, 48, None))])
+    assert "block limit" in differing
+    assert ar._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
+
+
+def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:
+    store = dist.HashStore()
+    results: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        exchange = ar._StoreExchange(store, "t", r, 2, timeout_s=30)
+        results[r] = [exchange.all_gather(("step", s, r), "test") for s in range(3)]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = [[("step", s, 0), ("step", s, 1)] for s in range(3)]
+    assert results == {0: expected, 1: expected}
+
+    alone = ar._StoreExchange(store, "alone", 0, 2, timeout_s=0.2)
+    with pytest.raises(ar.GrapharCommError, match="not every rank arrived"):
+        alone.all_gather(None, "lonely step")
+
+
+def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with caplog.at_level(logging.WARNING, logger="graphar"):
+            assert ar.init() is None
+            assert ar.init() is None
+        warnings = [r for r in caplog.records if "custom all-reduce off" in r.getMessage()]
+        assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
+        assert ar.communicator(dist.group.WORLD.group_name) is None
+        with pytest.raises(ValueError, match="max_bytes"):
+            ar.init(max_bytes=24)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_capture_outside_graph_and_batch_graphs_validation() -> None:
+    assert graphs.current_capture() is None
+    with pytest.raises(ValueError, match="positive"):
+        graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [])
+    with pytest.raises(ValueError, match="positive"):
+        graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [0, 2])
