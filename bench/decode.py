@@ -42,6 +42,7 @@ VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN)
 # A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding
 # noise, far below what a wrong all-reduce produces.
 REL_TOLERANCE = 0.02
+COMPILE_SKEW_S = 240.0  # longest wait of one rank for another (NCCL's timeout is 300 s)
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 
@@ -228,7 +229,9 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     try:
         import graphar  # registers backend="graphar"
 
-        if graphar.comm.allreduce.init(dist.group.WORLD) is None:
+        # The first call of each compiled block runs right after its compilation, which can end
+        # tens of seconds apart on different ranks: the spin bound must outlast that skew.
+        if graphar.comm.allreduce.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
             reasons["graphar"] = "graphar.comm.allreduce.init returned None (its log says why)"
         else:
             step_graphar = compiled_step(blocks, norm, shape.eps, "graphar")
