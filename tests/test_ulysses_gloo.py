@@ -1,0 +1,143 @@
+"""Two gloo processes on the CPU: Ulysses attention compiled with backend="graphar" equals eager.
+
+The blocks are written as Ulysses code is (in-place c10d all-to-alls with heads at dim 2; functional
+collectives with heads at dim 1), so the pass has to find the exchanges itself. Blocks whose values
+are small integers are compared bit for bit (every sum is exact in any order); the softmax block is
+compared within float tolerance, since Inductor compiles its arithmetic differently from eager.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seq_to_heads_dim2(x: torch.Tensor) -> torch.Tensor:
+    b, s, h, d = x.shape
+    send = x.reshape(b, s, WORLD, h // WORLD, d).transpose(0, 2).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv.reshape(WORLD * s, b, h // WORLD, d).transpose(0, 1).contiguous().reshape(b, WORLD * s, h // WORLD, d)
+
+
+def heads_to_seq_dim2(o: torch.Tensor) -> torch.Tensor:
+    b, s_global, h_local, d = o.shape
+    s = s_global // WORLD
+    send = o.reshape(b, WORLD, s, h_local, d).transpose(0, 3).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv.reshape(h_local * WORLD, s, b, d).transpose(0, 2).contiguous().reshape(b, s, WORLD * h_local, d)
+
+
+def seq_to_heads_dim1(x: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape
+    send = x.reshape(b, WORLD, h // WORLD, s, d).transpose(0, 1).contiguous()
+    recv = funcol.all_to_all_single(send, None, None, dist.group.WORLD)
+    return recv.reshape(WORLD, b, h // WORLD, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // WORLD, WORLD * s, d)
+
+
+class UlyssesBlock(torch.nn.Module):
+    """Q/K/V projections, sequence -> heads, attention (or an exact stand-in), heads -> sequence."""
+
+    def __init__(self, heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        hidden = heads * d
+
+        def weight(cols: int) -> torch.Tensor:
+            w = torch.randint(-2, 3, (hidden, cols), generator=gen) if exact else torch.randn(hidden, cols,
+                                                                                               generator=gen)
+            return w.to(dtype) / (1 if exact else hidden**0.5)
+
+        self.wq, self.wk, self.wv = weight(heads * d), weight(kv_heads * d), weight(kv_heads * d)
+        self.shape = (heads, kv_heads, d)
+        self.exact = exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        heads, kv_heads, d = self.shape
+        q = seq_to_heads_dim2((x @ self.wq).view(b, s, heads, d))
+        k = seq_to_heads_dim2((x @ self.wk).view(b, s, kv_heads, d))
+        v = seq_to_heads_dim2((x @ self.wv).view(b, s, kv_heads, d))
+        if self.exact:
+            o = 2 * q + k - v
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               enable_gqa=heads != kv_heads).transpose(1, 2)
+        return heads_to_seq_dim2(o).reshape(b, s, heads * d)
+
+
+class HeadsFirstBlock(torch.nn.Module):
+    """xDiT-style: [b, h, s, d] tensors, functional all-to-alls; exact arithmetic."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (seq_to_heads_dim1(t) for t in (q, k, v))
+        return q - 3 * k + v
+
+
+def _integers(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _compile_and_run(model: torch.nn.Module, *args: torch.Tensor) -> tuple[torch.Tensor, str]:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphar", fullgraph=True)
+    out, code = run_and_get_code(compiled, *args)
+    return out, "\n".join(code)
+
+
+def _check(rank: int, name: str, expected: torch.Tensor, actual: torch.Tensor, code: str, exact: bool) -> None:
+    if "graphar.qkv_all_to_all" not in code:
+        raise AssertionError(f"rank {rank} {name}: the compiled code has no graphar.qkv_all_to_all")
+    if exact and not torch.equal(actual, expected):
+        raise AssertionError(f"rank {rank} {name}: compiled output differs from eager")
+    if not exact:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def _worker(rank: int, port: int) -> None:
+    import graphar  # noqa: F401  (registers the backend and the ops)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass under test
+    try:
+        with torch.no_grad():
+            for name, dtype, b, heads, kv_heads, exact in (
+                ("exact fp32 b=1", torch.float32, 1, 4, 4, True),
+                ("exact bf16 b=2 gqa", torch.bfloat16, 2, 4, 2, True),
+                ("attention fp32 b=2 gqa", torch.float32, 2, 4, 2, False),
+            ):
+                model = UlyssesBlock(heads, kv_heads, 8, dtype, exact)
+                x = (_integers(b, 6, heads * 8, dtype=dtype, seed=rank) if exact else
+                     torch.randn(b, 6, heads * 8, generator=torch.Generator().manual_seed(rank)).to(dtype))
+                actual, code = _compile_and_run(model, x)
+                if "graphar.heads_to_seq_all_to_all" not in code:
+                    raise AssertionError(f"rank {rank} {name}: the output exchange was not rewritten")
+                _check(rank, name, model(x), actual, code, exact)
+            qkv = [_integers(2, 4, 6, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3)]
+            actual, code = _compile_and_run(HeadsFirstBlock(), *qkv)
+            _check(rank, "heads at dim 1", HeadsFirstBlock()(*qkv), actual, code, exact=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_ulysses_equals_eager_on_gloo() -> None:
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
