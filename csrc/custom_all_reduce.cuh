@@ -23,8 +23,8 @@ struct Signal {
   // Barrier count of (block, lane); only its own rank touches it, so a plain increment suffices.
   alignas(128) Flag self_counter[kMaxBlocks][kMaxRanks];
   // [phase][block][peer]: peer stores its count here over NVLink, this rank polls it locally.
-  // Two phases because a peer may already be one barrier ahead (never two: it cannot pass
-  // barrier k+1 before this rank has arrived at it).
+  // Two phases because a peer may store its count for barrier k+1 while this rank still polls
+  // for barrier k; it gets no further, as passing k+1 needs this rank's arrival there.
   alignas(128) Flag peer_counter[2][kMaxBlocks][kMaxRanks];
 };
 
@@ -159,8 +159,11 @@ __device__ __forceinline__ bool multi_gpu_barrier(const Params& p, Where where) 
       timed_out = !wait_flag<false>(mine, val, p, where, peer);
     }
   }
-  if constexpr (kForm == Form::kEnd) return !timed_out;
-  return !__syncthreads_or(timed_out);
+  if constexpr (kForm == Form::kEnd) {
+    return !timed_out;
+  } else {
+    return !__syncthreads_or(timed_out);  // tells the whole block whether to go on
+  }
 }
 
 // ---- 16-byte packs, fp32 accumulation ------------------------------------------------------

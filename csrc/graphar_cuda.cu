@@ -151,7 +151,7 @@ int create(Comm* c) {
   CUDA_TRY(cudaMalloc(&c->buffer, c->max_bytes));
   CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));
   CUDA_TRY(cudaHostAlloc(&c->error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-  memset(const_cast<ErrorRecord*>(c->error), 0, sizeof(ErrorRecord));
+  memset(c->error, 0, sizeof(ErrorRecord));
   CUDA_TRY(cudaEventCreateWithFlags(&c->last_event, cudaEventDisableTiming));
   // Zeroed before any handle leaves this process: a peer's first flag must never be wiped.
   CUDA_TRY(cudaMemset(c->meta, 0, sizeof(Signal) + c->max_bytes));
@@ -161,21 +161,9 @@ int create(Comm* c) {
   return 0;
 }
 
-}  // namespace
+using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
 
-extern "C" {
-
-const char* graphar_last_error(void) { return t_last_error.c_str(); }
-
-const char* graphar_build_id(void) { return GRAPHAR_BUILD_ID_STRING; }
-
-int graphar_device_pci_bus_id(int device, char* out, int len) {
-  CUDA_TRY(cudaDeviceGetPCIBusId(out, len, device));
-  return 0;
-}
-
-int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable) {
-  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+int pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable) {
   static GetAttributes get_attributes = nullptr;
   if (get_attributes == nullptr) {
     cudaDriverEntryPointQueryResult found;
@@ -193,12 +181,37 @@ int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_
                                   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
   void* data[3] = {&start, &range, &capable};
   const CUresult r = get_attributes(3, attrs, data, static_cast<CUdeviceptr>(ptr));
-  if (r != CUDA_SUCCESS) return fail(static_cast<int>(r), "cuPointerGetAttributes(0x%llx) failed with CUresult %d",
-                                     static_cast<unsigned long long>(ptr), static_cast<int>(r));
+  if (r != CUDA_SUCCESS) {
+    return fail(static_cast<int>(r), "cuPointerGetAttributes(0x%llx) failed with CUresult %d",
+                static_cast<unsigned long long>(ptr), static_cast<int>(r));
+  }
   *base = start;
   *size = range;
   *ipc_capable = capable != 0;
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* graphar_last_error(void) { return t_last_error.c_str(); }
+
+const char* graphar_build_id(void) { return GRAPHAR_BUILD_ID_STRING; }
+
+int graphar_device_pci_bus_id(int device, char* out, int len) {
+  CUDA_TRY(cudaDeviceGetPCIBusId(out, len, device));
+  return 0;
+}
+
+int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable) {
+  // Called during capture: a query enqueues nothing, so relax the capture mode around it rather
+  // than let a strict mode count it as an unsafe call and invalidate the capture.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+  const int rc = pointer_info(ptr, base, size, ipc_capable);
+  CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+  return rc;
 }
 
 int graphar_ipc_handle(uint64_t base, void* handle_out) {
