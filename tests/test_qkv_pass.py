@@ -27,6 +27,7 @@ from torch._inductor.virtualized import V
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar  # noqa: F401  (registers the ops)
+from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
 from tests._graphs import _RecordingPass, post_grad_graphs
 
@@ -53,25 +54,6 @@ def normalise(text: str) -> str:
     return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
 
 
-def seq_to_heads_dim2(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """yunchang's all_to_all_4D(scatter 2, gather 1): [b, S, h, d] -> [b, P*S, h/P, d], in-place c10d."""
-    b, s, h, d = x.shape
-    send = x.reshape(b, s, WORLD, h // WORLD, d).transpose(0, 2).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(WORLD * s, b, h // WORLD, d).transpose(0, 1).contiguous().reshape(b, WORLD * s, h // WORLD, d)
-
-
-def heads_to_seq_dim2(o: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """yunchang's all_to_all_4D(scatter 1, gather 2): [b, P*S, h/P, d] -> [b, S, h, d]."""
-    b, s_global, h_local, d = o.shape
-    s = s_global // WORLD
-    send = o.reshape(b, WORLD, s, h_local, d).transpose(0, 3).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(h_local * WORLD, s, b, d).transpose(0, 2).contiguous().reshape(b, s, WORLD * h_local, d)
-
-
 def seq_to_heads_dim1(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """xDiT style with functional collectives: [b, h, S, d] -> [b, h/P, P*S, d]."""
     b, h, s, d = x.shape
@@ -81,9 +63,9 @@ def seq_to_heads_dim1(x: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 def ulysses_dim2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    q, k, v = (seq_to_heads_dim2(t).transpose(1, 2) for t in (q, k, v))
+    q, k, v = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-    return heads_to_seq_dim2(o.transpose(1, 2))
+    return heads_to_seq_unpacked(o.transpose(1, 2))
 
 
 def ulysses_dim1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -333,9 +315,9 @@ class <lambda>(torch.nn.Module):
 
     def test_dependent_members_are_not_packed(self) -> None:
         def dependent(q, k, v):
-            q = seq_to_heads_dim2(q)
-            k = seq_to_heads_dim2(k * q.sum())  # K's exchange needs Q's result
-            return q, k, seq_to_heads_dim2(v)
+            q = seq_to_heads_unpacked(q)
+            k = seq_to_heads_unpacked(k * q.sum())  # K's exchange needs Q's result
+            return q, k, seq_to_heads_unpacked(v)
 
         self.assert_untouched(dependent, *_qkv())
 
@@ -343,19 +325,19 @@ class <lambda>(torch.nn.Module):
         other = dist.new_group(list(range(WORLD)))
 
         def two_groups(q, k, v):
-            return seq_to_heads_dim2(q), seq_to_heads_dim2(k), seq_to_heads_dim2(v, group=other)
+            return seq_to_heads_unpacked(q), seq_to_heads_unpacked(k), seq_to_heads_unpacked(v, group=other)
 
         self.assert_untouched(two_groups, *_qkv())
 
     def test_different_dtypes_are_not_packed(self) -> None:
         q, k, v = _qkv()
-        self.assert_untouched(lambda q, k, v: [seq_to_heads_dim2(t) for t in (q, k, v)], q, k.half(), v)
+        self.assert_untouched(lambda q, k, v: [seq_to_heads_unpacked(t) for t in (q, k, v)], q, k.half(), v)
 
     def test_graph_break_between_members(self) -> None:
         def broken(q, k, v):
-            q, k = seq_to_heads_dim2(q), seq_to_heads_dim2(k)
+            q, k = seq_to_heads_unpacked(q), seq_to_heads_unpacked(k)
             torch._dynamo.graph_break()
-            return q, k, seq_to_heads_dim2(v)
+            return q, k, seq_to_heads_unpacked(v)
 
         results = graphs_with_breaks(broken, *_qkv())
         self.assertEqual([count for _, _, count in results], [0, 0])
@@ -383,7 +365,7 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_single_output_exchange(self) -> None:
-        _, after, count = graphs(heads_to_seq_dim2, torch.randn(2, 8, 2, 8))
+        _, after, count = graphs(heads_to_seq_unpacked, torch.randn(2, 8, 2, 8))
         self.assertEqual(count, 1)
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):

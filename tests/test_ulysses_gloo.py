@@ -18,6 +18,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+
 WORLD = 2
 
 
@@ -25,23 +27,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def seq_to_heads_dim2(x: torch.Tensor) -> torch.Tensor:
-    b, s, h, d = x.shape
-    send = x.reshape(b, s, WORLD, h // WORLD, d).transpose(0, 2).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    return recv.reshape(WORLD * s, b, h // WORLD, d).transpose(0, 1).contiguous().reshape(b, WORLD * s, h // WORLD, d)
-
-
-def heads_to_seq_dim2(o: torch.Tensor) -> torch.Tensor:
-    b, s_global, h_local, d = o.shape
-    s = s_global // WORLD
-    send = o.reshape(b, WORLD, s, h_local, d).transpose(0, 3).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    return recv.reshape(h_local * WORLD, s, b, d).transpose(0, 2).contiguous().reshape(b, s, WORLD * h_local, d)
 
 
 def seq_to_heads_dim1(x: torch.Tensor) -> torch.Tensor:
@@ -71,15 +56,15 @@ class UlyssesBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         heads, kv_heads, d = self.shape
-        q = seq_to_heads_dim2((x @ self.wq).view(b, s, heads, d))
-        k = seq_to_heads_dim2((x @ self.wk).view(b, s, kv_heads, d))
-        v = seq_to_heads_dim2((x @ self.wv).view(b, s, kv_heads, d))
+        q = seq_to_heads_unpacked((x @ self.wq).view(b, s, heads, d))
+        k = seq_to_heads_unpacked((x @ self.wk).view(b, s, kv_heads, d))
+        v = seq_to_heads_unpacked((x @ self.wv).view(b, s, kv_heads, d))
         if self.exact:
             o = 2 * q + k - v
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                enable_gqa=heads != kv_heads).transpose(1, 2)
-        return heads_to_seq_dim2(o).reshape(b, s, heads * d)
+        return heads_to_seq_unpacked(o).reshape(b, s, heads * d)
 
 
 class HeadsFirstBlock(torch.nn.Module):
