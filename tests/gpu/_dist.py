@@ -100,7 +100,9 @@ def integer_valued(numel: int, dtype: torch.dtype, low: int = -8, high: int = 8)
 
 def assert_equal_across_ranks(t: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Every rank of `group` holds bitwise the same `t`."""
+    t = t.contiguous()
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, t.contiguous(), group=group)
-    differing = [r for r, g in enumerate(gathered) if not torch.equal(g.view(torch.uint8), gathered[0].view(torch.uint8))]
+    dist.all_gather(gathered, t, group=group)
+    bits = [g.view(torch.uint8) for g in gathered]
+    differing = [r for r, b in enumerate(bits) if not torch.equal(b, bits[0])]
     assert not differing, f"{what}: ranks {differing} differ from rank 0"

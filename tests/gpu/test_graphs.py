@@ -203,8 +203,8 @@ def _expandable_segments(rank: int, world_size: int, ranks_expandable: tuple[int
 def _pointer_info(x: torch.Tensor) -> bool:
     """Whether legacy IPC can share x's allocation, as graphar sees it at capture time."""
     base, size, capable = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
-    rc = _cuda.library().graphar_pointer_info(x.data_ptr(), ctypes.byref(base), ctypes.byref(size), ctypes.byref(capable))
-    _cuda.check(rc, "pointer info")
+    lib = _cuda.library()
+    _cuda.check(lib.graphar_pointer_info(x.data_ptr(), *map(ctypes.byref, (base, size, capable))), "pointer info")
     assert base.value <= x.data_ptr() < base.value + size.value
     return bool(capable.value)
 
