@@ -113,7 +113,8 @@ struct Comm {
   char* meta = nullptr;    // Signal, then the 2stage tmp buffer (max_bytes)
   char* buffer = nullptr;  // registered input buffer (max_bytes)
   RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
-  ErrorRecord* error = nullptr;  // host-mapped
+  ErrorRecord* error = nullptr;  // host-mapped: read by the host, written by kernels through error_device
+  ErrorRecord* error_device = nullptr;
   RankSignals signals{};
   void* peer_buffers[kMaxRanks] = {};
   bool opened = false;
@@ -152,6 +153,7 @@ int create(Comm* c) {
   CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));
   CUDA_TRY(cudaHostAlloc(&c->error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
   memset(c->error, 0, sizeof(ErrorRecord));
+  CUDA_TRY(cudaHostGetDevicePointer(&c->error_device, c->error, 0));
   CUDA_TRY(cudaEventCreateWithFlags(&c->last_event, cudaEventDisableTiming));
   // Zeroed before any handle leaves this process: a peer's first flag must never be wiped.
   CUDA_TRY(cudaMemset(c->meta, 0, sizeof(Signal) + c->max_bytes));
@@ -350,7 +352,7 @@ int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t 
   p.self = c->signals.signals[c->rank];
   p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(input);
   p.out = reinterpret_cast<void*>(output);
-  p.error = c->error;
+  p.error = c->error_device;
   p.timeout_ns = c->timeout_ns;
   p.rank = c->rank;
   p.packs = packs;
