@@ -24,7 +24,7 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -137,15 +137,27 @@ class _Exchange:
     wait: torch.fx.Node
     group_name: str
     world_size: int
-    # Set when it is a Ulysses relayout: X -> Y, scattering dim `scatter` of X and gathering `gather`.
-    x: torch.fx.Node | None = None
-    y: torch.fx.Node | None = None
-    scatter: int = -1
-    gather: int = -1
+    # When it is a Ulysses relayout, by the dim of X it scatters (1 or 2; it gathers the other):
+    # the farthest 4-D X before the exchange read that way, and the last node Y after it that equals
+    # the relayout of X. Both readings can hold, through a transpose on either side.
+    kinds: dict[int, tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=dict)
 
     @property
     def a2a_input(self) -> torch.fx.Node:
         return self.a2a.args[0]
+
+    @property
+    def scatter(self) -> int:
+        """The reading packed exchanges use: heads at dim 2 when both hold (no transposes)."""
+        return 2 if 2 in self.kinds else 1
+
+    @property
+    def x(self) -> torch.fx.Node | None:
+        return self.kinds[self.scatter][0] if self.kinds else None
+
+    @property
+    def y(self) -> torch.fx.Node | None:
+        return self.kinds[self.scatter][1] if self.kinds else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -162,7 +174,7 @@ class _Exchange:
             return (self.group_name, self.dtype)
         shape = list(_shape(self.x))
         del shape[self.scatter]
-        return (self.group_name, self.dtype, self.scatter, self.gather, tuple(shape))
+        return (self.group_name, self.dtype, self.scatter, tuple(shape))
 
 
 def _equal_splits(a2a: torch.fx.Node, world_size: int) -> bool:
@@ -197,9 +209,10 @@ def _find_exchanges(graph: torch.fx.Graph, config: Config) -> list[_Exchange]:
     return found
 
 
-def _expected(x_shape: Sequence[int], p: int, scatter: int, gather: int) -> tuple[tuple[int, ...], tuple[Mode, ...]]:
-    """Shape and canonical modes of X with dim `scatter` split over p ranks and dim `gather` gathered,
-    over the virtual global tensor in which rank i's X starts at offset i * numel(X)."""
+def _expected(x_shape: Sequence[int], p: int, scatter: int) -> tuple[tuple[int, ...], tuple[Mode, ...]]:
+    """Shape and canonical modes of X with dim `scatter` split over p ranks and the other of dims 1, 2
+    gathered, over the virtual global tensor in which rank i's X starts at offset i * numel(X)."""
+    gather = 3 - scatter
     strides = [dim[0][1] for dim in _contiguous(x_shape)]
     shape, modes = [], []
     for k, n in enumerate(x_shape):
@@ -216,44 +229,48 @@ def _expected(x_shape: Sequence[int], p: int, scatter: int, gather: int) -> tupl
 
 
 def _read_relayout(ex: _Exchange) -> None:
-    """Fill ex.x/y/scatter/gather when the exchange is a Ulysses relayout of a 4-D tensor."""
+    """Fill ex.kinds with the ways the exchange reads as a Ulysses relayout of a 4-D tensor."""
     chain = [ex.a2a_input]
     while _is_layout_op(chain[0]) and isinstance(chain[0].args[0], torch.fx.Node):
         chain.insert(0, chain[0].args[0])
     receive = [ex.wait]
     while len(receive[-1].users) == 1 and _is_layout_op(user := next(iter(receive[-1].users))):
         receive.append(user)
-    p = ex.world_size
     for start, x in enumerate(chain):  # the farthest X first: the rewrite then skips the most copies
-        x_shape = _shape(x)
-        if x_shape is None or len(x_shape) != 4:
-            continue
-        layout: Layout | None = _contiguous(x_shape)
-        for node in chain[start + 1:]:
-            layout = _apply(layout, node) if layout is not None else None
-        if layout is None:
-            continue
-        sent = _flat(layout)
-        if not sent or sent[0][0] % p:
-            continue
-        (n0, s0), rest = sent[0], sent[1:]
-        dest_stride = s0 * (n0 // p)  # rank j receives the block at offset j * dest_stride of every X
-        received = _reshape([(p, math.prod(x_shape)), (n0 // p, s0), *rest], _shape(ex.wait))
-        last_match = None
-        for node in receive:
-            received = received if node is ex.wait or received is None else _apply(received, node)
-            if received is None:
-                break
-            for scatter, gather in ((2, 1), (1, 2)):
-                shape, modes = _expected(x_shape, p, scatter, gather)
-                block = (x_shape[scatter] // p) * math.prod(x_shape[scatter + 1:])
-                if (x_shape[scatter] % p == 0 and _shape(node) == shape and _canonical(_flat(received)) == modes
-                        and dest_stride == block):
-                    last_match = (node, scatter, gather)
-        if last_match is not None:
-            ex.x, (ex.y, ex.scatter, ex.gather) = x, last_match
-            return
-    log.info("graphar qkv: %s is not a Ulysses relayout of a 4-D tensor", ex.a2a.name)
+        for scatter, y in _relayouts(ex, chain[start:], receive).items():
+            ex.kinds.setdefault(scatter, (x, y))
+    if not ex.kinds:
+        log.info("graphar qkv: %s is not a Ulysses relayout of a 4-D tensor", ex.a2a.name)
+
+
+def _relayouts(ex: _Exchange, send: list[torch.fx.Node], receive: list[torch.fx.Node]) -> dict[int, torch.fx.Node]:
+    """For X = send[0] (then the send-side ops up to the all_to_all's input): by scattered dim, the
+    last node of `receive` that equals the relayout of X."""
+    x_shape, p = _shape(send[0]), ex.world_size
+    if x_shape is None or len(x_shape) != 4:
+        return {}
+    layout: Layout | None = _contiguous(x_shape)
+    for node in send[1:]:
+        layout = _apply(layout, node) if layout is not None else None
+    sent = _flat(layout) if layout is not None else []
+    if not sent or sent[0][0] % p:
+        return {}
+    (n0, s0), rest = sent[0], sent[1:]
+    dest_stride = s0 * (n0 // p)  # rank j receives the block at offset j * dest_stride of every X
+    received = _reshape([(p, math.prod(x_shape)), (n0 // p, s0), *rest], _shape(ex.wait))
+    found = {}
+    for node in receive:
+        if node is not ex.wait:
+            received = _apply(received, node)
+        if received is None:
+            break
+        for scatter in (1, 2):
+            shape, modes = _expected(x_shape, p, scatter)
+            block = (x_shape[scatter] // p) * math.prod(x_shape[scatter + 1:])
+            if (x_shape[scatter] % p == 0 and dest_stride == block and _shape(node) == shape
+                    and _canonical(_flat(received)) == modes):
+                found[scatter] = node
+    return found
 
 
 class _Order:
@@ -380,10 +397,11 @@ class _Rewriter:
 
     def output(self, e: _Exchange) -> None:
         """heads_to_seq_all_to_all for an exchange scattering dim 1 and gathering dim 2, as the op does."""
-        x = self.current(e.x)
+        x, y = e.kinds[1]
+        x = self.current(x)
         with self.graph.inserting_before(x.next):
             out = _call(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, e.group_name)
-        self.replace(e, e.y, out)
+        self.replace(e, y, out)
         log.info("graphar qkv: %s rewritten into %s on group %r", e.a2a.name, out.name, e.group_name)
 
     def packed(self, group: list[_Exchange]) -> None:
@@ -408,10 +426,10 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     packed_groups, _ = _triplets([e for e in exchanges if e.x is None], order)
     outputs = []
     for e in singles:
-        if e.scatter == 1:
+        if 1 in e.kinds:
             outputs.append(e)
         else:  # heads_to_seq_all_to_all would read X transposed: one copy more than the original
-            log.info("graphar qkv: %s left alone: a single exchange scattering dim 2 gains nothing", e.a2a.name)
+            log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing", e.a2a.name)
     rewriter = _Rewriter(graph)
     for group in qkv_groups:
         rewriter.qkv(group)

@@ -1,0 +1,265 @@
+"""The packed Ulysses exchanges on NCCL: eager, captured (torch.cuda.graph and graphar.graph) and
+compiled with mode="reduce-overhead", bitwise against the separate NCCL exchanges and the spec.
+
+Every rank draws the same full tensors from a seeded generator and keeps its shard, so the expected
+result on each rank is a slice of a tensor it holds. Outputs land in memory that was filled with NaN
+just before (`_poison_allocator`), so an element the exchange fails to write cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _dist import WORLD_SIZES, integer_valued, run_workers
+from torch._dynamo.utils import counters
+
+import graphar
+from graphar import pool
+from graphar.comm import ulysses
+from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _full(seed: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """The same random tensor on every rank."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Fill cached allocator blocks with NaN, so the next allocations start as NaN, not as old results."""
+    torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    return t.chunk(world_size, dim=dim)[rank].contiguous()
+
+
+def _check_seq_to_heads(rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, heads: tuple[int, int],
+                        d: int, seed: int) -> None:
+    hq, hk = heads
+    full = [_full(seed + i, b, world_size * s, h, d, dtype=dtype) for i, h in enumerate((hq, hk, hk))]
+    mine = [_shard(t, 1, rank, world_size) for t in full]
+    spec = [_shard(t, 2, rank, world_size) for t in full]
+    what = f"{dtype} b={b} s={s} heads={heads}"
+    _poison_allocator(sum(t.numel() * t.element_size() for t in full))
+    packed = ulysses.seq_to_heads(*mine, dist.group.WORLD.group_name)
+    separate = [seq_to_heads_unpacked(x) for x in mine]
+    heads_first = ulysses.seq_to_heads(*(x.transpose(1, 2).contiguous() for x in mine),
+                                       dist.group.WORLD.group_name, heads_dim=1)
+    for c in range(3):
+        assert torch.equal(separate[c], spec[c]), f"{what}: NCCL reference != spec"
+        assert torch.equal(packed[c], spec[c]), f"{what}: tensor {c} packed != spec"
+        assert torch.equal(heads_first[c].transpose(1, 2), spec[c]), f"{what}: tensor {c} heads at dim 1"
+
+
+def _check_heads_to_seq(rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, h: int, d: int,
+                        seed: int) -> None:
+    full = _full(seed, b, world_size * s, h, d, dtype=dtype)
+    spec = _shard(full, 1, rank, world_size)
+    o = _shard(full, 2, rank, world_size)
+    for what, x in (("contiguous", o), ("transposed", o.transpose(1, 2).contiguous().transpose(1, 2))):
+        _poison_allocator(full.numel() * full.element_size())
+        out = ulysses.heads_to_seq(x, dist.group.WORLD.group_name)
+        assert torch.equal(heads_to_seq_unpacked(x), spec), f"{dtype} b={b}: NCCL reference != spec"
+        assert torch.equal(out, spec), f"{dtype} b={b} {what}: heads_to_seq != spec"
+
+
+def _eager(rank: int, world_size: int) -> None:
+    seed = 0
+    for dtype in DTYPES:
+        for b, s in ((1, 128), (2, 37)):
+            for heads in ((2 * world_size, 2 * world_size), (4 * world_size, world_size)):  # MHA, GQA
+                seed += 10
+                _check_seq_to_heads(rank, world_size, dtype, b, s, heads, 64, seed)
+            _check_heads_to_seq(rank, world_size, dtype, b, s, 2, 128, seed + 5)
+    xs = [torch.randn(world_size * n, 3, device="cuda") for n in (1, 4, 7)]
+    packed = torch.ops.graphar.packed_all_to_all_single(xs, dist.group.WORLD.group_name)
+    for x, out in zip(xs, packed):
+        ref = torch.empty_like(x)
+        dist.all_to_all_single(ref, x)
+        assert torch.equal(out, ref), "packed_all_to_all_single != all_to_all_single"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_eager_exchanges_equal_nccl_and_spec(world_size: int) -> None:
+    run_workers(_eager, world_size)
+
+
+class _Static:
+    """Static inputs of a captured Ulysses step and the outputs the capture recorded."""
+
+    def __init__(self, world_size: int, b: int, s: int, heads: int, d: int, dtype: torch.dtype) -> None:
+        self.shape = (b, s, heads, d)
+        self.world_size = world_size
+        self.inputs = [torch.empty(b, s, heads, d, dtype=dtype, device="cuda") for _ in range(3)]
+        self.o = torch.empty(b, world_size * s, heads // world_size, d, dtype=dtype, device="cuda")
+        self.outputs: tuple[torch.Tensor, ...] = ()
+
+    def step(self) -> tuple[torch.Tensor, ...]:
+        name = dist.group.WORLD.group_name
+        return (*ulysses.seq_to_heads(*self.inputs, name), ulysses.heads_to_seq(self.o, name))
+
+    def refill(self, seed: int) -> list[torch.Tensor]:
+        """New values in the static inputs; returns what each output must then be."""
+        for i, t in enumerate([*self.inputs, self.o]):
+            t.copy_(_full(seed + 1000 * dist.get_rank() + i, *t.shape, dtype=t.dtype))
+        expected = [seq_to_heads_unpacked(x) for x in self.inputs]
+        return [*expected, heads_to_seq_unpacked(self.o)]
+
+
+def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
+    capture = graphar.graph if use_graphar_graph else torch.cuda.graph
+    before = pool.pool().stats()
+    for b in (1, 2):
+        static = _Static(world_size, b, 64, 2 * world_size, 64, torch.bfloat16)
+        static.refill(seed=b)
+        static.step()  # warm-up: Triton compiles and NCCL connects outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph):
+            static.outputs = static.step()
+        side = torch.cuda.Stream()
+        for replay in range(3):
+            expected = static.refill(seed=10 * replay + b)
+            # Eager exchanges of the same roles and shapes, on this stream and another, before the replay:
+            # had they shared the graph's staging buffers, the replay would read their data.
+            other = _Static(world_size, b, 64, 2 * world_size, 64, torch.bfloat16)
+            other_expected = other.refill(seed=77 + replay)
+            assert all(torch.equal(x, e) for x, e in zip(other.step(), other_expected)), "eager on this stream"
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                side_out = other.step()
+            torch.cuda.current_stream().wait_stream(side)
+            assert all(torch.equal(x, e) for x, e in zip(side_out, other_expected)), "eager on another stream"
+            for out in static.outputs:
+                out.fill_(float("nan"))
+            graph.replay()
+            for i, (out, want) in enumerate(zip(static.outputs, expected)):
+                assert torch.equal(out, want), f"b={b} replay {replay}: output {i} after eager calls"
+    stats = pool.pool().stats()
+    assert stats["graph_buffers"] > before["graph_buffers"], stats
+    assert stats["transient"] == before["transient"], f"capture memory did not land in graphar's pool: {stats}"
+
+
+@pytest.mark.parametrize("use_graphar_graph", [False, True], ids=["torch.cuda.graph", "graphar.graph"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_capture_then_eager_then_replay(world_size: int, use_graphar_graph: bool) -> None:
+    run_workers(_captured, world_size, use_graphar_graph)
+
+
+def _reserved(rank: int, world_size: int) -> None:
+    static = _Static(world_size, 2, 48, 2 * world_size, 64, torch.float16)
+    ulysses.reserve([static.shape] * 3, torch.float16, torch.device("cuda", rank), dist.group.WORLD.group_name)
+    spares = pool.pool().stats()["spares"]
+    expected = static.refill(seed=3)
+    static.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.outputs = static.step()
+    assert pool.pool().stats()["spares"] < spares, "the capture did not take the reserved buffers"
+    graph.replay()
+    assert all(torch.equal(out, want) for out, want in zip(static.outputs, expected))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reserve_before_capture(world_size: int) -> None:
+    run_workers(_reserved, world_size)
+
+
+class _Block(torch.nn.Module):
+    """A Ulysses attention block written as users write it; `exact` swaps softmax for integer arithmetic."""
+
+    def __init__(self, world_size: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> None:
+        super().__init__()
+        hidden = heads * d
+        w = (lambda cols: integer_valued(hidden * cols, dtype, -1, 1).view(hidden, cols)) if exact else (
+            lambda cols: torch.randn(hidden, cols, device="cuda", dtype=dtype) / hidden**0.5)
+        self.wq, self.wk, self.wv = w(heads * d), w(kv_heads * d), w(kv_heads * d)
+        self.shape, self.exact = (heads, kv_heads, d), exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        heads, kv_heads, d = self.shape
+        q = seq_to_heads_unpacked((x @ self.wq).view(b, s, heads, d))
+        k = seq_to_heads_unpacked((x @ self.wk).view(b, s, kv_heads, d))
+        v = seq_to_heads_unpacked((x @ self.wv).view(b, s, kv_heads, d))
+        if self.exact:
+            o = 2 * q + k - v
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               enable_gqa=heads != kv_heads).transpose(1, 2)
+        return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, heads * d)
+
+
+def _reduce_overhead(rank: int, world_size: int) -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    heads, kv_heads, d, s = 4 * world_size, 2 * world_size, 64, 32
+    for exact in (True, False):
+        block = _Block(world_size, heads, kv_heads, d, torch.float32, exact)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(block, backend="graphar", mode="reduce-overhead", fullgraph=True)
+        for step in range(6):  # warm-up, recording, then replays
+            x = (integer_valued(2 * s * heads * d, torch.float32, -2, 2) if exact else
+                 torch.randn(2 * s * heads * d, device="cuda")).view(2, s, heads * d)
+            if step == 0:
+                out, code = run_and_get_code(compiled, x)
+                assert "graphar.qkv_all_to_all" in "\n".join(code), "the pass did not pack Q/K/V"
+            else:
+                out = compiled(x)
+            out = out.clone()
+            if exact:
+                assert torch.equal(out, block(x)), f"step {step}: compiled != eager"
+            else:
+                torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_overhead_equals_eager(world_size: int) -> None:
+    run_workers(_reduce_overhead, world_size)
+
+
+def _compiled_variants(kernel: object) -> int | None:
+    caches = getattr(kernel, "device_caches", None)  # Triton 3.x internals; None where they differ
+    if caches is None:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_pack_kernel_64bit_offsets_and_no_recompile_per_sequence_length() -> None:
+    from graphar.kernels import pack
+
+    if not torch.cuda.is_available() or not pack.triton_available():
+        pytest.skip("needs a CUDA GPU and Triton")
+    p, heads, d = 2, 16, 128
+    xs = [torch.randn(1, 8, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    out = torch.empty(p, 1, 8, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+    assert pack.pack_heads(xs, p, out)
+    variants = _compiled_variants(pack._relayout_kernel)
+    for s in (5, 6, 100, 1001):
+        xs = [torch.randn(1, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        out = torch.empty(p, 1, s, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+        assert pack.pack_heads(xs, p, out)
+        reference = torch.cat([x.view(1, s, p, heads // p, d).permute(2, 0, 1, 3, 4) for x in xs], dim=3)
+        assert torch.equal(out, reference), f"s={s}"
+    if variants is not None:
+        assert _compiled_variants(pack._relayout_kernel) == variants, "a new sequence length recompiled"
+    # 2**31 elements and more in the packed buffer: offsets need 64 bits.
+    s = (2**31) // (p * pack.packed_heads([heads] * 3, p) * d) + 1
+    xs = [torch.randn(1, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    out = torch.empty(p, 1, s, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+    out.fill_(float("nan"))
+    assert pack.pack_heads(xs, p, out)
+    for c, x in enumerate(xs):
+        h = heads // p
+        assert torch.equal(out[:, :, :, c * h:(c + 1) * h], x.view(1, s, p, h, d).permute(2, 0, 1, 3, 4)), c
