@@ -308,7 +308,8 @@ int graphar_comm_probe(void* comm, int phase, int* bad_peer) {
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   uint32_t host[2 * kMaxRanks] = {};
   if (e == cudaSuccess && phase != 0) e = cudaMemcpy(host, result, sizeof(host), cudaMemcpyDeviceToHost);
-  cudaFree(result);
+  const cudaError_t freed = cudaFree(result);
+  if (e == cudaSuccess) e = freed;
   if (e != cudaSuccess) return cuda_fail(e, "p2p probe");
   for (int r = 0; phase != 0 && r < c->ranks; r++) {
     if (host[r] != probe_value(c->rank, r) || host[kMaxRanks + r] != probe_value(r, c->rank)) {
