@@ -27,7 +27,9 @@ def fake_world():
         dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
     init()
-    yield init
+    # Counting rewrites needs the pass to run: no FX-graph cache hits from earlier runs.
+    with inductor_config.patch(fx_graph_cache=False):
+        yield init
     dist.destroy_process_group()
 
 
