@@ -63,9 +63,11 @@ class CudaRuntime:
             return None
         try:
             with torch.cuda.device(device):
-                return get()
+                graph = get()
         except RuntimeError:  # a capture torch does not track (not through torch.cuda.CUDAGraph)
             return None
+        # Only a graph Python holds tells us when it dies; a bare binding object may be a temporary.
+        return graph if isinstance(graph, torch.cuda.CUDAGraph) else None
 
     def stream(self, device: torch.device) -> int:
         return torch.cuda.current_stream(device).cuda_stream

@@ -102,14 +102,18 @@ def _use_triton(pairs: Sequence[Pair]) -> bool:
 
 
 def _max_offset(t: torch.Tensor) -> int:
-    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    """The largest element offset the kernel computes for `t` (relative to its first element)."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
 
 
 def _check_pairs(pairs: Sequence[Pair]) -> None:
     if not pairs:
         raise ValueError("relayout needs at least one (dst, src) pair")
     p, b, s, _, d = pairs[0][0].shape
+    device = pairs[0][0].device
     for dst, src in pairs:
+        if dst.device != device or src.device != device:
+            raise ValueError(f"relayout: all tensors must be on {device}")
         if dst.dim() != 5 or dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"relayout: dst {tuple(dst.shape)}/{dst.dtype} and src {tuple(src.shape)}/{src.dtype} "
                              "must be equal 5-D [P, b, s, h, d] views")
@@ -129,10 +133,10 @@ def relayout(pairs: Sequence[Pair]) -> bool:
         return False
     p, b, s, _, d = pairs[0][0].shape
     rows = b * s
-    if rows == 0 or p == 0 or d == 0:
+    heads = [dst.shape[3] for dst, _ in pairs]
+    if rows == 0 or p == 0 or d == 0 or not any(heads):
         return True
     d_pad = triton.next_power_of_2(d)
-    heads = [dst.shape[3] for dst, _ in pairs]
     # The largest power of two dividing every head count: no program is mostly masked out.
     common = 0
     for h in heads:
