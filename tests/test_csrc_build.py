@@ -233,3 +233,83 @@ def test_no_capture_outside_graph_and_batch_graphs_validation() -> None:
         graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [])
     with pytest.raises(ValueError, match="positive"):
         graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [0, 2])
+
+
+# ---- graph registration: what ranks exchange and what reaches the C ABI ----------------------
+
+
+class _FakeLibrary:
+    """The two library calls of graph registration, recorded."""
+
+    def __init__(self) -> None:
+        self.registered: tuple | None = None
+
+    def graphar_ipc_handle(self, base: int, out) -> int:
+        ctypes.memmove(out, base.to_bytes(8, "little") * 8, 64)  # a handle that names its allocation
+        return 0
+
+    def graphar_comm_register_graph(self, comm, first_slot, count, handles, offsets, staged, own) -> int:
+        self.registered = (first_slot, count, handles, list(offsets), list(staged), list(own))
+        return 0
+
+
+def _fake_communicator(rank: int, store: dist.Store) -> ar.CustomAllreduce:
+    comm = object.__new__(ar.CustomAllreduce)  # no GPU: only the Python side of registration
+    comm.group_name, comm.rank, comm.world_size = "g", rank, 2
+    comm._lib, comm._handle, comm._broken, comm._record = _FakeLibrary(), 1, None, ar._ErrorRecord()
+    comm._exchange = ar._StoreExchange(store, "graphs", rank, 2, timeout_s=30)
+    return comm
+
+
+def _register_on_two_ranks(calls_per_rank) -> tuple[list[ar.CustomAllreduce], dict[int, BaseException]]:
+    store = dist.HashStore()
+    comms = [_fake_communicator(r, store) for r in (0, 1)]
+    errors: dict[int, BaseException] = {}
+
+    def run(r: int) -> None:
+        try:
+            comms[r].register_graph(calls_per_rank[r])
+        except BaseException as e:  # noqa: BLE001  (collected for the assertions)
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return comms, errors
+
+
+def test_graph_registration_is_call_major_with_staged_entries() -> None:
+    segments = [torch.empty(256) for _ in range(2)]  # stand-ins for the ranks' allocations
+    calls = [
+        [ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
+         ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
+        [ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
+         ar.GraphCall(10, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],
+    ]  # fmt: skip
+    comms, errors = _register_on_two_ranks(calls)
+    assert not errors
+    first, count, handles, offsets, staged, own = comms[0]._lib.registered
+    assert (first, count) == (5, 2)
+    # [call 0: rank 0, rank 1][call 1: rank 0, rank 1]
+    assert offsets == [64, 0, 320, 256] and staged == [0, 1, 0, 0]
+    assert own == [c.tensor.data_ptr() for c in calls[0]]
+    handle = segments[0].data_ptr().to_bytes(8, "little") * 8
+    assert handles == handle + bytes(64) + handle + segments[1].data_ptr().to_bytes(8, "little") * 8
+    assert comms[1]._lib.registered[:2] == (9, 2)
+
+
+def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
+    x = torch.empty(64)
+    call, second = (ar.GraphCall(slot, x, x.data_ptr(), False, (256, 2, 1)) for slot in (1, 2))
+    comms, errors = _register_on_two_ranks([[call, second], [call]])
+    assert set(errors) == {0, 1}
+    assert all("different numbers" in str(e) for e in errors.values())
+    assert all(c._lib.registered is None for c in comms)
+    with pytest.raises(ar.GrapharCommError, match="registration"):
+        comms[0].check()  # the communicator is unusable from then on
+
+    other = ar.GraphCall(1, x, x.data_ptr(), False, (512, 2, 1))
+    _, errors = _register_on_two_ranks([[call], [other]])
+    assert set(errors) == {0, 1} and all("disagree" in str(e) for e in errors.values())

@@ -23,7 +23,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -147,11 +147,18 @@ class GraphCall:
 
     slot: int
     tensor: torch.Tensor
-    base: int
+    base: int  # start of the allocation holding the tensor
+    staged: bool  # legacy IPC cannot share it: the call copies into the registered buffer
+    signature: tuple[int, int, int]  # bytes, dtype code, algorithm code: equal on every rank
+
+
+class _SharedCall(NamedTuple):
+    """What a rank tells its peers about one recorded call."""
+
     staged: bool
-    nbytes: int
-    dtype_code: int
-    algo_code: int
+    handle: bytes  # IPC handle of the allocation (zeros when staged)
+    offset: int
+    signature: tuple[int, int, int]
 
 
 class CustomAllreduce:
@@ -266,7 +273,7 @@ class CustomAllreduce:
         base, size, capable = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
         rc = self._lib.graphar_pointer_info(x.data_ptr(), ctypes.byref(base), ctypes.byref(size), ctypes.byref(capable))
         self._check(rc, "all_reduce (capture)")
-        call = GraphCall(self._next_slot, x, base.value, not capable.value, nbytes, dtype_code, algo_code)
+        call = GraphCall(self._next_slot, x, base.value, not capable.value, (nbytes, dtype_code, algo_code))
         self._next_slot += 1
         capture.record(self, call)
         return (_STAGED if call.staged else _ZERO_COPY), call.slot
@@ -288,29 +295,28 @@ class CustomAllreduce:
         handles: dict[int, bytes] = {}
         mine = []
         for c in calls:
-            if c.staged:
-                mine.append((True, bytes(_cuda.IPC_HANDLE_BYTES), 0, c.nbytes, c.dtype_code, c.algo_code))
+            if c.staged:  # peers read this rank's registered buffer, which they have open already
+                mine.append(_SharedCall(True, bytes(_cuda.IPC_HANDLE_BYTES), 0, c.signature))
                 continue
             if c.base not in handles:
                 buf = ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
                 self._check(self._lib.graphar_ipc_handle(c.base, buf), "graph registration")
                 handles[c.base] = buf.raw
-            offset = c.tensor.data_ptr() - c.base
-            mine.append((False, handles[c.base], offset, c.nbytes, c.dtype_code, c.algo_code))
+            mine.append(_SharedCall(False, handles[c.base], c.tensor.data_ptr() - c.base, c.signature))
         everyone = self._exchange.all_gather(mine, f"graph registration on group {self.group_name!r}")
-        counts = [len(calls_of_rank) for calls_of_rank in everyone]
+        counts = [len(shared) for shared in everyone]
         if len(set(counts)) != 1:
             raise GrapharCommError(f"ranks recorded different numbers of all-reduces in one graph: {counts}")
         for i in range(len(calls)):
-            shapes = {tuple(entry[i][3:]) for entry in everyone}
-            if len(shapes) != 1:
-                raise GrapharCommError(f"ranks disagree on all-reduce {i} of the graph (bytes, dtype, algo): {shapes}")
+            signatures = {shared[i].signature for shared in everyone}
+            if len(signatures) != 1:
+                raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         n, ws = len(calls), self.world_size
-        flat = [everyone[r][i] for i in range(n) for r in range(ws)]
-        handle_bytes = b"".join(entry[1] for entry in flat)
-        offsets = (ctypes.c_uint64 * (n * ws))(*(entry[2] for entry in flat))
-        staged = (ctypes.c_uint8 * (n * ws))(*(int(entry[0]) for entry in flat))
+        flat = [everyone[r][i] for i in range(n) for r in range(ws)]  # call-major, as the C ABI wants
+        offsets = (ctypes.c_uint64 * (n * ws))(*(e.offset for e in flat))
+        staged = (ctypes.c_uint8 * (n * ws))(*(e.staged for e in flat))
         own = (ctypes.c_uint64 * n)(*(c.tensor.data_ptr() for c in calls))
+        handle_bytes = b"".join(e.handle for e in flat)
         rc = self._lib.graphar_comm_register_graph(self._handle, slots[0], n, handle_bytes, offsets, staged, own)
         self._check(rc, "graph registration")
 
