@@ -199,7 +199,11 @@ def _find_exchanges(graph: torch.fx.Graph, config: Config) -> list[_Exchange]:
         if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
             log.info("graphar qkv: %s left alone: its result is used other than by one wait_tensor", a2a.name)
             continue
-        world_size = dist.distributed_c10d._resolve_process_group(group_name).size()
+        try:
+            world_size = dist.distributed_c10d._resolve_process_group(group_name).size()
+        except (RuntimeError, ValueError, KeyError) as e:
+            log.info("graphar qkv: %s left alone: group %r not found (%s)", a2a.name, group_name, e)
+            continue
         if not _equal_splits(a2a, world_size):
             log.info("graphar qkv: %s left alone: splits are not equal (or shapes are dynamic)", a2a.name)
             continue

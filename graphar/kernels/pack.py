@@ -31,6 +31,8 @@ except ImportError:  # graphar works without Triton; the copies then run through
 # Elements a program moves: enough bytes in flight per SM without spilling registers.
 _TILE_ELEMENTS = 4096
 _INT32_MAX = 2**31 - 1
+# The kernel's dtypes; others move through torch (same bits, slower).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -95,7 +97,7 @@ def _interpreting() -> bool:
 
 
 def _use_triton(pairs: Sequence[Pair]) -> bool:
-    if triton is None or not 1 <= len(pairs) <= 3:
+    if triton is None or not 1 <= len(pairs) <= 3 or pairs[0][0].dtype not in KERNEL_DTYPES:
         return False
     on_device = all(t.is_cuda for pair in pairs for t in pair) or _interpreting()
     return on_device and all(t.stride(-1) == 1 for pair in pairs for t in pair)
