@@ -91,8 +91,12 @@ class CudaRuntime:
 
 
 def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
+    try:
+        segments = pool.snapshot(include_traces=False)  # fast where torch has the option
+    except TypeError:
+        segments = pool.snapshot()
     ptr = t.data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
+    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
 
 
 def _capacity(nbytes: int, previous: int = 0) -> int:
