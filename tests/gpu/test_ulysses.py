@@ -23,6 +23,8 @@ from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Whether the pool can tell which graph is being captured; without it capture memory is transient.
+TRACKED = hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
 
 
 def _full(seed: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +99,6 @@ class _Static:
 
     def __init__(self, world_size: int, b: int, s: int, heads: int, d: int, dtype: torch.dtype) -> None:
         self.shape = (b, s, heads, d)
-        self.world_size = world_size
         self.inputs = [torch.empty(b, s, heads, d, dtype=dtype, device="cuda") for _ in range(3)]
         self.o = torch.empty(b, world_size * s, heads // world_size, d, dtype=dtype, device="cuda")
         self.outputs: tuple[torch.Tensor, ...] = ()
@@ -144,8 +145,11 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
             for i, (out, want) in enumerate(zip(static.outputs, expected)):
                 assert torch.equal(out, want), f"b={b} replay {replay}: output {i} after eager calls"
     stats = pool.pool().stats()
-    assert stats["graph_buffers"] > before["graph_buffers"], stats
-    assert stats["transient"] == before["transient"], f"capture memory did not land in graphar's pool: {stats}"
+    if TRACKED:
+        assert stats["graph_buffers"] > before["graph_buffers"], stats
+        assert stats["transient"] == before["transient"], f"capture memory did not land in graphar's pool: {stats}"
+    else:
+        assert stats["transient"] > before["transient"], stats
 
 
 @pytest.mark.parametrize("use_graphar_graph", [False, True], ids=["torch.cuda.graph", "graphar.graph"])
@@ -164,7 +168,8 @@ def _reserved(rank: int, world_size: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static.outputs = static.step()
-    assert pool.pool().stats()["spares"] < spares, "the capture did not take the reserved buffers"
+    if TRACKED:
+        assert pool.pool().stats()["spares"] < spares, "the capture did not take the reserved buffers"
     graph.replay()
     assert all(torch.equal(out, want) for out, want in zip(static.outputs, expected))
 
