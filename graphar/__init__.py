@@ -17,7 +17,27 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch._logging
+
+
+def _import_passes_from_checkout() -> None:
+    """passes/ is installed as graphar.passes; in a checkout (PYTHONPATH=., or an editable install
+    without setuptools' path finder) it sits beside graphar/ instead, so load it from there."""
+    if importlib.util.find_spec("graphar.passes") is not None:
+        return
+    init = Path(__file__).resolve().parent.parent / "passes" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("graphar.passes", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["graphar.passes"] = module
+    spec.loader.exec_module(module)
+    setattr(sys.modules[__name__], "passes", module)
+
+
+_import_passes_from_checkout()
 
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar.backend import graphar_backend, install, register as _register_backend

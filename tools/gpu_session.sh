@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: build, GPU tests, demo, benchmarks; logs and tables under $OUT.
+# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [demo] [bench-allreduce] [bench-decode] [bench-ulysses]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export GRAPHAR_CUDA_ARCHS="${GRAPHAR_CUDA_ARCHS:-90a}"
+OUT="${OUT:-/tmp/graphar-out}"
+mkdir -p "$OUT"
+log="$OUT/session.log"
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log, report status
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 60
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc" | tee -a "$log"
+}
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$log"
+      nvidia-smi topo -m >>"$log" 2>&1
+      step build 400 pip install --no-build-isolation --no-deps -e . ;;
+    tests=*) step tests 480 python -m pytest -q -x -rs ${stage#tests=} ;;
+    tests) step tests 480 python -m pytest -q -rs tests/gpu ;;
+    demo) step demo 240 python -m graphar demo ;;
+    bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
+  esac
+done
+cp bench/results/*.md "$OUT/" 2>/dev/null
+ls "$OUT"
