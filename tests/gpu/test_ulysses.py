@@ -115,6 +115,23 @@ class _Static:
         return [*expected, heads_to_seq_unpacked(self.o)]
 
 
+def _assert_graph_buffers_private(graph: torch.cuda.CUDAGraph) -> None:
+    """The staging memory `graph` captured is graphar's, and eager calls on any stream get other memory."""
+    if not TRACKED:
+        return
+    staging = pool.pool()
+    owned = staging._owned.get(id(graph))
+    assert owned is not None and owned.backings, "the captured graph owns no staging buffers"
+    captured = set()
+    for (device, role), backing in owned.backings.items():
+        assert pool._lies_in(backing, staging.runtime.mempool(device)), f"{role}: not in graphar's pool"
+        captured.add(backing.data_ptr())
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            for device, role in owned.backings:
+                assert staging.get(role, 16, device).data_ptr() not in captured, f"{role}: eager reuses it"
+
+
 def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
     capture = graphar.graph if use_graphar_graph else torch.cuda.graph
     before = pool.pool().stats()
@@ -126,6 +143,7 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
             static.outputs = static.step()
+        _assert_graph_buffers_private(graph)
         side = torch.cuda.Stream()
         for replay in range(3):
             expected = static.refill(seed=10 * replay + b)
