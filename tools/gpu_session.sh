@@ -19,7 +19,7 @@ for stage in "$@"; do
     build)
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$log"
       nvidia-smi topo -m >>"$log" 2>&1
-      step build 400 pip install --no-build-isolation --no-deps -e . ;;
+      step build 400 python -m pip install --no-build-isolation --no-deps -e . ;;
     tests=*) step tests 480 python -m pytest -q -x -rs ${stage#tests=} ;;
     tests) step tests 480 python -m pytest -q -rs tests/gpu ;;
     demo) step demo 240 python -m graphar demo ;;

@@ -215,7 +215,8 @@ class _Block(torch.nn.Module):
         k = seq_to_heads_unpacked((x @ self.wk).view(b, s, kv_heads, d))
         v = seq_to_heads_unpacked((x @ self.wv).view(b, s, kv_heads, d))
         if self.exact:
-            o = 2 * q + k - v
+            group = heads // kv_heads  # GQA: each K/V head serves `group` query heads
+            o = 2 * q + k.repeat_interleave(group, dim=2) - v.repeat_interleave(group, dim=2)
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                enable_gqa=heads != kv_heads).transpose(1, 2)
