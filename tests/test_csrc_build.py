@@ -143,7 +143,7 @@ def test_algorithm_choice() -> None:
 def test_settings_from_the_environment(monkeypatch) -> None:
     for name in ("GRAPHAR_ALLREDUCE_ALGO", "GRAPHAR_BLOCK_LIMIT", "GRAPHAR_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)
-    assert ar.env_algo() is None and ar.block_limit(9) == 36 and ar.timeout_from_env() == ar.DEFAULT_TIMEOUT_S
+    assert ar.env_algo() is None and ar.block_limit(9) == 64 and ar.block_limit(8) == 36 and ar.timeout_from_env() == ar.DEFAULT_TIMEOUT_S
     monkeypatch.setenv("GRAPHAR_ALLREDUCE_ALGO", "2stage")
     monkeypatch.setenv("GRAPHAR_BLOCK_LIMIT", "48")
     monkeypatch.setenv("GRAPHAR_TIMEOUT_S", "0")

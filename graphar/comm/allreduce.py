@@ -41,12 +41,16 @@ _EAGER, _CAPTURED_COPY, _ZERO_COPY, _STAGED = 0, 1, 2, 3
 _WORLD_SIZES = (2, 4, 6, 8)
 # Above 2 ranks, 1stage (which reads ws x the message) wins below these sizes; ws == 2 always 1stage.
 _ONE_STAGE_BELOW = {4: 512 * KB, 6: 256 * KB, 8: 256 * KB}
-# Blocks per launch by compute capability major; 36 is the v1 grid-search value, retune in bench/.
-_BLOCK_LIMITS = {8: 36, 9: 36}
+# Blocks per launch by compute capability major. 36 is the v1 grid search (Ampere and older); on
+# 2 x H200 64 blocks pull peers' data faster from 512 KB up (8 MB zero-copy: 34.8 -> 30.0 us,
+# bench/results/allreduce-h200-ws2.md) and change nothing below, where the grid is smaller anyway.
+_BLOCK_LIMITS = {8: 36, 9: 64}
 _DEFAULT_BLOCK_LIMIT = 36
 _MAX_BLOCK_LIMIT = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh
 _GRAPH_SLOTS = 1 << 16
-DEFAULT_TIMEOUT_S = 10.0
+# Long enough for the ranks' skew at a compiled graph's first call (each rank runs it right after
+# its own compile, which can finish tens of seconds apart), short enough to turn a hang into an error.
+DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
 _WHERE = {1: "1stage entry", 2: "1stage exit", 3: "2stage entry", 4: "2stage middle"}
 
@@ -420,7 +424,7 @@ def init(
 
     Collective: every rank of the group calls it. Returns None on every rank (and logs why, once)
     when the group cannot use it. `max_bytes` (default Config().max_all_reduce_bytes) sizes the
-    IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S or 10; 0 =
+    IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S or 60; 0 =
     unbounded) bounds every spin wait on a peer.
     """
     if not dist.is_initialized():
