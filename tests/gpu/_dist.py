@@ -46,10 +46,13 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
         )
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
-        dist.destroy_process_group()
+        dist.barrier(device_ids=[rank])
     except BaseException:
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)  # skip teardown that could wait on peers that are gone
+    # No destroy_process_group(): on torch 2.11 it hangs once Inductor's cudagraph trees have
+    # captured NCCL work (seen in test_ulysses's reduce-overhead test); every check is done here.
+    os._exit(0)
 
 
 def run_workers(
