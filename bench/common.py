@@ -2,6 +2,7 @@
 
 Each script sets the multicast-off environment before it imports torch, then:
 
+    main(argv, parse_args, dry_run, worker, timeout_s)   a script's entry point: --dry-run, or launch
     launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
                                         with torch.cuda.set_device(rank) and an NCCL default group ready
     capture(fn, n, ...)                 warm up fn(0..), then capture fn(0), ..., fn(n-1) in one CUDA graph
@@ -75,6 +76,24 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
     if world_size > available:
         raise SystemExit(f"needs {world_size} GPUs, {available} visible")
     mp.spawn(_entry, args=(worker, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+
+
+def main(
+    argv: list[str] | None,
+    parse_args: Callable[[list[str] | None], tuple[Any, Any]],
+    dry_run: Callable[[Any, Path | None], None],
+    worker: Callable[..., None],
+    timeout_s: float,
+) -> None:
+    """A benchmark's entry point: `--dry-run` formats fake numbers on the CPU, else one process per GPU."""
+    args, settings = parse_args(argv)
+    if args.dry_run:
+        dry_run(settings, args.out)
+        return
+    world_size = args.world_size or torch.cuda.device_count()
+    if world_size < 2:
+        raise SystemExit(f"needs at least 2 GPUs, {torch.cuda.device_count()} visible")
+    launch(worker, world_size, settings, args.out, timeout_s=timeout_s)
 
 
 def align_ranks() -> None:

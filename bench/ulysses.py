@@ -196,16 +196,5 @@ def dry_run(s: Settings, out: Path | None) -> None:
     write(results, s, 2, "cpu (dry run)", out or default)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args, settings = parse_args(argv)
-    if args.dry_run:
-        dry_run(settings, args.out)
-        return
-    world_size = args.world_size or torch.cuda.device_count()
-    if world_size < 2:
-        raise SystemExit(f"needs at least 2 GPUs, {torch.cuda.device_count()} visible")
-    common.launch(worker, world_size, settings, args.out, timeout_s=300)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(None, parse_args, dry_run, worker, timeout_s=300)
