@@ -11,6 +11,8 @@ Public API:
     BatchGraphs            capture a decode step for several batch sizes, replay by batch size
     install(...)           add graphar's pass to backend="inductor" (also a context manager)
     Config                 what the pass rewrites, and its limits
+    GrapharTimeoutError    a peer never reached an all-reduce within GRAPHAR_TIMEOUT_S
+    GrapharCommError       a communicator that cannot serve the call (closed, broken, misuse)
 """
 
 from __future__ import annotations
@@ -41,11 +43,21 @@ _import_passes_from_checkout()
 
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar.backend import graphar_backend, install, register as _register_backend
-from graphar.comm.allreduce import init, shutdown
+from graphar.comm.allreduce import GrapharCommError, GrapharTimeoutError, init, shutdown
 from graphar.config import Config
 from graphar.graphs import BatchGraphs, graph
 
 torch._logging._internal.register_log("graphar", "graphar")
 _register_backend()
 
-__all__ = ["BatchGraphs", "Config", "graph", "graphar_backend", "init", "install", "shutdown"]
+__all__ = [
+    "BatchGraphs",
+    "Config",
+    "GrapharCommError",
+    "GrapharTimeoutError",
+    "graph",
+    "graphar_backend",
+    "init",
+    "install",
+    "shutdown",
+]
