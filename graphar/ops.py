@@ -2,7 +2,8 @@
 
 `graphar::all_reduce` serves a group through its graphar communicator when there is one and the
 call is eligible; otherwise it runs the original functional collective, so a rewritten graph is
-correct on every backend and device.
+correct on every backend and device. A communicator that timed out raises instead of falling back:
+its peers may be gone.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new tensor."""
     comm = allreduce.communicator(group_name)
-    if comm is not None and comm.eligible(x):
-        return comm.all_reduce(x)
-    return functional_all_reduce(x, group_name)
+    out = comm.try_all_reduce(x) if comm is not None else None
+    return out if out is not None else functional_all_reduce(x, group_name)
 
 
 @all_reduce.register_fake

@@ -220,10 +220,20 @@ class CustomAllreduce:
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces '1stage' or '2stage'."""
-        self.check()
-        reason = ineligible_reason(x, self.device, self.max_bytes)
-        if reason is not None:
+        out = self.try_all_reduce(x, algo)
+        if out is None:
+            reason = ineligible_reason(x, self.device, self.max_bytes)
             raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {reason}")
+        return out
+
+    def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
+        """`all_reduce(x, algo)`, or None when `x` is not eligible (the caller then uses NCCL).
+
+        The op's path: one eligibility check per call instead of `eligible` and then `all_reduce`.
+        """
+        self.check()
+        if ineligible_reason(x, self.device, self.max_bytes) is not None:
+            return None
         nbytes = x.numel() * x.element_size()
         dtype_code = _DTYPE_CODES[x.dtype]
         algo_code = _ALGO_CODES[choose_algo(self.world_size, nbytes, algo or self._forced_algo)]
