@@ -14,18 +14,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from graphar.config import Config
 
 from .all_reduce import rewrite_all_reduces
+from .qkv import rewrite_qkv_triplets
 
 log = logging.getLogger("graphar")
 # Before/after graphs, compact, at DEBUG (the demo shows them; TORCH_LOGS="+graphar" prints them).
 graph_log = logging.getLogger("graphar.graphs")
 
 _PASS_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
-
-
-def _rewrite_qkv(graph: torch.fx.Graph, config: Config) -> int:
-    from .qkv import rewrite_qkv_triplets
-
-    return rewrite_qkv_triplets(graph, config)
 
 
 def compact(graph: torch.fx.Graph) -> str:
@@ -55,7 +50,7 @@ class GrapharPass(CustomGraphPass):
         if self.config.all_reduce:
             self.passes.append(("all_reduce", rewrite_all_reduces))
         if self.config.qkv_all_to_all:
-            self.passes.append(("qkv_all_to_all", _rewrite_qkv))
+            self.passes.append(("qkv_all_to_all", rewrite_qkv_triplets))
         self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:

@@ -11,6 +11,7 @@ import re
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import normalize_gm
 from torch._guards import detect_fake_mode
@@ -18,6 +19,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from graphar.config import Config
 from graphar.passes import GrapharPass
@@ -37,16 +39,27 @@ class _RecordingPass(GrapharPass):
         self.after = readable(graph)
 
 
-def post_grad_graphs(fn: Callable[..., Any], *args: Any, config: Config | None = None, **compile_kwargs: Any):
-    """Returns (before, after, counts) for the first graph `fn` compiles to."""
-    recorder = _RecordingPass(config or Config())
+def init_fake_world(world_size: int, rank: int = 0) -> None:
+    """(Re)start the fake process group, whose collectives move no data: for graph structure only."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def all_post_grad_graphs(
+    fn: Callable[..., Any], *args: Any, config: Config | None = None, fullgraph: bool = True
+) -> list[tuple[str, str, dict[str, int]]]:
+    """(before, after, counts) for every graph `fn` compiles to, in order (graph breaks allowed
+    with fullgraph=False)."""
+    results = []
 
     def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        if not hasattr(recorder, "after"):
-            with inductor_config.patch(post_grad_custom_post_pass=recorder), V.set_fake_mode(
-                detect_fake_mode(example_inputs)
-            ):
-                post_grad_passes(gm, is_inference=True)
+        recorder = _RecordingPass(config or Config())
+        with inductor_config.patch(post_grad_custom_post_pass=recorder), V.set_fake_mode(
+            detect_fake_mode(example_inputs)
+        ):
+            post_grad_passes(gm, is_inference=True)
+        results.append((recorder.before, recorder.after, recorder.counts))
         return gm
 
     backend = aot_autograd(
@@ -54,5 +67,11 @@ def post_grad_graphs(fn: Callable[..., Any], *args: Any, config: Config | None =
     )
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True, **compile_kwargs)(*args)
-    return recorder.before, recorder.after, recorder.counts
+        torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args)
+    return results
+
+
+def post_grad_graphs(fn: Callable[..., Any], *args: Any, config: Config | None = None):
+    """(before, after, counts) of the one graph `fn` compiles to."""
+    (result,) = all_post_grad_graphs(fn, *args, config=config)
+    return result

@@ -6,19 +6,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from expecttest import TestCase
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar  # noqa: F401  (registers the ops)
 from graphar.config import Config
-from tests._graphs import post_grad_graphs
+from tests._graphs import init_fake_world, post_grad_graphs
 
 WORLD = 4
 
 
 def _init_fake_world(rank: int = 0) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
+    init_fake_world(WORLD, rank)
 
 
 def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

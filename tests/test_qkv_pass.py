@@ -18,27 +18,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from expecttest import TestCase
-from torch._dynamo.backends.common import aot_autograd
-from torch._guards import detect_fake_mode
-from torch._inductor import config as inductor_config
-from torch._inductor.decomposition import select_decomp_table
-from torch._inductor.fx_passes.post_grad import post_grad_passes
-from torch._inductor.virtualized import V
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar  # noqa: F401  (registers the ops)
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
-from tests._graphs import _RecordingPass, post_grad_graphs
+from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 
 WORLD = 2
 ONLY_QKV = Config(all_reduce=False)
 
 
 def _init_fake_world(rank: int = 0) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
+    init_fake_world(WORLD, rank)
 
 
 def normalise(text: str) -> str:
@@ -85,22 +76,8 @@ def graphs(fn: Callable[..., Any], *args: Any) -> tuple[str, str, int]:
 
 def graphs_with_breaks(fn: Callable[..., Any], *args: Any) -> list[tuple[str, str, int]]:
     """(before, after, count) for every graph `fn` compiles to (graph breaks allowed)."""
-    results = []
-
-    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        recorder = _RecordingPass(ONLY_QKV)
-        with inductor_config.patch(post_grad_custom_post_pass=recorder), V.set_fake_mode(
-                detect_fake_mode(example_inputs)):
-            post_grad_passes(gm, is_inference=True)
-        results.append((normalise(recorder.before), normalise(recorder.after), recorder.counts["qkv_all_to_all"]))
-        return gm
-
-    backend = aot_autograd(fw_compiler=forward_compiler, decompositions=select_decomp_table(),
-                           keep_inference_input_mutations=True)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=backend)(*args)
-    return results
+    return [(normalise(before), normalise(after), counts["qkv_all_to_all"])
+            for before, after, counts in all_post_grad_graphs(fn, *args, config=ONLY_QKV, fullgraph=False)]
 
 
 class QkvPassTest(TestCase):
