@@ -5,8 +5,10 @@
 Spawns one process per GPU (run it with plain `python`, not torchrun). For each shape
 `b x s x h x d` (global sequence s, all heads h; bf16) it times, per op, CUDA graphs of back-to-back:
 - input exchange: 3 x (permute + all_to_all_single + permute) as Ulysses code writes it, and
-  `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into);
-- output exchange: the same pair for heads -> sequence;
+  `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
+  over both transports: NCCL (a group without a graphar communicator) and CUDA IPC (the world
+  group, after `graphar.init()`);
+- output exchange: the same for heads -> sequence;
 - the pack kernel alone and a device-to-device copy of the same bytes, as bandwidths.
 Every graphar result is checked bitwise against the three-collective path first (WRONG on a mismatch).
 Times are the max over ranks of the median replay. The table goes to stdout and to
@@ -39,8 +41,9 @@ DTYPE = torch.bfloat16
 SMALL_BYTES = 256 << 20  # below this, inputs rotate between two sets so that L2 does not flatter
 GRAPH_BYTES = 4 << 30  # bytes exchanged per captured graph, which bounds its op count (and run time)
 
-UNPACKED, PACKED = "3 x all_to_all_single", "graphar packed"
-OUT_UNPACKED, OUT_GRAPHAR = "all_to_all_single", "graphar"
+UNPACKED, PACKED, PACKED_IPC = "3 x all_to_all_single", "graphar packed, NCCL", "graphar packed, IPC"
+OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC = "all_to_all_single", "graphar, NCCL", "graphar, IPC"
+TIMED = (UNPACKED, PACKED, PACKED_IPC, OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC)
 
 
 @dataclass(frozen=True)
@@ -87,31 +90,36 @@ def time_graph(step, nbytes: int, s: Settings) -> float:
         del graph
 
 
-def run_shape(shape: tuple[int, int, int, int], world_size: int, s: Settings) -> dict[str, common.Cell]:
+def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings) -> dict[str, common.Cell]:
     from graphar.comm import ulysses
     from graphar.kernels import pack
 
-    group_name = dist.group.WORLD.group_name
+    ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport
     b, seq, h, d = shape
     if seq % world_size or h % world_size:
-        return {k: "-" for k in (UNPACKED, PACKED, OUT_UNPACKED, OUT_GRAPHAR, "pack", "copy")}
+        return {k: "-" for k in (*TIMED, "pack", "copy")}
     s_local, h_local = seq // world_size, h // world_size
     nbytes = qkv_bytes(shape, world_size)
     sets = 2 if nbytes < SMALL_BYTES else 1
     qkv = [[torch.randn(b, s_local, h, d, device="cuda", dtype=DTYPE) for _ in range(3)] for _ in range(sets)]
     outs = [torch.randn(b, seq, h_local, d, device="cuda", dtype=DTYPE) for _ in range(sets)]
 
-    ok = all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group_name),
-                                               [ulysses.seq_to_heads_unpacked(t) for t in qkv[0]]))
-    ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group_name), ulysses.heads_to_seq_unpacked(outs[0]))
+    reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv[0]]
+    out_reference = ulysses.heads_to_seq_unpacked(outs[0])
+    ok = True
+    for group in (nccl_group, ipc_group):  # the first IPC call also sizes the exchange buffers
+        ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
+        ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
     if not common.all_ranks(ok):
-        return {k: "WRONG" for k in (UNPACKED, PACKED, OUT_UNPACKED, OUT_GRAPHAR)} | {"pack": "-", "copy": "-"}
+        return {k: "WRONG" for k in TIMED} | {"pack": "-", "copy": "-"}
 
     cells: dict[str, common.Cell] = {
         UNPACKED: time_graph(lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes, s),
-        PACKED: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], group_name), nbytes, s),
+        PACKED: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], nccl_group), nbytes, s),
+        PACKED_IPC: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], ipc_group), nbytes, s),
         OUT_UNPACKED: time_graph(lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3, s),
-        OUT_GRAPHAR: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], group_name), nbytes // 3, s),
+        OUT_GRAPHAR: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], nccl_group), nbytes // 3, s),
+        OUT_IPC: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], ipc_group), nbytes // 3, s),
     }
     # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
     packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
@@ -123,10 +131,15 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, s: Settings) ->
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    import graphar
+
     torch.manual_seed(1234 + rank)
+    if graphar.init() is None:
+        raise SystemExit("graphar.init() set up no communicator: the IPC transport cannot be measured here")
+    nccl_group = dist.new_group(list(range(world_size))).group_name  # no communicator: NCCL transport
     results: dict[tuple, common.Cell] = {}
     for shape in s.shapes:
-        cells = run_shape(shape, world_size, s)
+        cells = run_shape(shape, world_size, nccl_group, s)
         results.update({(shape, k): v for k, v in cells.items()})
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -149,19 +162,23 @@ def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
 def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> list[tuple[str, str]]:
     exchange_rows, output_rows, pack_rows = [], [], []
     for shape in s.shapes:
-        r = {k: results[(shape, k)] for k in (UNPACKED, PACKED, OUT_UNPACKED, OUT_GRAPHAR, "pack", "copy")}
+        r = {k: results[(shape, k)] for k in (*TIMED, "pack", "copy")}
         label = shape_label(shape)
         mb = f"{qkv_bytes(shape, world_size) / 1e6:.1f} MB"
-        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], speedup(r[PACKED], r[UNPACKED])])
-        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], speedup(r[OUT_GRAPHAR], r[OUT_UNPACKED])])
+        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], speedup(r[PACKED], r[UNPACKED]),
+                              speedup(r[PACKED_IPC], r[UNPACKED])])  # fmt: skip
+        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], speedup(r[OUT_GRAPHAR], r[OUT_UNPACKED]),
+                            speedup(r[OUT_IPC], r[OUT_UNPACKED])])  # fmt: skip
         pack_bw, copy_bw = (bandwidth(qkv_bytes(shape, world_size), r[k]) for k in ("pack", "copy"))
         ratio = f"{100 * pack_bw / copy_bw:.0f}%" if isinstance(pack_bw, float) and isinstance(copy_bw, float) else "-"
         pack_rows.append([label, pack_bw, copy_bw, ratio])
     return [
         ("Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, "speedup"], exchange_rows)),
+         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, "speedup NCCL",
+                                "speedup IPC"], exchange_rows)),
         ("Output exchange, [b, s, h/P, d] -> [b, s/P, h, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, "speedup"], output_rows)),
+         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, "speedup NCCL", "speedup IPC"],
+                               output_rows)),
         ("Pack kernel vs device copy, GB/s (read + write)",
          common.markdown_table(["b, s, h, d", "pack kernel", "copy_", "pack / copy"], pack_rows)),
     ]
@@ -173,7 +190,8 @@ def notes(s: Settings) -> list[str]:
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
         "3 x all_to_all_single: graphar.comm.ulysses.seq_to_heads_unpacked (yunchang's all_to_all_4D layout); "
-        "graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views).",
+        "graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
+        "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC).",
         "Bandwidths: 2 x q+k+v bytes (read + write) over the worst rank's time.",
         "Targets (2 x H200): input exchange >= 1.5x the three-collective path; pack kernel >= 80% of copy_.",
     ]
@@ -190,7 +208,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
     rng = random.Random(0)
     results: dict[tuple, common.Cell] = {}
     for shape in s.shapes:
-        for k in (UNPACKED, PACKED, OUT_UNPACKED, OUT_GRAPHAR, "pack", "copy"):
+        for k in (*TIMED, "pack", "copy"):
             results[(shape, k)] = rng.uniform(100, 3000)
     default = Path(tempfile.gettempdir()) / "graphar-bench-dry-run" / "ulysses.md"
     write(results, s, 2, "cpu (dry run)", out or default)

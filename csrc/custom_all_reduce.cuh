@@ -37,7 +37,14 @@ struct __align__(16) RankSignals {
 };
 
 // Where a spin loop gave up; written by the kernel into host-mapped memory.
-enum Where : uint32_t { kOneStageEntry = 1, kOneStageExit = 2, kTwoStageEntry = 3, kTwoStageMid = 4 };
+enum Where : uint32_t {
+  kOneStageEntry = 1,
+  kOneStageExit = 2,
+  kTwoStageEntry = 3,
+  kTwoStageMid = 4,
+  kAllToAllEntry = 5,
+  kAllToAllExit = 6,
+};
 
 struct ErrorRecord {
   volatile uint32_t failed;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "all_to_all.cuh"
 #include "custom_all_reduce.cuh"
 #include "graphar_cuda.h"
 
@@ -97,6 +98,18 @@ Kernel pick(int ranks, int algo) {
   }
 }
 
+using PullKernel = void (*)(AllToAllParams);
+
+PullKernel pull_kernel_for(int ranks) {
+  switch (ranks) {
+    case 2: return pull_all_to_all<2>;
+    case 4: return pull_all_to_all<4>;
+    case 6: return pull_all_to_all<6>;
+    case 8: return pull_all_to_all<8>;
+    default: return nullptr;
+  }
+}
+
 Kernel kernel_for(int dtype, int ranks, int algo) {
   if (algo != GRAPHAR_ONE_STAGE && algo != GRAPHAR_TWO_STAGE) return nullptr;
   switch (dtype) {
@@ -122,7 +135,46 @@ struct Comm {
   cudaEvent_t last_event = nullptr;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
+  // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of
+  // exchange_bytes; zero until graphar_comm_exchange_open. Buffers a captured graph may still use
+  // are retired (kept until destroy) when they are replaced.
+  uint64_t exchange_bytes = 0;
+  void* exchange_ptrs[kMaxRanks] = {};
+  std::vector<void*> retired_own, retired_peer;
 };
+
+// One op in flight per communicator: an eager launch on another stream waits for the previous one
+// instead of racing it for the Signal and the registered buffers.
+int wait_for_previous(Comm* c, cudaStream_t stream) {
+  if (c->launched && stream != c->last_stream) CUDA_TRY(cudaStreamWaitEvent(stream, c->last_event, 0));
+  return 0;
+}
+
+int note_launch(Comm* c, cudaStream_t stream) {
+  CUDA_TRY(cudaEventRecord(c->last_event, stream));
+  c->last_stream = stream;
+  c->launched = true;
+  return 0;
+}
+
+// Frees (or, with keep, retires) the exchange buffers; the device must be idle.
+int drop_exchange(Comm* c, bool keep) {
+  int first = 0;
+  for (int r = 0; r < c->ranks; r++) {
+    void* p = c->exchange_ptrs[r];
+    c->exchange_ptrs[r] = nullptr;
+    if (p == nullptr) continue;
+    const bool own = r == c->rank;
+    if (keep) {
+      (own ? c->retired_own : c->retired_peer).push_back(p);
+      continue;
+    }
+    const cudaError_t e = own ? cudaFree(p) : cudaIpcCloseMemHandle(p);
+    if (e != cudaSuccess && first == 0) first = cuda_fail(e, own ? "cudaFree(exchange)" : "cudaIpcCloseMemHandle(exchange)");
+  }
+  c->exchange_bytes = 0;
+  return first;
+}
 
 int close_and_free(Comm* c) {
   int first = 0;
@@ -130,6 +182,9 @@ int close_and_free(Comm* c) {
     if (e != cudaSuccess && first == 0) first = cuda_fail(e, what);
   };
   for (auto& kv : c->graph_mappings) note(cudaIpcCloseMemHandle(kv.second), "cudaIpcCloseMemHandle(graph buffer)");
+  if (const int rc = drop_exchange(c, false); rc != 0 && first == 0) first = rc;
+  for (void* p : c->retired_peer) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle(retired exchange)");
+  for (void* p : c->retired_own) note(cudaFree(p), "cudaFree(retired exchange)");
   c->graph_mappings.clear();
   for (int r = 0; r < c->ranks && c->opened; r++) {
     if (r == c->rank) continue;
@@ -364,19 +419,101 @@ int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t 
     CUDA_TRY(cudaMemcpyAsync(c->buffer, reinterpret_cast<const void*>(input), nbytes, cudaMemcpyDeviceToDevice,
                              stream));
   }
-  // One op in flight per communicator: a launch on another stream waits for the previous one
-  // instead of racing it for the Signal and the registered buffer.
-  if (mode == GRAPHAR_EAGER && c->launched && stream != c->last_stream) {
-    CUDA_TRY(cudaStreamWaitEvent(stream, c->last_event, 0));
+  if (mode == GRAPHAR_EAGER) {
+    if (int rc = wait_for_previous(c, stream)) return rc;
   }
   kernel<<<blocks, kThreads, 0, stream>>>(p);
   CUDA_TRY(cudaGetLastError());
-  if (mode == GRAPHAR_EAGER) {
-    CUDA_TRY(cudaEventRecord(c->last_event, stream));
-    c->last_stream = stream;
-    c->launched = true;
+  return mode == GRAPHAR_EAGER ? note_launch(c, stream) : 0;
+}
+
+int graphar_comm_order(void* comm, uint64_t stream_handle) {
+  Comm* c = as_comm(comm);
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  return wait_for_previous(c, reinterpret_cast<cudaStream_t>(stream_handle));
+}
+
+int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint64_t* ptr_out, void* handle_out) {
+  Comm* c = as_comm(comm);
+  *ptr_out = 0;
+  if (!c->opened) return fail(GRAPHAR_EINVAL, "exchange buffer before the peers' buffers were opened");
+  if (nbytes == 0 || nbytes % 16 != 0) {
+    return fail(GRAPHAR_EINVAL, "exchange buffer of %llu bytes: not a positive multiple of 16",
+                static_cast<unsigned long long>(nbytes));
   }
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  // Peers read this rank's buffer only inside kernels that end after this rank's own do (exit
+  // barrier), so once this device is idle nobody reads the old buffers.
+  CUDA_TRY(cudaDeviceSynchronize());
+  if (int rc = drop_exchange(c, keep_old != 0)) return rc;
+  void* buffer = nullptr;
+  CUDA_TRY(cudaMalloc(&buffer, nbytes));
+  c->exchange_ptrs[c->rank] = buffer;
+  cudaIpcMemHandle_t h;
+  CUDA_TRY(cudaIpcGetMemHandle(&h, buffer));
+  memcpy(handle_out, &h, sizeof(h));
+  *ptr_out = reinterpret_cast<uint64_t>(buffer);
   return 0;
+}
+
+int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles) {
+  Comm* c = as_comm(comm);
+  if (c->exchange_ptrs[c->rank] == nullptr) return fail(GRAPHAR_EINVAL, "no exchange buffer of this rank to open with");
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
+  for (int r = 0; r < c->ranks; r++) {
+    if (r == c->rank) continue;
+    void* peer = nullptr;
+    CUDA_TRY(cudaIpcOpenMemHandle(&peer, h[r], cudaIpcMemLazyEnablePeerAccess));
+    c->exchange_ptrs[r] = peer;
+  }
+  c->exchange_bytes = nbytes;
+  return 0;
+}
+
+int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int blocks,
+                            uint64_t stream_handle) {
+  Comm* c = as_comm(comm);
+  const PullKernel kernel = pull_kernel_for(c->ranks);
+  if (kernel == nullptr || c->exchange_bytes == 0) return fail(GRAPHAR_EINVAL, "no exchange buffers are open");
+  if (mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) return fail(GRAPHAR_EINVAL, "unknown path %d", mode);
+  if (blocks < 1 || blocks > kMaxBlocks) return fail(GRAPHAR_EINVAL, "%d blocks out of [1, %d]", blocks, kMaxBlocks);
+  if (chunk_bytes == 0 || row_bytes == 0 || chunk_bytes % row_bytes != 0 || src_offset > c->exchange_bytes ||
+      chunk_bytes > (c->exchange_bytes - src_offset) / c->ranks) {
+    return fail(GRAPHAR_EINVAL, "%d chunks of %llu bytes in rows of %llu from offset %llu do not fit %llu bytes",
+                c->ranks, static_cast<unsigned long long>(chunk_bytes), static_cast<unsigned long long>(row_bytes),
+                static_cast<unsigned long long>(src_offset), static_cast<unsigned long long>(c->exchange_bytes));
+  }
+  if ((output | src_offset | row_bytes | dst_row_stride | dst_chunk_stride) % 16 != 0) {
+    return fail(GRAPHAR_EINVAL, "output, offset, row size and strides must be multiples of 16 bytes");
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  AllToAllParams p{};
+  p.barrier.signals = c->signals;
+  p.barrier.self = c->signals.signals[c->rank];
+  p.barrier.out = reinterpret_cast<void*>(output);
+  p.barrier.error = c->error_device;
+  p.barrier.timeout_ns = c->timeout_ns;
+  p.barrier.rank = c->rank;
+  for (int r = 0; r < c->ranks; r++) p.sends.ptrs[r] = c->exchange_ptrs[r];
+  p.src_offset = static_cast<int64_t>(src_offset / 16);
+  p.place = {static_cast<int64_t>(chunk_bytes / 16), static_cast<int64_t>(row_bytes / 16),
+             static_cast<int64_t>(dst_row_stride / 16), static_cast<int64_t>(dst_chunk_stride / 16)};
+  const int64_t wanted = (p.place.chunk_packs + kPullThreads - 1) / kPullThreads;
+  blocks = static_cast<int>(std::min<int64_t>(blocks, wanted));
+
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  if (mode == GRAPHAR_EAGER) {
+    if (int rc = wait_for_previous(c, stream)) return rc;
+  }
+  kernel<<<blocks, kPullThreads, 0, stream>>>(p);
+  CUDA_TRY(cudaGetLastError());
+  return mode == GRAPHAR_EAGER ? note_launch(c, stream) : 0;
 }
 
 int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,

@@ -50,6 +50,21 @@ int graphar_comm_probe(void* comm, int phase, int* bad_peer);
 int graphar_comm_error_record(void* comm, void** record_out);
 int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t input, uint64_t output,
                             uint64_t nbytes, int slot, uint64_t stream);
+// Eager only: make `stream` wait for the communicator's previous eager op when that ran on
+// another stream (before writing the exchange buffer, which that op may still read).
+int graphar_comm_order(void* comm, uint64_t stream);
+// Collective (every rank, same nbytes): waits for the device, frees the exchange buffers (keep_old:
+// retires them, for graphs captured with them) and allocates this rank's new one; its IPC handle
+// goes to the peers, then graphar_comm_exchange_open with every rank's handle (rank order).
+int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint64_t* ptr_out, void* handle_out);
+int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles);
+// All-to-all of chunks in the exchange buffers: chunk j (of chunk_bytes, at src_offset + j * chunk_bytes
+// of rank i's buffer) goes to rank j, where chunk i arrives as rows of row_bytes, row k at
+// output + i * dst_chunk_stride + k * dst_row_stride. blocks: at most this many (1..64).
+// mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY (inside any capture).
+int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int blocks,
+                            uint64_t stream);
 // Fill slots [first_slot, first_slot + count) after a capture. Per call i and rank r (index i*ws+r):
 // a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the
 // call through its registered buffer; own_ptrs[i] is this rank's own input of call i.

@@ -240,15 +240,15 @@ def pool() -> StagingPool:
     return _POOL
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
 def staging(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A staging tensor of `shape` and `dtype` for `role` (see `StagingPool.get`)."""
-    return pool().get(role, _nbytes(shape, dtype), device).view(dtype).view(tuple(shape))
+    return pool().get(role, nbytes(shape, dtype), device).view(dtype).view(tuple(shape))
 
 
 def reserve(role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, count: int = 1) -> None:
     """`StagingPool.reserve` for a tensor of `shape` and `dtype`."""
-    pool().reserve(role, _nbytes(shape, dtype), device, count)
+    pool().reserve(role, nbytes(shape, dtype), device, count)

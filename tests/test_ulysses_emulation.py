@@ -9,6 +9,7 @@ Every `torch.empty` is poisoned with NaN, so an output the exchange fails to wri
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -16,7 +17,7 @@ from unittest import mock
 import torch
 from expecttest import TestCase
 
-from graphar.comm import ulysses
+from graphar.comm import exchange, ulysses
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _empty = torch.empty
@@ -27,41 +28,100 @@ def _poisoned_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
 
 
-class EmulatedWorld:
-    """Runs fn(rank) for each rank with graphar's all_to_all_single routed through the emulation."""
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
-    def __init__(self, world_size: int) -> None:
+
+class _FakeIpc:
+    """graphar.comm.exchange.IpcExchange for one emulated rank: a host send buffer, no GPU."""
+
+    def __init__(self, exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None]) -> None:
+        self._exchange_bytes = exchange_bytes
+        self.rank = 0  # set by EmulatedWorld for the rank it runs
+
+    def serves(self, t: torch.Tensor) -> bool:
+        return True
+
+    def run(self, out: torch.Tensor, stages: list[exchange.Stage], nbytes: int) -> bool:
+        if not all(stage.placement.supported() for stage in stages):
+            return False
+        buffer = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
+        for stage in stages:
+            stage.pack(buffer)
+        self._exchange_bytes(buffer, lambda buffers: [_place(buffers, out, stage, self.rank) for stage in stages])
+        return True
+
+
+class EmulatedWorld:
+    """Runs fn(rank) for each rank with graphar's exchanges routed through the emulation.
+
+    transport "nccl": no communicator, so `all_to_all_single` (graphar's `_all_to_all` hook);
+    "ipc": a communicator's IPC exchange, whose pull places each chunk by its `Placement`.
+    The references (`_exchange`) always take the `all_to_all_single` hook.
+    """
+
+    def __init__(self, world_size: int, transport: str = "nccl") -> None:
         self.world_size = world_size
+        self.transport = transport
+        self.ipc_calls = 0
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
-        sends: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        deliveries: list[list[torch.Tensor]] = []
-        rank = 0
+        world = self.world_size
+        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        done = [0] * world
+        state = {"rank": 0, "deliver": False}
 
-        def record(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
-            sends[rank].append(send.detach().clone().reshape(self.world_size, -1))
-
-        def deliver(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
+        def exchange_bytes(send: torch.Tensor, receive: Callable[[list[torch.Tensor]], None]) -> None:
+            rank = state["rank"]
+            if not state["deliver"]:
+                sends[rank].append(send.clone())
+                return
             call = done[rank]
-            assert torch.equal(send.reshape(self.world_size, -1), sends[rank][call]), "a rank sent different data"
-            recv.view(-1).copy_(deliveries[rank][call])
+            assert torch.equal(send, sends[rank][call]), "a rank sent different data"
+            receive([sends[i][call] for i in range(world)])
             done[rank] += 1
 
-        patches = [mock.patch.object(ulysses, "_world_size", lambda name: self.world_size),
-                   mock.patch.object(torch, "empty", _poisoned_empty)]
-        with patches[0], patches[1], mock.patch.object(ulysses, "_all_to_all", record):
-            for rank in range(self.world_size):
-                fn(rank)
-        calls = self.calls = len(sends[0])
-        for j in range(self.world_size):
-            deliveries.append([torch.cat([sends[i][c][j] for i in range(self.world_size)]) for c in range(calls)])
-        done = [0] * self.world_size
+        def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
+            rank = state["rank"]
+            exchange_bytes(_bytes(send), lambda all_sends: _bytes(recv).copy_(
+                torch.cat([s.view(world, -1)[rank] for s in all_sends])))
+
+        def ipc(send: torch.Tensor, receive: Callable[[list[torch.Tensor]], None]) -> None:
+            self.ipc_calls += not state["deliver"] and state["rank"] == 0
+            exchange_bytes(send, receive)
+
+        fake = _FakeIpc(ipc)
+        patches = (mock.patch.object(ulysses, "_world_size", lambda name: world),
+                   mock.patch.object(torch, "empty", _poisoned_empty),
+                   mock.patch.object(ulysses, "_all_to_all", all_to_all_single),
+                   mock.patch.object(exchange, "for_group", lambda name: fake if self.transport == "ipc" else None))
         results = []
-        with patches[0], patches[1], mock.patch.object(ulysses, "_all_to_all", deliver):
-            for rank in range(self.world_size):
-                results.append(fn(rank))
-        assert done == [calls] * self.world_size, "a rank made different exchanges in the second pass"
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            for deliver in (False, True):
+                state["deliver"] = deliver
+                for rank in range(world):
+                    state["rank"] = fake.rank = rank
+                    result = fn(rank)
+                    if deliver:
+                        results.append(result)
+                if not deliver:
+                    self.calls = len(sends[0])
+        assert done == [self.calls] * world, "a rank made different exchanges in the second pass"
         return results
+
+
+def _place(buffers: list[torch.Tensor], out: torch.Tensor, stage: exchange.Stage, rank: int) -> None:
+    """What the pull kernel does for one stage on this rank: chunk `rank` of rank i's buffer becomes
+    rows of row_bytes at the placement's strides from byte out_offset of the output."""
+    p = stage.placement
+    rows = p.chunk_bytes // p.row_bytes
+    dst = _bytes(out)
+    for i, buffer in enumerate(buffers):
+        start = stage.src_offset + rank * p.chunk_bytes
+        dst.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), stage.out_offset + i * p.dst_chunk_stride).copy_(
+            buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes))
 
 
 def _exchange(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +144,8 @@ def _full(b: int, s: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SeqToHeadsTest(TestCase):
+    transport = "nccl"
+
     def check(self, world: int, b: int, s_local: int, heads: tuple[int, int, int], d: int, dtype: torch.dtype,
               heads_dim: int = 2) -> None:
         full = [_full(b, world * s_local, h, d, dtype) for h in heads]  # every rank's tokens, all heads
@@ -92,9 +154,10 @@ class SeqToHeadsTest(TestCase):
         if heads_dim == 1:
             inputs = [[x.transpose(1, 2).contiguous() for x in xs] for xs in inputs]
 
-        emulated = EmulatedWorld(world)
+        emulated = EmulatedWorld(world, self.transport)
         packed = emulated.run(lambda r: ulysses.seq_to_heads(*inputs[r], "g", heads_dim=heads_dim))
         self.assertEqual(emulated.calls, 1, "Q, K and V must move in one exchange")
+        self.assertEqual(emulated.ipc_calls, int(self.transport == "ipc"))
         if heads_dim == 1:
             packed = [[x.transpose(1, 2) for x in out] for out in packed]
         unpacked = EmulatedWorld(world).run(lambda r: [_three_collectives(shard(r, t), world) for t in full])
@@ -124,7 +187,7 @@ class SeqToHeadsTest(TestCase):
 
     def test_result_is_one_new_tensor(self) -> None:
         q, k, v = (_full(1, 4, 4, 8, torch.float32) for _ in range(3))
-        out = EmulatedWorld(2).run(lambda r: ulysses.seq_to_heads(q, k, v, "g"))[0]
+        out = EmulatedWorld(2, self.transport).run(lambda r: ulysses.seq_to_heads(q, k, v, "g"))[0]
         base = out[0].untyped_storage().data_ptr()
         self.assertTrue(all(x.untyped_storage().data_ptr() == base for x in out))
         self.assertTrue(all(x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for x in out
@@ -132,6 +195,8 @@ class SeqToHeadsTest(TestCase):
 
 
 class HeadsToSeqTest(TestCase):
+    transport = "nccl"
+
     def test_worlds_batches_dtypes_layouts(self) -> None:
         for world in (2, 4):
             for b in (1, 2):
@@ -147,21 +212,26 @@ class HeadsToSeqTest(TestCase):
         # Rank j holds all tokens of head block j, as attention leaves them ([b, h, s, d] transposed or not).
         inputs = [full[:, :, j * h_local:(j + 1) * h_local] for j in range(world)]
         inputs = [x.transpose(1, 2).contiguous().transpose(1, 2) if transposed else x.contiguous() for x in inputs]
-        outs = EmulatedWorld(world).run(lambda r: ulysses.heads_to_seq(inputs[r], "g"))
+        emulated = EmulatedWorld(world, self.transport)
+        outs = emulated.run(lambda r: ulysses.heads_to_seq(inputs[r], "g"))
+        self.assertEqual(emulated.ipc_calls, int(self.transport == "ipc"))
         for r in range(world):
             self.assertTrue(torch.equal(outs[r], full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
             self.assertTrue(outs[r].is_contiguous())
 
 
 class PackedAllToAllSingleTest(TestCase):
+    transport = "nccl"
+
     def test_packed_equals_separate_exchanges(self) -> None:
         for world in (2, 4):
             for dtype in DTYPES:
                 with self.subTest(world=world, dtype=dtype):
                     shapes = [(world * 3, 5), (world * 2, 4, 3), (world,)]
                     xs = [[torch.randn(s).to(dtype) for s in shapes] for _ in range(world)]
-                    packed = EmulatedWorld(world).run(
-                        lambda r: torch.ops.graphar.packed_all_to_all_single(xs[r], "g"))
+                    emulated = EmulatedWorld(world, self.transport)
+                    packed = emulated.run(lambda r: torch.ops.graphar.packed_all_to_all_single(xs[r], "g"))
+                    self.assertEqual(emulated.calls, 1)
                     separate = EmulatedWorld(world).run(lambda r: [_exchange(x) for x in xs[r]])
                     for j in range(world):
                         for t, shape in enumerate(shapes):
@@ -169,6 +239,53 @@ class PackedAllToAllSingleTest(TestCase):
                             spec = torch.cat([xs[i][t][j * rows:(j + 1) * rows] for i in range(world)])
                             self.assertTrue(torch.equal(packed[j][t], spec))
                             self.assertTrue(torch.equal(separate[j][t], spec))
+
+
+# The same checks through a communicator's IPC exchange: the pull's placements instead of a receive relayout.
+class SeqToHeadsIpcTest(SeqToHeadsTest):
+    transport = "ipc"
+
+
+class HeadsToSeqIpcTest(HeadsToSeqTest):
+    transport = "ipc"
+
+
+class PackedAllToAllSingleIpcTest(PackedAllToAllSingleTest):
+    transport = "ipc"
+
+
+class _Staged:
+    """Stages of a few hundred bytes: the small test shapes pipeline over several sequence slices."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        patch = mock.patch.object(ulysses, "_STAGE_BYTES", 256)
+        patch.start()
+        self.addCleanup(patch.stop)
+
+
+class SeqToHeadsStagedIpcTest(_Staged, SeqToHeadsIpcTest):
+    pass
+
+
+class HeadsToSeqStagedIpcTest(_Staged, HeadsToSeqIpcTest):
+    pass
+
+
+class SlicesTest(TestCase):
+    def test_slices_cover_the_sequence(self) -> None:
+        self.assertEqual(ulysses._slices(10, 1 << 20), [(0, 10)])
+        self.assertEqual(ulysses._slices(10, 3 * ulysses._STAGE_BYTES), [(0, 3), (3, 6), (6, 10)])
+        self.assertEqual(len(ulysses._slices(1000, 1 << 40)), ulysses._MAX_STAGES)
+        self.assertEqual(ulysses._slices(2, 1 << 40), [(0, 1), (1, 2)])
+
+
+class PlacementTest(TestCase):
+    def test_only_whole_packs(self) -> None:
+        self.assertTrue(exchange.Placement(64, 32, 96, 32).supported())
+        self.assertFalse(exchange.Placement(48, 24, 48, 24).supported())  # 24-byte rows
+        self.assertFalse(exchange.Placement(64, 48, 96, 48).supported())  # rows do not tile the chunk
+        self.assertFalse(exchange.Placement(0, 16, 16, 16).supported())
 
 
 class ValidationTest(TestCase):

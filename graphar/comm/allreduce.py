@@ -37,7 +37,8 @@ KB = 1 << 10
 ONE_STAGE, TWO_STAGE = "1stage", "2stage"
 _ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2}
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_EAGER, _CAPTURED_COPY, _ZERO_COPY, _STAGED = 0, 1, 2, 3
+# Launch paths (GRAPHAR_EAGER ... of csrc/graphar_cuda.h).
+EAGER, CAPTURED_COPY, ZERO_COPY, STAGED = 0, 1, 2, 3
 _WORLD_SIZES = (2, 4, 6, 8)
 # Above 2 ranks, 1stage (which reads ws x the message) wins below these sizes; ws == 2 always 1stage.
 _ONE_STAGE_BELOW = {4: 512 * KB, 6: 256 * KB, 8: 256 * KB}
@@ -46,13 +47,14 @@ _ONE_STAGE_BELOW = {4: 512 * KB, 6: 256 * KB, 8: 256 * KB}
 # bench/results/allreduce-h200-ws2.md) and change nothing below, where the grid is smaller anyway.
 _BLOCK_LIMITS = {8: 36, 9: 64}
 _DEFAULT_BLOCK_LIMIT = 36
-_MAX_BLOCK_LIMIT = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh
+MAX_BLOCKS = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh
 _GRAPH_SLOTS = 1 << 16
 # Long enough for the ranks' skew at a compiled graph's first call (each rank runs it right after
 # its own compile, which can finish tens of seconds apart), short enough to turn a hang into an error.
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
-_WHERE = {1: "1stage entry", 2: "1stage exit", 3: "2stage entry", 4: "2stage middle"}
+_WHERE = {1: "all_reduce 1stage entry", 2: "all_reduce 1stage exit", 3: "all_reduce 2stage entry",
+          4: "all_reduce 2stage middle", 5: "all_to_all entry", 6: "all_to_all exit"}  # fmt: skip
 
 
 class GrapharTimeoutError(RuntimeError):
@@ -84,8 +86,8 @@ def block_limit(capability_major: int) -> int:
     """Blocks per launch: GRAPHAR_BLOCK_LIMIT, else the table by architecture."""
     value = os.environ.get("GRAPHAR_BLOCK_LIMIT")
     limit = int(value) if value else _BLOCK_LIMITS.get(capability_major, _DEFAULT_BLOCK_LIMIT)
-    if not 1 <= limit <= _MAX_BLOCK_LIMIT:
-        raise ValueError(f"GRAPHAR_BLOCK_LIMIT must be in [1, {_MAX_BLOCK_LIMIT}], got {limit}")
+    if not 1 <= limit <= MAX_BLOCKS:
+        raise ValueError(f"GRAPHAR_BLOCK_LIMIT must be in [1, {MAX_BLOCKS}], got {limit}")
     return limit
 
 
@@ -238,11 +240,11 @@ class CustomAllreduce:
         dtype_code = _DTYPE_CODES[x.dtype]
         algo_code = _ALGO_CODES[choose_algo(self.world_size, nbytes, algo or self._forced_algo)]
         out = torch.empty_like(x)
-        mode, slot = _EAGER, 0
+        mode, slot = EAGER, 0
         if torch.cuda.is_current_stream_capturing():
             capture = graphs.current_capture()
             if capture is None:
-                mode = _CAPTURED_COPY
+                mode = CAPTURED_COPY
             else:
                 mode, slot = self._record_graph_call(capture, x, nbytes, dtype_code, algo_code)
         stream = torch._C._cuda_getCurrentRawStream(self.device)
@@ -259,7 +261,7 @@ class CustomAllreduce:
         if self._broken is None and self._record.failed:
             r = self._record
             self._broken = (
-                f"graphar all_reduce on group {self.group_name!r} (rank {self.rank}) timed out: rank {r.peer} did "
+                f"graphar op on group {self.group_name!r} (rank {self.rank}) timed out: rank {r.peer} did "
                 f"not reach the {_WHERE.get(r.where, '?')} barrier (block {r.block}) within {self.timeout_s} s "
                 "(GRAPHAR_TIMEOUT_S); the communicator is unusable from now on"
             )
@@ -274,6 +276,17 @@ class CustomAllreduce:
             del _communicators[self.group_name]
         handle, self._handle = self._handle, None
         self._check(self._lib.graphar_comm_destroy(handle), "close")
+
+    # ---- for the other ops of this communicator (graphar.comm.exchange) --------------------------
+
+    def native(self, op: str, name: str, *args: Any) -> None:
+        """Call `name` of the CUDA library with this communicator's handle; raise naming `op` on failure."""
+        self.check()
+        self._check(getattr(self._lib, name)(self._handle, *args), op)
+
+    def all_gather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's `obj`, in rank order, over the group's store (collective, bounded wait)."""
+        return self._exchange.all_gather(obj, what)
 
     # ---- CUDA-graph capture (graphar.graphs) --------------------------------------------------
 
@@ -290,7 +303,7 @@ class CustomAllreduce:
         call = GraphCall(self._next_slot, x, base.value, not capable.value, (nbytes, dtype_code, algo_code))
         self._next_slot += 1
         capture.record(self, call)
-        return (_STAGED if call.staged else _ZERO_COPY), call.slot
+        return (STAGED if call.staged else ZERO_COPY), call.slot
 
     def register_graph(self, calls: Sequence[GraphCall]) -> None:
         """Collective after a capture: share the recorded inputs and fill their slots."""

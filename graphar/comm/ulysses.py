@@ -15,16 +15,25 @@ A heads-at-dim-1 layout `[b, h, S, d]` goes through the same ops as a permuted v
 Packing and unpacking are copies of bits (`graphar.kernels.pack`), so every path gives the results of
 separate `all_to_all_single`s bit for bit. The decision to pack depends only on shapes, dtypes and the
 world size, equal on every rank.
+
+Transport: a group with a graphar communicator (`graphar.init(group)`) exchanges over CUDA IPC
+(`graphar.comm.exchange`): the pack writes into the rank's registered exchange buffer and each rank
+pulls its chunks from the peers straight into the result, the receive relayout folded into the copy.
+Other groups, and captures whose exchange buffer is too small, use NCCL's `all_to_all_single`
+through staging buffers from `graphar.pool`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from graphar import pool
+from graphar.comm import exchange
 from graphar.kernels import pack
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
@@ -45,6 +54,72 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str
         dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=_group(group_name))
     except RuntimeError as e:
         raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
+
+
+# Stages of an IPC exchange: slices of the local sequence of about this much send data, at most this
+# many; each pipelines its pull behind the next one's pack (graphar.comm.exchange).
+_STAGE_BYTES = 16 << 20
+_MAX_STAGES = 8
+
+
+def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]],
+         nbytes: int) -> bool:
+    """Run `stages()` over the group's IPC exchange into `out`; False (nothing done) for NCCL."""
+    ex = exchange.for_group(group_name)
+    return ex is not None and ex.serves(like) and ex.run(out, stages(), nbytes)
+
+
+def _slices(length: int, nbytes: int) -> list[tuple[int, int]]:
+    """[s0, s1) slices of a local sequence of `length` tokens, one per stage of an exchange of `nbytes`."""
+    k = max(1, min(_MAX_STAGES, length, nbytes // _STAGE_BYTES))
+    bounds = [length * i // k for i in range(k + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _typed(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """`shape` of `dtype` at byte `offset` of a uint8 buffer."""
+    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
+def _pack_heads_at(xs: Sequence[torch.Tensor], world_size: int, offset: int, shape: Sequence[int],
+                   buffer: torch.Tensor) -> None:
+    pack.pack_heads(xs, world_size, _typed(buffer, offset, shape, xs[0].dtype))
+
+
+def _relayout_at(src: torch.Tensor, offset: int, buffer: torch.Tensor) -> None:
+    pack.relayout([(_typed(buffer, offset, src.shape, src.dtype), src)])
+
+
+def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange.Stage]:
+    """Stage per sequence slice [s0, s1): chunk i, `[b, n, H, d]`, lands at tokens i*S + s0.. of each batch row."""
+    b, s_local, _, d = xs[0].shape
+    unit = heads * d * xs[0].element_size()  # one token's packed heads
+    stages, offset = [], 0
+    for s0, s1 in _slices(s_local, p * b * s_local * unit):
+        n = s1 - s0
+        pack_fn = functools.partial(_pack_heads_at, [x[:, s0:s1] for x in xs], p, offset, (p, b, n, heads, d))
+        placement = exchange.Placement(b * n * unit, n * unit, p * s_local * unit, s_local * unit)
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * unit))
+        offset += p * b * n * unit
+    return stages
+
+
+def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
+    """Stage per sequence slice (one stage for b > 1, whose rows are not evenly spaced across slices):
+    row (bb, s) of chunk i, `h` heads, lands at heads i*h.. of token (bb, s)."""
+    b, s_global, h, d = o.shape
+    s_local = s_global // p
+    unit = h * d * o.element_size()  # one token's heads
+    chunks = o.unflatten(1, (p, s_local)).permute(1, 0, 2, 3, 4)  # [P, b, S, h, d]: sequence block j to rank j
+    slices = _slices(s_local, p * b * s_local * unit) if b == 1 else [(0, s_local)]
+    stages, offset = [], 0
+    for s0, s1 in slices:
+        n = s1 - s0
+        pack_fn = functools.partial(_relayout_at, chunks[:, :, s0:s1], offset)
+        placement = exchange.Placement(b * n * unit, unit, p * unit, unit)
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit))
+        offset += p * b * n * unit
+    return stages
 
 
 def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> None:
@@ -74,13 +149,16 @@ def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name
     _check_qkv(xs, p, group_name)
     b, s_global, heads, d = _qkv_shape(xs, p)
     s_local = s_global // p
-    send = pool.staging(_QKV_SEND, (p, b, s_local, heads, d), q.dtype, q.device)
-    pack.pack_heads(xs, p, send)
+    shape = (p, b, s_local, heads, d)
     out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
+    if _ipc(group_name, q, out, lambda: _qkv_stages(xs, p, heads), pool.nbytes(shape, q.dtype)):
+        return out
+    send = pool.staging(_QKV_SEND, shape, q.dtype, q.device)
+    pack.pack_heads(xs, p, send)
     if b == 1:  # rank i's block lands at sequence offset i*S: the exchange writes the result directly
         _all_to_all(out, send, group_name, "qkv_all_to_all")
         return out
-    recv = pool.staging(_QKV_RECV, (p, b, s_local, heads, d), q.dtype, q.device)
+    recv = pool.staging(_QKV_RECV, shape, q.dtype, q.device)
     _all_to_all(recv, send, group_name, "qkv_all_to_all")
     pack.gather_sequence(recv, out)
     return out
@@ -107,14 +185,17 @@ def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
     _check_output(o, p, group_name)
     b, s_global, h, d = o.shape
     s_local = s_global // p
+    shape = (p, b, s_local, h, d)
+    out = torch.empty((b, s_local, p * h, d), dtype=o.dtype, device=o.device)
+    if _ipc(group_name, o, out, lambda: _output_stages(o, p), pool.nbytes(shape, o.dtype)):
+        return out
     if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
         send = o
     else:
-        send = pool.staging(_OUT_SEND, (p, b, s_local, h, d), o.dtype, o.device)
+        send = pool.staging(_OUT_SEND, shape, o.dtype, o.device)
         pack.pack_sequence(o, p, send)
-    recv = pool.staging(_OUT_RECV, (p, b, s_local, h, d), o.dtype, o.device)
+    recv = pool.staging(_OUT_RECV, shape, o.dtype, o.device)
     _all_to_all(recv, send, group_name, "heads_to_seq_all_to_all")
-    out = torch.empty((b, s_local, p * h, d), dtype=o.dtype, device=o.device)
     pack.gather_heads(recv, out)
     return out
 
@@ -147,10 +228,15 @@ def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[to
     widths = [x.numel() // p for x in xs]
     total = sum(widths)
     dtype, device = xs[0].dtype, xs[0].device
-    send = pool.staging(_A2A_SEND, (p, total), dtype, device)
-    torch.cat([x.reshape(p, w) for x, w in zip(xs, widths)], dim=1, out=send)
+    pieces = [x.reshape(p, w) for x, w in zip(xs, widths)]
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
-    _all_to_all(recv, send, group_name, "packed_all_to_all_single")
+    row = total * dtype.itemsize
+    stage = exchange.Stage(lambda buffer: torch.cat(pieces, dim=1, out=_typed(buffer, 0, (p, total), dtype)),
+                           exchange.Placement(row, row, p * row, row), 0, 0)  # fmt: skip
+    if not _ipc(group_name, xs[0], recv, lambda: [stage], p * row):
+        send = pool.staging(_A2A_SEND, (p, total), dtype, device)
+        torch.cat(pieces, dim=1, out=send)
+        _all_to_all(recv, send, group_name, "packed_all_to_all_single")
     outs = []
     offset = 0
     for x, w in zip(xs, widths):
@@ -205,7 +291,9 @@ def reserve(
     shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device, group_name: str, graphs: int = 1
 ) -> None:
     """Reserve staging memory before capturing `graphs` graphs that exchange Q/K/V of `shapes`
-    (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output."""
+    (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output.
+
+    Collective when the group has a graphar communicator: it sizes the IPC exchange buffers too."""
     p = _world_size(group_name)
     b, s_local, _, d = shapes[0]
     heads = pack.packed_heads([s[2] for s in shapes], p)
@@ -217,6 +305,9 @@ def reserve(
     if b > 1:  # for b == 1 a contiguous attention output is sent as it is
         pool.reserve(_OUT_SEND, out_chunk, dtype, device, graphs)
     pool.reserve(_OUT_RECV, out_chunk, dtype, device, graphs)
+    ex = exchange.for_group(group_name)
+    if ex is not None:  # one exchange buffer serves every graph; the Q/K/V exchange is the larger
+        ex.reserve(pool.nbytes(chunk, dtype))
 
 
 def seq_to_heads_unpacked(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -185,7 +185,7 @@ def _peer_stops_calling(rank: int, world_size: int) -> None:
             torch.cuda.synchronize()
             elapsed = time.monotonic() - start
             assert elapsed < TIMEOUT_S + 5, f"the kernel returned only after {elapsed:.1f} s"
-            expected = f"group {re.escape(repr(comm.group_name))}.*rank [1-7] did not reach the 1stage entry"
+            expected = f"group {re.escape(repr(comm.group_name))}.*rank [1-7] did not reach the all_reduce 1stage entry"
             for _ in range(2):  # broken for good
                 with pytest.raises(GrapharTimeoutError, match=expected):
                     comm.all_reduce(x)

@@ -1,5 +1,6 @@
-"""The packed Ulysses exchanges on NCCL: eager, captured (torch.cuda.graph and graphar.graph) and
-compiled with mode="reduce-overhead", bitwise against the separate NCCL exchanges and the spec.
+"""The packed Ulysses exchanges: eager, captured (torch.cuda.graph and graphar.graph) and compiled
+with mode="reduce-overhead", bitwise against the separate NCCL exchanges and the spec. Each runs on
+both transports: NCCL (no graphar communicator) and CUDA IPC (after `graphar.init`).
 
 Every rank draws the same full tensors from a seeded generator and keeps its shard, so the expected
 result on each rank is a slice of a tensor it holds. Outputs land in memory that was filled with NaN
@@ -7,6 +8,8 @@ just before (`_poison_allocator`), so an element the exchange fails to write can
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import graphar
 from graphar import pool
-from graphar.comm import ulysses
+from graphar.comm import exchange, ulysses
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +28,17 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Whether the pool can tell which graph is being captured; without it capture memory is transient.
 TRACKED = hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
+TRANSPORTS = ("nccl", "ipc")
+
+
+def _set_transport(transport: str) -> exchange.IpcExchange | None:
+    """For "ipc", set up the world's graphar communicator, whose IPC exchange the ops then take."""
+    if transport == "nccl":
+        return None
+    assert graphar.init() is not None, "no graphar communicator on this machine"
+    ex = exchange.for_group(dist.group.WORLD.group_name)
+    assert ex is not None
+    return ex
 
 
 def _full(seed: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +87,8 @@ def _check_heads_to_seq(rank: int, world_size: int, dtype: torch.dtype, b: int, 
         assert torch.equal(out, spec), f"{dtype} b={b} {what}: heads_to_seq != spec"
 
 
-def _eager(rank: int, world_size: int) -> None:
+def _eager(rank: int, world_size: int, transport: str) -> None:
+    ex = _set_transport(transport)
     seed = 0
     for dtype in DTYPES:
         for b, s in ((1, 128), (2, 37)):
@@ -87,11 +102,13 @@ def _eager(rank: int, world_size: int) -> None:
         ref = torch.empty_like(x)
         dist.all_to_all_single(ref, x)
         assert torch.equal(out, ref), "packed_all_to_all_single != all_to_all_single"
+    assert ex is None or ex.capacity > 0, "the IPC exchange was never used"
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_eager_exchanges_equal_nccl_and_spec(world_size: int) -> None:
-    run_workers(_eager, world_size)
+def test_eager_exchanges_equal_nccl_and_spec(world_size: int, transport: str) -> None:
+    run_workers(_eager, world_size, transport)
 
 
 class _Static:
@@ -132,7 +149,8 @@ def _assert_graph_buffers_private(graph: torch.cuda.CUDAGraph) -> None:
                 assert staging.get(role, 16, device).data_ptr() not in captured, f"{role}: eager reuses it"
 
 
-def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
+def _captured(rank: int, world_size: int, use_graphar_graph: bool, transport: str) -> None:
+    ex = _set_transport(transport)
     capture = graphar.graph if use_graphar_graph else torch.cuda.graph
     before = pool.pool().stats()
     for b in (1, 2):
@@ -141,9 +159,13 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
         static.step()  # warm-up: Triton compiles and NCCL connects outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        capacity = ex.capacity if ex is not None else 0
         with capture(graph):
             static.outputs = static.step()
-        _assert_graph_buffers_private(graph)
+        if ex is None:
+            _assert_graph_buffers_private(graph)
+        else:
+            assert ex.capacity == capacity > 0, "the capture did not use the exchange buffer of the warm-up"
         side = torch.cuda.Stream()
         for replay in range(3):
             expected = static.refill(seed=10 * replay + b)
@@ -162,6 +184,8 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
             graph.replay()
             for i, (out, want) in enumerate(zip(static.outputs, expected)):
                 assert torch.equal(out, want), f"b={b} replay {replay}: output {i} after eager calls"
+    if ex is not None:
+        return
     stats = pool.pool().stats()
     if TRACKED:
         assert stats["graph_buffers"] > before["graph_buffers"], stats
@@ -170,10 +194,62 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool) -> None:
         assert stats["transient"] > before["transient"], stats
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("use_graphar_graph", [False, True], ids=["torch.cuda.graph", "graphar.graph"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_capture_then_eager_then_replay(world_size: int, use_graphar_graph: bool) -> None:
-    run_workers(_captured, world_size, use_graphar_graph)
+def test_capture_then_eager_then_replay(world_size: int, use_graphar_graph: bool, transport: str) -> None:
+    run_workers(_captured, world_size, use_graphar_graph, transport)
+
+
+def _ipc_buffer_growth(rank: int, world_size: int) -> None:
+    """A graph keeps its exchange buffer when a larger eager call grows it; a capture that does not fit
+    the buffer falls back to NCCL; reserve() makes it fit."""
+    ex = _set_transport("ipc")
+    name = dist.group.WORLD.group_name
+    small = _Static(world_size, 1, 64, 2 * world_size, 64, torch.bfloat16)
+    small.refill(seed=1)
+    small.step()
+    torch.cuda.synchronize()
+    first = ex.capacity
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small.outputs = small.step()
+    big = _Static(world_size, 2, 64 * 1024, 2 * world_size, 64, torch.bfloat16)  # 64 MiB per tensor and rank at ws 2
+    expected = big.refill(seed=2)
+    assert all(torch.equal(x, e) for x, e in zip(big.step(), expected)), "eager call that grew the buffer"
+    assert ex.capacity > first, "the exchange buffer did not grow"
+    for replay in range(2):
+        expected = small.refill(seed=10 + replay)
+        graph.replay()
+        assert all(torch.equal(x, e) for x, e in zip(small.outputs, expected)), "replay after the buffer grew"
+    huge = _Static(world_size, 4, 64 * 1024, 2 * world_size, 64, torch.bfloat16)
+    grown = ex.capacity
+    huge_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(huge_graph):  # too large for the buffer: NCCL inside the capture
+        huge.outputs = huge.step()
+    assert ex.capacity == grown
+    expected = huge.refill(seed=3)
+    huge_graph.replay()
+    assert all(torch.equal(x, e) for x, e in zip(huge.outputs, expected)), "capture that fell back to NCCL"
+    ulysses.reserve([huge.shape] * 3, torch.bfloat16, torch.device("cuda", rank), name)
+    assert ex.capacity >= 3 * math.prod(huge.shape) * 2, "reserve did not size the exchange buffer"
+    # Now it fits: the capture takes the pipelined IPC path (8 stages of pack and pull, a side stream).
+    capacity = ex.capacity
+    piped_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(piped_graph):
+        huge.outputs = huge.step()
+    assert ex.capacity == capacity
+    for replay in range(2):
+        expected = huge.refill(seed=20 + replay)
+        for out in huge.outputs:
+            out.fill_(float("nan"))
+        piped_graph.replay()
+        assert all(torch.equal(x, e) for x, e in zip(huge.outputs, expected)), "pipelined capture"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ipc_buffer_growth_capture_fallback_and_reserve(world_size: int) -> None:
+    run_workers(_ipc_buffer_growth, world_size)
 
 
 def _reserved(rank: int, world_size: int) -> None:
@@ -223,9 +299,10 @@ class _Block(torch.nn.Module):
         return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, heads * d)
 
 
-def _reduce_overhead(rank: int, world_size: int) -> None:
+def _reduce_overhead(rank: int, world_size: int, transport: str) -> None:
     from torch._inductor.utils import run_and_get_code
 
+    ex = _set_transport(transport)
     heads, kv_heads, d, s = 4 * world_size, 2 * world_size, 64, 32
     for exact in (True, False):
         block = _Block(world_size, heads, kv_heads, d, torch.float32, exact)
@@ -246,11 +323,13 @@ def _reduce_overhead(rank: int, world_size: int) -> None:
             else:
                 torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-4, msg=f"step {step}")
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert ex is None or ex.capacity > 0, "the IPC exchange was never used"
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reduce_overhead_equals_eager(world_size: int) -> None:
-    run_workers(_reduce_overhead, world_size)
+def test_reduce_overhead_equals_eager(world_size: int, transport: str) -> None:
+    run_workers(_reduce_overhead, world_size, transport)
 
 
 def _compiled_variants(kernel: object) -> int | None:
