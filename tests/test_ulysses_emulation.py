@@ -10,6 +10,7 @@ Every `torch.empty` is poisoned with NaN, so an output the exchange fails to wri
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -270,6 +271,17 @@ class SeqToHeadsStagedIpcTest(_Staged, SeqToHeadsIpcTest):
 
 class HeadsToSeqStagedIpcTest(_Staged, HeadsToSeqIpcTest):
     pass
+
+
+class PullBlocksTest(TestCase):
+    def test_default_and_bounds(self) -> None:
+        with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": ""}):
+            self.assertEqual(exchange.pull_blocks(), 64)
+        with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": "32"}):
+            self.assertEqual(exchange.pull_blocks(), 32)
+        for bad in ("0", "65"):
+            with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": bad}), self.assertRaisesRegex(ValueError, "PULL"):
+                exchange.pull_blocks()
 
 
 class SlicesTest(TestCase):
