@@ -10,6 +10,8 @@ just before (`_poison_allocator`), so an element the exchange fails to write can
 from __future__ import annotations
 
 import math
+import re
+import time
 
 import pytest
 import torch
@@ -297,6 +299,37 @@ class _Block(torch.nn.Module):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                enable_gqa=heads != kv_heads).transpose(1, 2)
         return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, heads * d)
+
+
+def _peer_stops_exchanging(rank: int, world_size: int) -> None:
+    """A rank alone in an IPC exchange gets an error naming the barrier and the peer, not a hang."""
+    comm = graphar.init(timeout_s=0.5)
+    try:
+        ex = exchange.for_group(comm.group_name)
+        static = _Static(world_size, 1, 64, 2 * world_size, 64, torch.bfloat16)
+        expected = static.refill(seed=5)
+        assert all(torch.equal(x, e) for x, e in zip(static.step(), expected))  # sizes the buffer on every rank
+        capacity = ex.capacity
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            start = time.monotonic()
+            static.step()
+            torch.cuda.synchronize()
+            assert time.monotonic() - start < 5, "the pull returned only after its peers' timeout"
+            assert ex.capacity == capacity  # no growth: the only collective left is the kernel's barrier
+            match = f"group {re.escape(repr(comm.group_name))}.*rank [1-7] did not reach the all_to_all entry"
+            for _ in range(2):  # broken for good
+                with pytest.raises(graphar.GrapharTimeoutError, match=match):
+                    static.step()
+        dist.barrier()  # NCCL is unaffected
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_peer_that_stops_exchanging_times_out(world_size: int) -> None:
+    run_workers(_peer_stops_exchanging, world_size, timeout_s=120)
 
 
 def _reduce_overhead(rank: int, world_size: int, transport: str) -> None:
