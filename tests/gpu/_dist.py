@@ -10,6 +10,7 @@ the deadline is killed and the test fails naming it.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 import time
@@ -109,3 +110,13 @@ def assert_equal_across_ranks(t: torch.Tensor, what: str, group: dist.ProcessGro
     bits = [g.view(torch.uint8) for g in gathered]
     differing = [r for r, b in enumerate(bits) if not torch.equal(b, bits[0])]
     assert not differing, f"{what}: ranks {differing} differ from rank 0"
+
+
+def assert_timed_out_for_good(call: Callable[[], object], group_name: str, barrier: str) -> None:
+    """`call()` raises GrapharTimeoutError naming the group, a peer and `barrier`, and keeps raising."""
+    from graphar import GrapharTimeoutError
+
+    match = f"group {re.escape(repr(group_name))}.*rank [1-7] did not reach the {barrier}"
+    for _ in range(2):
+        with pytest.raises(GrapharTimeoutError, match=match):
+            call()
