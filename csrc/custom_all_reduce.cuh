@@ -181,10 +181,43 @@ struct Pack {
   float v[kLanes];
 };
 
+// The 2-lane vector of a 16-bit float type and its conversions from and to a float pair.
 template <typename T>
-__device__ __forceinline__ Pack<T> unpack(const uint4& u);
+struct Vec2;
+template <>
+struct Vec2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 widen(type h) { return __half22float2(h); }
+  static __device__ __forceinline__ type narrow(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <>
+struct Vec2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 widen(type h) { return __bfloat1622float2(h); }
+  static __device__ __forceinline__ type narrow(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+// 16-bit floats: a pack is four 2-lane vectors.
 template <typename T>
-__device__ __forceinline__ uint4 repack(const Pack<T>& a);
+__device__ __forceinline__ Pack<T> unpack(const uint4& u) {
+  const auto* h = reinterpret_cast<const typename Vec2<T>::type*>(&u);
+  Pack<T> a;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 f = Vec2<T>::widen(h[i]);
+    a.v[2 * i] = f.x;
+    a.v[2 * i + 1] = f.y;
+  }
+  return a;
+}
+template <typename T>
+__device__ __forceinline__ uint4 repack(const Pack<T>& a) {
+  uint4 u;
+  auto* h = reinterpret_cast<typename Vec2<T>::type*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; i++) h[i] = Vec2<T>::narrow(a.v[2 * i], a.v[2 * i + 1]);
+  return u;
+}
 
 template <>
 __device__ __forceinline__ Pack<float> unpack<float>(const uint4& u) {
@@ -194,48 +227,6 @@ template <>
 __device__ __forceinline__ uint4 repack<float>(const Pack<float>& a) {
   return make_uint4(__float_as_uint(a.v[0]), __float_as_uint(a.v[1]), __float_as_uint(a.v[2]),
                     __float_as_uint(a.v[3]));
-}
-
-template <>
-__device__ __forceinline__ Pack<__half> unpack<__half>(const uint4& u) {
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-  Pack<__half> a;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 f = __half22float2(h[i]);
-    a.v[2 * i] = f.x;
-    a.v[2 * i + 1] = f.y;
-  }
-  return a;
-}
-template <>
-__device__ __forceinline__ uint4 repack<__half>(const Pack<__half>& a) {
-  uint4 u;
-  __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(a.v[2 * i], a.v[2 * i + 1]);
-  return u;
-}
-
-template <>
-__device__ __forceinline__ Pack<__nv_bfloat16> unpack<__nv_bfloat16>(const uint4& u) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-  Pack<__nv_bfloat16> a;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 f = __bfloat1622float2(h[i]);
-    a.v[2 * i] = f.x;
-    a.v[2 * i + 1] = f.y;
-  }
-  return a;
-}
-template <>
-__device__ __forceinline__ uint4 repack<__nv_bfloat16>(const Pack<__nv_bfloat16>& a) {
-  uint4 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(a.v[2 * i], a.v[2 * i + 1]);
-  return u;
 }
 
 // Sum of src[0..kRanks)[idx] in that order: every rank that sums the same list gets the same bits.

@@ -99,7 +99,8 @@ def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
     return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
 
 
-def _capacity(nbytes: int, previous: int = 0) -> int:
+def capacity(nbytes: int, previous: int = 0) -> int:
+    """Bytes to allocate for `nbytes` when the buffer being replaced held `previous` (0: none)."""
     want = max(nbytes, int(previous * _GROWTH)) if previous else nbytes
     return -(-want // _GRANULE) * _GRANULE
 
@@ -188,7 +189,7 @@ class StagingPool:
         return best
 
     def _allocate(self, nbytes: int, device: torch.device, previous: torch.Tensor | None) -> torch.Tensor | None:
-        return self.runtime.allocate(_capacity(nbytes, previous.numel() if previous is not None else 0), device)
+        return self.runtime.allocate(capacity(nbytes, previous.numel() if previous is not None else 0), device)
 
     def reserve(self, role: str, nbytes: int, device: torch.device, count: int = 1) -> None:
         """Make sure `count` spare buffers of at least `nbytes` exist for captures of `role`.

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphar import _cuda
+from graphar import _cuda, pool
 from graphar.comm import allreduce
 
 logger = logging.getLogger("graphar")
-
-_GRANULE = 2 << 20
 
 
 def pull_blocks() -> int:
@@ -85,12 +83,16 @@ class IpcExchange:
 
     def __init__(self, comm: allreduce.CustomAllreduce) -> None:
         self.comm = comm
-        self.capacity = 0
         self._buffer: torch.Tensor | None = None
         self._captured = False  # a capture used the current buffer: retire it rather than free it
         self._warned = False
         self._blocks = pull_blocks()
         self._side: torch.cuda.Stream | None = None  # made at the first growth, always outside capture
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of this rank's exchange buffer (equal on every rank); 0 before the first growth."""
+        return 0 if self._buffer is None else self._buffer.numel()
 
     def serves(self, t: torch.Tensor) -> bool:
         """Whether `t` lives on this communicator's GPU."""
@@ -115,21 +117,21 @@ class IpcExchange:
         else:  # the communicator's previous op may still read the buffer from another stream
             self.comm.native("all_to_all", "graphar_comm_order", _stream(self.comm.device))
         buffer = self._buffer
+        mode = allreduce.CAPTURED_COPY if capturing else allreduce.EAGER
         if len(stages) == 1:
             stages[0].pack(buffer)
-            self._pull(out, stages[0])
+            self._pull(out, stages[0], mode)
             return True
         main = torch.cuda.current_stream(self.comm.device)
         for stage in stages:
             stage.pack(buffer)
             self._side.wait_stream(main)  # in a capture this forks the side stream into it
             with torch.cuda.stream(self._side):
-                self._pull(out, stage)
+                self._pull(out, stage, mode)
         main.wait_stream(self._side)
         return True
 
-    def _pull(self, out: torch.Tensor, stage: Stage) -> None:
-        mode = allreduce.CAPTURED_COPY if torch.cuda.is_current_stream_capturing() else allreduce.EAGER
+    def _pull(self, out: torch.Tensor, stage: Stage, mode: int) -> None:
         p = stage.placement
         self.comm.native("all_to_all", "graphar_comm_all_to_all", mode, out.data_ptr() + stage.out_offset,
                          stage.src_offset, p.chunk_bytes, p.row_bytes, p.dst_row_stride, p.dst_chunk_stride,
@@ -146,10 +148,10 @@ class IpcExchange:
     def _grow(self, nbytes: int) -> None:
         comm = self.comm
         what = f"graphar all_to_all exchange buffer of group {comm.group_name!r}"
-        capacity = -(-max(nbytes, self.capacity * 5 // 4) // _GRANULE) * _GRANULE
+        capacity = pool.capacity(nbytes, self.capacity)
         ptr = ctypes.c_uint64()
         handle = ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
-        self._buffer, self.capacity = None, 0
+        self._buffer = None
         error = None
         try:
             comm.native(what, "graphar_comm_exchange_alloc", capacity, int(self._captured), ctypes.byref(ptr), handle)
@@ -164,7 +166,7 @@ class IpcExchange:
         self._buffer = torch.as_tensor(_DeviceMemory(ptr.value, capacity), device=device)
         if self._side is None:  # high priority: a pull's blocks go first when the next pack leaves room
             self._side = torch.cuda.Stream(device, priority=-1)
-        self.capacity, self._captured = capacity, False
+        self._captured = False
         logger.info("graphar: exchange buffers of group %r grown to %d MiB", comm.group_name, capacity >> 20)
 
     def _warn_once(self, nbytes: int) -> None:
