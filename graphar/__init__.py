@@ -9,10 +9,14 @@ Public API:
     shutdown()             release every communicator
     graph(cuda_graph, ...) torch.cuda.graph with zero-copy all-reduces (pointers filled after capture)
     BatchGraphs            capture a decode step for several batch sizes, replay by batch size
-    install(...)           add graphar's pass to backend="inductor" (also a context manager)
+    install(...)           add graphar's pass to backend="inductor" until uninstall()
+    uninstall()            remove it
     Config                 what the pass rewrites, and its limits
-    GrapharTimeoutError    a peer never reached an all-reduce within GRAPHAR_TIMEOUT_S
-    GrapharCommError       a communicator that cannot serve the call (closed, broken, misuse)
+    GrapharCommError       a communicator cannot serve the call (closed, broken, misuse, timed out)
+    GrapharTimeoutError    a GrapharCommError: a peer never arrived within GRAPHAR_TIMEOUT_S
+    SettingError           a bad option or GRAPHAR_* variable (a ValueError)
+
+`import graphar` validates every GRAPHAR_* variable that is set (graphar.settings).
 """
 
 from __future__ import annotations
@@ -41,23 +45,31 @@ def _import_passes_from_checkout() -> None:
 
 _import_passes_from_checkout()
 
+from graphar import settings
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
-from graphar.backend import graphar_backend, install, register as _register_backend
-from graphar.comm.allreduce import GrapharCommError, GrapharTimeoutError, init, shutdown
+from graphar.backend import graphar_backend, install, register as _register_backend, uninstall
+from graphar.comm.allreduce import init, shutdown
 from graphar.config import Config
+from graphar.errors import GrapharCommError, GrapharTimeoutError
 from graphar.graphs import BatchGraphs, graph
+from graphar.passes.manager import watch_compiles as _watch_compiles
+from graphar.settings import SettingError
 
+settings.check_all()
 torch._logging._internal.register_log("graphar", "graphar")
 _register_backend()
+_watch_compiles()
 
 __all__ = [
     "BatchGraphs",
     "Config",
     "GrapharCommError",
     "GrapharTimeoutError",
+    "SettingError",
     "graph",
     "graphar_backend",
     "init",
     "install",
     "shutdown",
+    "uninstall",
 ]

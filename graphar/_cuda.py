@@ -4,7 +4,8 @@ The library is looked up next to this file (put there by setup.py) and used when
 the sources at hand; otherwise it is built once into ~/.cache/graphar/<hash of sources, nvcc and
 archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises.
 
-setup.py loads this module by path, so it imports nothing from graphar.
+setup.py loads this module by path, without the package (torch may not be installed yet), so it
+imports nothing from graphar but `graphar.settings`, which imports nothing either.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import importlib.util
 import os
-import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from ctypes import POINTER, c_char_p, c_int, c_uint8, c_uint32, c_uint64, c_void_p
@@ -23,7 +25,21 @@ from pathlib import Path
 
 LIB_NAME = "libgraphar_cuda.so"
 PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_ARCHS = "90a;80"
+
+
+def _settings_module():
+    if __package__ == "graphar":
+        from graphar import settings
+
+        return settings
+    spec = importlib.util.spec_from_file_location("_graphar_settings", PACKAGE_DIR / "settings.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+settings = _settings_module()
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
 # name -> (restype, argtypes); the exports of csrc/graphar_cuda.h
@@ -86,12 +102,8 @@ def find_nvcc() -> str | None:
 
 
 def cuda_archs() -> list[str]:
-    """Targets from GRAPHAR_CUDA_ARCHS ("90a;80"), each a compute capability with an optional 'a'."""
-    archs = [a.strip() for a in re.split(r"[;,\s]+", os.environ.get("GRAPHAR_CUDA_ARCHS", DEFAULT_ARCHS)) if a.strip()]
-    bad = [a for a in archs if not re.fullmatch(r"\d{2,3}a?", a)]
-    if not archs or bad:
-        raise ValueError(f"GRAPHAR_CUDA_ARCHS must list compute capabilities like '90a;80', got {bad or archs}")
-    return archs
+    """Build targets (GRAPHAR_CUDA_ARCHS, default "90a;80"): compute capabilities, 'a' for arch-specific."""
+    return list(settings.CUDA_ARCHS.get())
 
 
 def nvcc_command(nvcc: str, src: Path, out: Path, archs: list[str]) -> list[str]:
@@ -132,8 +144,8 @@ def build_library(out_dir: str | os.PathLike[str]) -> Path:
 
 
 def _cache_root() -> Path:
-    if os.environ.get("GRAPHAR_CACHE_DIR"):
-        return Path(os.environ["GRAPHAR_CACHE_DIR"])
+    if settings.CACHE_DIR.get():
+        return Path(settings.CACHE_DIR.get())
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphar"
 
 

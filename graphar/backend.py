@@ -1,4 +1,4 @@
-"""The torch.compile backend "graphar" and `install()` for users who keep backend="inductor"."""
+"""The torch.compile backend "graphar", and `install()` for users who keep backend="inductor"."""
 
 from __future__ import annotations
 
@@ -7,10 +7,21 @@ from typing import Any, Callable, Mapping
 import torch
 from torch._inductor import config as inductor_config
 
-from graphar.config import Config
+from graphar.config import MODES, Config
 from graphar.passes import GrapharPass
+from graphar.passes.manager import watch_compiles
+from graphar.settings import SettingError
 
 BACKEND_NAME = "graphar"
+
+
+def _mode(mode: str | None, from_options: str | None) -> str | None:
+    if mode is not None and from_options is not None:
+        raise SettingError(f"mode={mode!r} and options['mode']={from_options!r}: give one")
+    mode = mode if mode is not None else from_options
+    if mode is not None and mode not in MODES:
+        raise SettingError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
 
 
 def graphar_backend(
@@ -21,17 +32,23 @@ def graphar_backend(
 ) -> Callable[..., Any]:
     """Inductor with graphar's pass at `post_grad_custom_post_pass`.
 
-    `options` takes graphar's `Config` fields; every other key is an Inductor config patch.
-    `mode` is torch.compile's mode ("reduce-overhead" turns on Inductor's CUDA graphs).
+    `options` takes graphar's `Config` fields and `"mode"`; every other key is an Inductor config
+    patch. torch.compile refuses `mode=` together with `options=`, so `options={"mode":
+    "reduce-overhead", ...}` is how to get Inductor's CUDA graphs with graphar options.
     """
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    options = dict(options or {})
+    mode = _mode(mode, options.pop("mode", None))
     config = Config.from_options(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(config.inductor)
     previous = patches.pop("post_grad_custom_post_pass", None) or inductor_config.post_grad_custom_post_pass
+    if isinstance(previous, GrapharPass):  # installed with graphar.install(): the backend's config wins
+        previous = previous.previous
     patches["post_grad_custom_post_pass"] = GrapharPass(config, previous)
+    watch_compiles()
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -44,24 +61,41 @@ def register() -> None:
     register_backend(graphar_backend, BACKEND_NAME)
 
 
-class install:
-    """Install graphar's pass into Inductor's config, for `backend="inductor"` users.
+class _Installed:
+    """What `install()` returns: the installed pass, and a clear refusal of the `with` form."""
 
-    Takes effect at once; used as a context manager it restores the previous pass on exit.
-    Accepts the same options as the backend's graphar fields (`graphar.Config`).
+    def __init__(self, graphar_pass: GrapharPass) -> None:
+        self.graphar_pass = graphar_pass
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            "graphar.install() is not a context manager: torch.compile compiles a model at its first "
+            "call, after a with-block would have removed the pass. Call graphar.install() before the "
+            "first call and graphar.uninstall() when done, or use backend='graphar'."
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover  (__enter__ always raises)
+        pass
+
+
+def install(config: Config | None = None, **options: Any) -> _Installed:
+    """Add graphar's pass to Inductor for `backend="inductor"` (and every backend built on Inductor).
+
+    It stays until `uninstall()`; calling it again replaces the options. Takes graphar's `Config`
+    fields, validated here. A pass that was installed before graphar's still runs first.
     """
+    if config is not None and options:
+        raise SettingError("install() takes a Config or options, not both")
+    current = inductor_config.post_grad_custom_post_pass
+    previous = current.previous if isinstance(current, GrapharPass) else current
+    graphar_pass = GrapharPass(config or Config(**options), previous)
+    inductor_config.post_grad_custom_post_pass = graphar_pass
+    watch_compiles()
+    return _Installed(graphar_pass)
 
-    def __init__(self, config: Config | None = None, **options: Any) -> None:
-        self.previous = inductor_config.post_grad_custom_post_pass
-        self.graphar_pass = GrapharPass(config or Config(**options), self.previous)
-        inductor_config.post_grad_custom_post_pass = self.graphar_pass
 
-    def __enter__(self) -> GrapharPass:
-        return self.graphar_pass
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    def uninstall(self) -> None:
-        if inductor_config.post_grad_custom_post_pass is self.graphar_pass:
-            inductor_config.post_grad_custom_post_pass = self.previous
+def uninstall() -> None:
+    """Remove graphar's pass from Inductor, restoring the pass installed before it (if any)."""
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, GrapharPass):
+        inductor_config.post_grad_custom_post_pass = current.previous

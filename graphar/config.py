@@ -1,22 +1,38 @@
 """graphar's configuration: what the compiler pass rewrites and the limits it applies.
 
-One frozen object, built from `torch.compile(..., options={...})` or `graphar.install(...)`.
-Everything in it that changes the rewritten graph is part of `cache_key()`.
+One frozen object, built from `torch.compile(..., backend="graphar", options={...})` or
+`graphar.install(...)`, validated when it is built: a bad option fails there, naming the option, the
+value and what is allowed. Everything in it that changes the rewritten graph is part of
+`cache_key()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-MB = 1 << 20
+from graphar import settings
+from graphar.settings import SettingError
+
+# torch.compile's modes, for `options={"mode": ...}` (torch refuses mode= together with options=).
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else int(value)
+def _group_names(groups: Any) -> tuple[str, ...]:
+    """Group names from a group, a name, or an iterable of either (ProcessGroups do not pickle)."""
+    if isinstance(groups, str) or hasattr(groups, "group_name"):
+        groups = (groups,)
+    if not isinstance(groups, Iterable):
+        raise SettingError(f"option exclude_groups={groups!r}: expected process groups or group names")
+    names = []
+    for group in groups:
+        name = group if isinstance(group, str) else getattr(group, "group_name", None)
+        if not isinstance(name, str):
+            raise SettingError(f"option exclude_groups: {group!r} is neither a process group nor a group name")
+        names.append(name)
+    return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -25,24 +41,46 @@ class Config:
     all_reduce: bool = True
     # Rewrite Q/K/V all_to_all_single triplets into one packed exchange.
     qkv_all_to_all: bool = True
-    # Largest all-reduce (bytes) the pass rewrites; also the size of the IPC buffers.
-    max_all_reduce_bytes: int = field(default_factory=lambda: _env_int("GRAPHAR_MAX_ALLREDUCE_BYTES", 8 * MB))
-    # Group names the pass must leave on their original collective.
+    # Largest all-reduce (bytes) the pass rewrites; larger ones stay on their collective.
+    max_all_reduce_bytes: int = field(default_factory=settings.MAX_ALLREDUCE_BYTES.get)
+    # Group names the pass must leave on their original collective (groups are turned into names).
     exclude_groups: tuple[str, ...] = ()
     # Inductor config patches passed through by the "graphar" backend.
     inductor: tuple[tuple[str, Any], ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("all_reduce", "qkv_all_to_all"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingError(f"option {name}={getattr(self, name)!r}: expected True or False")
+        limit = self.max_all_reduce_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0 or limit % 16:
+            raise SettingError(
+                f"option max_all_reduce_bytes={limit!r}: expected a positive multiple of 16 (bytes, an int)"
+            )
+        object.__setattr__(self, "exclude_groups", _group_names(self.exclude_groups))
+
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
-        """Split `torch.compile` options into graphar's fields and Inductor's patches."""
+        """Split `torch.compile` options into graphar's fields and Inductor's patches (checked to exist)."""
         options = dict(options or {})
         names = {f.name for f in dataclasses.fields(cls)} - {"inductor"}
         ours = {k: options.pop(k) for k in list(options) if k in names}
-        if "exclude_groups" in ours:
-            ours["exclude_groups"] = tuple(ours["exclude_groups"])
         inductor = dict(options.pop("inductor", {}) or {})
         inductor.update(options)
+        _check_inductor_keys(inductor, names)
         return cls(**ours, inductor=tuple(sorted(inductor.items())))
 
     def cache_key(self) -> str:
         return repr(dataclasses.astuple(self))
+
+
+def _check_inductor_keys(patches: Mapping[str, Any], ours: set[str]) -> None:
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in patches if k not in known)
+    if unknown:
+        raise SettingError(
+            f"options {unknown} are neither graphar's ({', '.join(sorted(ours | {'mode'}))}) nor Inductor "
+            "config names (torch._inductor.config)"
+        )

@@ -1,7 +1,16 @@
-"""The pass manager: one object owns the pass list, its config and its cache key."""
+"""The pass manager: one object owns the pass list, its config and its cache key; and the report of
+what it rewrote, which holds also when Inductor serves a compiled graph from its cache.
+
+The pass adds its counts to `counters["inductor"]` under `graphar_<rewrite>`: Inductor stores those
+deltas with each compiled graph and adds them again when its FX-graph or AOTAutograd cache serves
+it, though our pass does not run then. At the end of every Dynamo compile, `report()` moves what
+arrived there into `counters["graphar"]` and logs it, so a rank that hit the cache reports what a
+rank that compiled reports.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -9,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphar.config import Config
 
@@ -17,6 +26,7 @@ from .all_reduce import rewrite_all_reduces
 from .qkv import rewrite_qkv_triplets
 
 log = logging.getLogger("graphar")
+_PREFIX = "graphar_"
 # Before/after graphs, compact, at DEBUG (the demo shows them; TORCH_LOGS="+graphar" prints them).
 graph_log = logging.getLogger("graphar.graphs")
 
@@ -63,8 +73,9 @@ class GrapharPass(CustomGraphPass):
             graph.eliminate_dead_code()
             graph.lint()
         for name, count in self.counts.items():
-            counters["graphar"][name] += count
-        log.info("graphar rewrites: %s", self.counts)
+            counters["inductor"][_PREFIX + name] += count
+        _report.passes_run += 1
+        watch_compiles()
         if show:
             graph_log.debug("graph before graphar:\n%s\ngraph after graphar:\n%s", before, compact(graph))
 
@@ -76,10 +87,58 @@ class GrapharPass(CustomGraphPass):
             if previous_key is None:
                 return None  # an uncacheable pass before us makes the whole graph uncacheable
         import graphar
-        import graphar.ops
 
         extra = "|".join(
             [graphar.__version__, torch.__version__, self.config.cache_key(), str(_world_size()), repr(previous_key)]
         )
-        # graphar's ops file holds the fake implementations, which shape the compiled graph too.
-        return get_hash_for_files(_PASS_FILES + (graphar.ops.__file__,), extra=extra)
+        digest = hashlib.sha256(extra.encode())
+        for path in hashed_files():
+            digest.update(Path(path).read_bytes())
+        return digest.digest()
+
+
+def hashed_files() -> tuple[str, ...]:
+    """The files whose contents key the compiled graph: the passes, and the files that define
+    graphar's ops and their fakes (a fake's sizes and strides shape the graph Inductor compiles)."""
+    import graphar.comm.ulysses
+    import graphar.ops
+
+    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses.__file__)
+
+class _Report:
+    """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""
+
+    def __init__(self) -> None:
+        self.source: Any = None  # the counters["inductor"] Counter the marks refer to
+        self.moved: dict[str, int] = {}
+        self.passes_run = 0
+
+
+_report = _Report()
+
+
+def report(*_: Any) -> None:
+    """Move new graphar counts into counters["graphar"] and log them (a Dynamo compile-end callback)."""
+    inductor = counters["inductor"]
+    if inductor is not _report.source:  # counters.clear() made a new Counter: start over
+        _report.source, _report.moved = inductor, {}
+    new = {}
+    for key, total in inductor.items():
+        if key.startswith(_PREFIX) and total != _report.moved.get(key, 0):
+            new[key[len(_PREFIX):]] = total - _report.moved.get(key, 0)
+            _report.moved[key] = total
+    if new:
+        for name, count in new.items():
+            counters["graphar"][name] += count
+        cached = " (compiled graph served from Inductor's cache)" if _report.passes_run == 0 else ""
+        log.info("graphar rewrites: %s%s", new, cached)
+    _report.passes_run = 0
+
+
+def watch_compiles() -> None:
+    """Run `report()` at the end of every Dynamo compile. Idempotent; called again wherever graphar
+    may compile, because `torch._dynamo.reset()` drops every compile callback."""
+    from torch._dynamo.callback import callback_handler
+
+    if report not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(report)

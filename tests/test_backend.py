@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,10 @@ from torch._inductor.utils import fresh_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar
+from graphar.backend import graphar_backend
 from graphar.config import Config
-from graphar.passes import GrapharPass
+from graphar.passes import GrapharPass, manager
+from graphar.settings import SettingError
 
 
 @pytest.fixture
@@ -59,17 +63,31 @@ def test_uuid_is_stable_and_follows_config_and_world_size(fake_world) -> None:
     assert GrapharPass(Config()).uuid() != two
 
 
+def test_uuid_covers_every_file_that_defines_an_op_or_a_fake() -> None:
+    root = Path(graphar.__file__).parent
+    defining = {str(p) for p in root.rglob("*.py") if re.search(r"custom_op\(|register_fake", p.read_text())}
+    assert defining and defining <= set(manager.hashed_files())
+
+
+def test_uuid_changes_when_a_hashed_file_changes(tmp_path, monkeypatch) -> None:
+    copies = []
+    for i, path in enumerate(manager.hashed_files()):
+        copies.append(tmp_path / f"{i}.py")
+        copies[-1].write_text(Path(path).read_text())
+    monkeypatch.setattr(manager, "hashed_files", lambda: tuple(map(str, copies)))
+    before = GrapharPass(Config()).uuid()
+    for copy in copies:
+        text = copy.read_text()
+        copy.write_text(text + "# edited\n")
+        assert GrapharPass(Config()).uuid() != before, copy
+        copy.write_text(text)
+    assert GrapharPass(Config()).uuid() == before
+
+
 def test_uuid_follows_previous_pass() -> None:
     assert GrapharPass(Config(), _Recorder()).uuid() != GrapharPass(Config()).uuid()
     # A previous pass with no cache key makes the graph uncacheable rather than wrongly cached.
     assert GrapharPass(Config(), lambda graph: None).uuid() is None
-
-
-def test_options_split_between_graphar_and_inductor() -> None:
-    config = Config.from_options({"max_all_reduce_bytes": 4096, "exclude_groups": ["3"], "max_autotune": False})
-    assert config.max_all_reduce_bytes == 4096
-    assert config.exclude_groups == ("3",)
-    assert config.inductor == (("max_autotune", False),)
 
 
 def test_backend_rewrites_and_runs_with_reduce_overhead(fake_world) -> None:
@@ -98,25 +116,77 @@ def test_backend_composes_with_an_installed_pass(fake_world) -> None:
     assert counters["graphar"]["all_reduce"] == 1
 
 
-def test_install_serves_backend_inductor_and_restores(fake_world) -> None:
+def test_install_serves_models_compiled_before_their_first_call(fake_world) -> None:
     before = inductor_config.post_grad_custom_post_pass
     counters.clear()
     torch._dynamo.reset()
-    with graphar.install(max_all_reduce_bytes=1 << 20) as installed:
-        assert inductor_config.post_grad_custom_post_pass is installed
-        torch.compile(_layer, backend="inductor")(torch.randn(4, 8), torch.randn(8, 8))
+    compiled = torch.compile(_layer, backend="inductor")  # compiles at its first call, below
+    graphar.install(max_all_reduce_bytes=1 << 20)
+    try:
+        compiled(torch.randn(4, 8), torch.randn(8, 8))
+    finally:
+        graphar.uninstall()
     assert inductor_config.post_grad_custom_post_pass is before
     assert counters["graphar"]["all_reduce"] == 1
 
 
-def test_second_compile_hits_fx_graph_cache(fake_world) -> None:
+def test_install_again_replaces_options_and_keeps_the_earlier_pass() -> None:
+    recorder = _Recorder()
+    with inductor_config.patch(post_grad_custom_post_pass=recorder):
+        graphar.install(all_reduce=False)
+        graphar.install(qkv_all_to_all=False)
+        installed = inductor_config.post_grad_custom_post_pass
+        assert installed.config == Config(qkv_all_to_all=False) and installed.previous is recorder
+        graphar.uninstall()
+        assert inductor_config.post_grad_custom_post_pass is recorder
+
+
+def test_install_is_not_a_context_manager() -> None:
+    # `with install(): model = torch.compile(model)` would remove the pass before the first call.
+    try:
+        with pytest.raises(TypeError, match="not a context manager.*first call"):
+            with graphar.install():
+                pass
+    finally:
+        graphar.uninstall()
+
+
+def test_reduce_overhead_with_graphar_options(fake_world) -> None:
+    """torch.compile refuses mode= with options=: options={"mode": ...} gives both."""
+    seen = []
+
+    class Probe(_Recorder):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(inductor_config.triton.cudagraphs)
+
+    counters.clear()
+    torch._dynamo.reset()
+    options = {"mode": "reduce-overhead", "max_all_reduce_bytes": 16}
+    with inductor_config.patch(post_grad_custom_post_pass=Probe()):
+        torch.compile(_layer, backend="graphar", options=options)(torch.randn(4, 8), torch.randn(8, 8))
+    assert seen == [True]  # Inductor's CUDA graphs are on...
+    assert counters["graphar"]["all_reduce"] == 0  # ...and graphar's option applies (128 bytes > 16)
+    with pytest.raises(SettingError, match="mode='fast'"):
+        graphar_backend(None, [], options={"mode": "fast"})
+
+
+def test_cache_hit_reports_the_rewrites(fake_world, caplog) -> None:
     x, w = torch.randn(4, 8), torch.randn(8, 8)
-    with fresh_cache(), inductor_config.patch(fx_graph_cache=True):
+    reports = []
+    with fresh_cache(), inductor_config.patch(fx_graph_cache=True), caplog.at_level("INFO", logger="graphar"):
         for _ in range(2):
             counters.clear()
             torch._dynamo.reset()
+            caplog.clear()
             torch.compile(_layer, backend="graphar")(x, w)
+            summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("graphar rewrites")]
+            reports.append((dict(counters["graphar"]), summary))
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    assert reports[0] == ({"all_reduce": 1}, ["graphar rewrites: {'all_reduce': 1}"])
+    assert reports[1] == (
+        {"all_reduce": 1},
+        ["graphar rewrites: {'all_reduce': 1} (compiled graph served from Inductor's cache)"],
+    )
 
 
 def test_entry_point_serves_backend_without_import() -> None:

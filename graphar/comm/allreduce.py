@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import pickle
 import socket
 from collections.abc import Callable, Sequence
@@ -28,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from graphar import _cuda, graphs
-from graphar.config import Config
+from graphar import _cuda, graphs, settings
+from graphar.errors import GrapharCommError, GrapharTimeoutError
 
 logger = logging.getLogger("graphar")
 
@@ -47,22 +46,10 @@ _ONE_STAGE_BELOW = {4: 512 * KB, 6: 256 * KB, 8: 256 * KB}
 # bench/results/allreduce-h200-ws2.md) and change nothing below, where the grid is smaller anyway.
 _BLOCK_LIMITS = {8: 36, 9: 64}
 _DEFAULT_BLOCK_LIMIT = 36
-MAX_BLOCKS = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh
+MAX_BLOCKS = settings.MAX_BLOCKS
 _GRAPH_SLOTS = 1 << 16
-# Long enough for the ranks' skew at a compiled graph's first call (each rank runs it right after
-# its own compile, which can finish tens of seconds apart), short enough to turn a hang into an error.
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
 _WHERE = {1: "all_reduce 1stage entry", 2: "all_reduce 1stage exit", 3: "all_reduce 2stage entry",
           4: "all_reduce 2stage middle", 5: "all_to_all entry", 6: "all_to_all exit"}  # fmt: skip
-
-
-class GrapharTimeoutError(RuntimeError):
-    """A peer never reached a barrier of the custom all-reduce within the communicator's timeout."""
-
-
-class GrapharCommError(RuntimeError):
-    """The communicator cannot go on: ranks disagreed, an exchange failed, or it was closed."""
 
 
 def choose_algo(world_size: int, nbytes: int, forced: str | None = None) -> str:
@@ -76,25 +63,10 @@ def choose_algo(world_size: int, nbytes: int, forced: str | None = None) -> str:
     return TWO_STAGE
 
 
-def env_algo() -> str | None:
-    """GRAPHAR_ALLREDUCE_ALGO (1stage|2stage), validated; None when unset or empty."""
-    value = os.environ.get("GRAPHAR_ALLREDUCE_ALGO") or None
-    return None if value is None else choose_algo(2, 0, value)
-
-
 def block_limit(capability_major: int) -> int:
     """Blocks per launch: GRAPHAR_BLOCK_LIMIT, else the table by architecture."""
-    value = os.environ.get("GRAPHAR_BLOCK_LIMIT")
-    limit = int(value) if value else _BLOCK_LIMITS.get(capability_major, _DEFAULT_BLOCK_LIMIT)
-    if not 1 <= limit <= MAX_BLOCKS:
-        raise ValueError(f"GRAPHAR_BLOCK_LIMIT must be in [1, {MAX_BLOCKS}], got {limit}")
-    return limit
-
-
-def timeout_from_env() -> float:
-    """GRAPHAR_TIMEOUT_S (seconds; 0 = spin without bound), default DEFAULT_TIMEOUT_S."""
-    value = os.environ.get("GRAPHAR_TIMEOUT_S")
-    return float(value) if value else DEFAULT_TIMEOUT_S
+    limit = settings.BLOCK_LIMIT.get()
+    return limit if limit is not None else _BLOCK_LIMITS.get(capability_major, _DEFAULT_BLOCK_LIMIT)
 
 
 def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | None:
@@ -149,7 +121,7 @@ class _StoreExchange:
 
 @dataclass
 class GraphCall:
-    """One all-reduce recorded during a graphar.graph capture; keeps the input alive until backfill."""
+    """One all-reduce recorded during a graphar.graph capture; the graph keeps `tensor` alive."""
 
     slot: int
     tensor: torch.Tensor
@@ -239,7 +211,7 @@ class CustomAllreduce:
         nbytes = x.numel() * x.element_size()
         dtype_code = _DTYPE_CODES[x.dtype]
         algo_code = _ALGO_CODES[choose_algo(self.world_size, nbytes, algo or self._forced_algo)]
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         mode, slot = EAGER, 0
         if torch.cuda.is_current_stream_capturing():
             capture = graphs.current_capture()
@@ -446,8 +418,8 @@ def init(
     """Set up the custom all-reduce for `group` (default: the world) on the current CUDA device.
 
     Collective: every rank of the group calls it. Returns None on every rank (and logs why, once)
-    when the group cannot use it. `max_bytes` (default Config().max_all_reduce_bytes) sizes the
-    IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S or 60; 0 =
+    when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the
+    IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 =
     unbounded) bounds every spin wait on a peer.
     """
     if not dist.is_initialized():
@@ -456,8 +428,8 @@ def init(
     name = group.group_name
     if name in _communicators:
         return _communicators[name]
-    max_bytes = Config().max_all_reduce_bytes if max_bytes is None else int(max_bytes)
-    timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
+    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
     if max_bytes <= 0 or max_bytes % 16 != 0:
         raise ValueError(f"max_bytes must be a positive multiple of 16, got {max_bytes}")
     if timeout_s < 0:
@@ -483,13 +455,13 @@ def _set_up(
     device = torch.cuda.current_device()
     generation = _generations.get(name, 0)
     _generations[name] = generation + 1
-    exchange_timeout = float(os.environ.get("GRAPHAR_EXCHANGE_TIMEOUT_S") or DEFAULT_EXCHANGE_TIMEOUT_S)
+    exchange_timeout = settings.EXCHANGE_TIMEOUT_S.get()
     store = dist.distributed_c10d._world.pg_map[group][1]
     exchange = _StoreExchange(store, f"graphar/allreduce/{name}/{generation}", rank, world_size, exchange_timeout)
     what = f"graphar.init of group {name!r}"
 
     blocks = block_limit(torch.cuda.get_device_capability(device)[0])
-    forced = env_algo()
+    forced = settings.ALLREDUCE_ALGO.get()
     facts = exchange.all_gather(_local_facts(device, (max_bytes, blocks, forced)), what)
     reason = _shared_reason(facts)
     if reason is None and world_size > 2:

@@ -20,26 +20,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from graphar import _cuda, pool
+from graphar import _cuda, pool, settings
 from graphar.comm import allreduce
+from graphar.errors import GrapharCommError
 
 logger = logging.getLogger("graphar")
 
 
 def pull_blocks() -> int:
-    """Blocks of a pull: GRAPHAR_PULL_BLOCKS, else every Signal slot (64). On 2 x H200, 64 blocks of
+    """Blocks of a pull: GRAPHAR_PULL_BLOCKS, default every Signal slot (64). On 2 x H200, 64 blocks of
     256 threads pulled 252 MB and 1.16 GB exchanges as fast as 96 and 3-7% faster than 128."""
-    value = os.environ.get("GRAPHAR_PULL_BLOCKS")
-    blocks = int(value) if value else allreduce.MAX_BLOCKS
-    if not 1 <= blocks <= allreduce.MAX_BLOCKS:
-        raise ValueError(f"GRAPHAR_PULL_BLOCKS must be in [1, {allreduce.MAX_BLOCKS}], got {blocks}")
-    return blocks
+    return settings.PULL_BLOCKS.get()
 
 
 @dataclass(frozen=True)
@@ -160,7 +156,7 @@ class IpcExchange:
         gathered = comm.all_gather((handle.raw, error), what)
         failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
         if failed:
-            raise allreduce.GrapharCommError(f"{what}: allocation failed on {'; '.join(failed)}")
+            raise GrapharCommError(f"{what}: allocation failed on {'; '.join(failed)}")
         comm.native(what, "graphar_comm_exchange_open", capacity, b"".join(h for h, _ in gathered))
         device = torch.device("cuda", comm.device)
         self._buffer = torch.as_tensor(_DeviceMemory(ptr.value, capacity), device=device)

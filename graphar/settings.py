@@ -1,0 +1,155 @@
+"""Every `GRAPHAR_*` environment variable: read, validated and documented here, nowhere else.
+
+A variable is checked where it enters: `import graphar` validates every one that is set, so a bad
+value fails at once with an error naming the variable, the value and what is allowed, not deep in
+a kernel launch or in Inductor. `describe()` renders the table the README carries.
+
+This module imports nothing from graphar (nor torch): setup.py and `graphar._cuda` load it by path
+while the package itself cannot be imported yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+MB = 1 << 20
+MAX_BLOCKS = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh: one barrier slot per block
+
+
+class SettingError(ValueError):
+    """A GRAPHAR_* variable or a graphar option has a value graphar cannot use."""
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: its parser (raises ValueError), what it allows, what it means."""
+
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    allowed: str
+    meaning: str
+
+    def get(self) -> T:
+        """The variable's value; the default when it is unset or empty."""
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError:
+            raise SettingError(f"{self.name}={raw!r} is not valid: expected {self.allowed}") from None
+
+
+def _int_in(low: int, high: float = math.inf, multiple: int = 1) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if not low <= value <= high or value % multiple:
+            raise ValueError(raw)
+        return value
+
+    return parse
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0):
+            raise ValueError(raw)
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError(raw)
+        return raw
+
+    return parse
+
+
+def _archs(raw: str) -> tuple[str, ...]:
+    archs = tuple(a for a in re.split(r"[;,\s]+", raw) if a)
+    if not archs or not all(re.fullmatch(r"\d{2,3}a?", a) for a in archs):
+        raise ValueError(raw)
+    return archs
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+MAX_ALLREDUCE_BYTES = Setting(
+    "GRAPHAR_MAX_ALLREDUCE_BYTES", 8 * MB, _int_in(16, multiple=16), "a positive multiple of 16 (bytes)",
+    "default of the `max_all_reduce_bytes` option and of `graphar.init(max_bytes=)`: the largest "
+    "all-reduce the custom kernels serve, and the size of their IPC buffers",
+)  # fmt: skip
+ALLREDUCE_ALGO = Setting(
+    "GRAPHAR_ALLREDUCE_ALGO", None, _choice("1stage", "2stage"), "'1stage' or '2stage'",
+    "force one all-reduce kernel; unset, graphar picks by world size and size",
+)  # fmt: skip
+BLOCK_LIMIT = Setting(
+    "GRAPHAR_BLOCK_LIMIT", None, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
+    "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
+)  # fmt: skip
+PULL_BLOCKS = Setting(
+    "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
+    "blocks of the IPC all-to-all's pull (Ulysses exchanges)",
+)  # fmt: skip
+# 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
+# after its own compile, which can finish tens of seconds apart), short enough to end a hang.
+TIMEOUT_S = Setting(
+    "GRAPHAR_TIMEOUT_S", 60.0, _seconds(minimum_exclusive=False), "a number of seconds >= 0",
+    "bound on every spin-wait for a peer in graphar's kernels; 0 = unbounded. A peer that never "
+    "arrives raises GrapharTimeoutError naming the group, the barrier and the peer",
+)  # fmt: skip
+EXCHANGE_TIMEOUT_S = Setting(
+    "GRAPHAR_EXCHANGE_TIMEOUT_S", 300.0, _seconds(minimum_exclusive=True), "a number of seconds > 0",
+    "bound on each set-up exchange over the group's store (`graphar.init`, graph registration, "
+    "exchange-buffer growth)",
+)  # fmt: skip
+CACHE_DIR = Setting(
+    "GRAPHAR_CACHE_DIR", None, str, "a folder path",
+    "where graphar builds its CUDA library on first use; unset, $XDG_CACHE_HOME/graphar or ~/.cache/graphar",
+)  # fmt: skip
+CUDA_ARCHS = Setting(
+    "GRAPHAR_CUDA_ARCHS", ("90a", "80"), _archs, "compute capabilities like '90a;80'",
+    "targets of the CUDA library's build (setup.py and the build on first use)",
+)  # fmt: skip
+SKIP_CUDA_BUILD = Setting(
+    "GRAPHAR_SKIP_CUDA_BUILD", False, _flag, "1/0, true/false, yes/no or on/off",
+    "install without building the CUDA library (it is then built on first use where nvcc exists)",
+)  # fmt: skip
+
+ALL: tuple[Setting[Any], ...] = (
+    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, BLOCK_LIMIT, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
+    CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
+)  # fmt: skip
+
+
+def check_all() -> None:
+    """Validate every variable that is set; raise SettingError for the first bad one."""
+    for setting in ALL:
+        setting.get()
+
+
+def describe() -> str:
+    """The README's table of variables."""
+    rows = ["| variable | allowed | default | meaning |", "|---|---|---|---|"]
+    for s in ALL:
+        default = ";".join(s.default) if isinstance(s.default, tuple) else s.default
+        shown = "unset" if default is None else f"`{default}`"
+        rows.append(f"| `{s.name}` | {s.allowed} | {shown} | {s.meaning} |")
+    return "\n".join(rows)

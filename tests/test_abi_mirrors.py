@@ -1,0 +1,75 @@
+"""The C ABI's constants are written once in csrc and once in Python: this test holds the two equal.
+
+It parses the headers (no build, no GPU), so editing either side alone fails here first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import torch
+
+from graphar import _cuda, settings
+from graphar.comm import allreduce as ar
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def _text(name: str) -> str:
+    return re.sub(r"//[^\n]*", "", (CSRC / name).read_text())
+
+
+def _enum(text: str, prefix: str) -> dict[str, int]:
+    """Every `NAME = value` in `text` whose name starts with `prefix`."""
+    return {name: int(value) for name, value in re.findall(rf"\b({prefix}\w*)\s*=\s*(-?\d+)", text)}
+
+
+def test_dtype_codes() -> None:
+    codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
+    names = {torch.float32: "GRAPHAR_FLOAT32", torch.float16: "GRAPHAR_FLOAT16", torch.bfloat16: "GRAPHAR_BFLOAT16"}
+    assert {dtype: codes[name] for dtype, name in names.items()} == ar._DTYPE_CODES
+
+
+def test_algorithm_codes() -> None:
+    codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
+    assert {ar.ONE_STAGE: codes["GRAPHAR_ONE_STAGE"], ar.TWO_STAGE: codes["GRAPHAR_TWO_STAGE"]} == ar._ALGO_CODES
+
+
+def test_launch_modes() -> None:
+    codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
+    python = {"GRAPHAR_EAGER": ar.EAGER, "GRAPHAR_CAPTURED_COPY": ar.CAPTURED_COPY,
+              "GRAPHAR_ZERO_COPY": ar.ZERO_COPY, "GRAPHAR_STAGED": ar.STAGED}  # fmt: skip
+    assert {name: codes[name] for name in python} == python
+
+
+def test_barrier_where_codes_are_all_named() -> None:
+    where = re.search(r"enum Where[^{]*\{([^}]*)\}", _text("custom_all_reduce.cuh")).group(1)
+    assert sorted(int(v) for v in re.findall(r"\bk\w+\s*=\s*(\d+)", where)) == sorted(ar._WHERE)
+
+
+def test_max_blocks() -> None:
+    (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("custom_all_reduce.cuh"))
+    assert int(value) == settings.MAX_BLOCKS == ar.MAX_BLOCKS
+
+
+def test_error_record_layout() -> None:
+    body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("custom_all_reduce.cuh")).group(1)
+    fields = re.findall(r"(uint32_t)\s+(\w+);", body)
+    assert [(name, ctypes.c_uint32) for _, name in fields] == list(ar._ErrorRecord._fields_)
+
+
+def test_ipc_handle_size() -> None:
+    (value,) = re.findall(r"#define GRAPHAR_IPC_HANDLE_BYTES (\d+)", _text("graphar_cuda.h"))
+    assert int(value) == _cuda.IPC_HANDLE_BYTES
+
+
+def test_prototypes_match_the_header() -> None:
+    """Each export's argument count in graphar_cuda.h equals the ctypes prototype's."""
+    header = re.sub(r"\s+", " ", _text("graphar_cuda.h"))
+    declared = {name: args for name, args in re.findall(r"\b(graphar_\w+)\(([^)]*)\);", header)}
+    assert set(declared) == set(_cuda.PROTOTYPES)
+    for name, (_, argtypes) in _cuda.PROTOTYPES.items():
+        count = 0 if declared[name].strip() in ("", "void") else declared[name].count(",") + 1
+        assert count == len(argtypes), name
