@@ -23,7 +23,6 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 from __future__ import annotations
 
 import datetime
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,16 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphar._launch import free_port
+
 Cell = float | str
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # About 50 us of GPU sleep on an H200 (1.98 GHz): the host enqueues the timed work meanwhile.
 _ALIGN_SLEEP_CYCLES = 100_000
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, args: tuple) -> None:

@@ -3,8 +3,9 @@
 Inside `graph(...)`, every graphar all-reduce reads the caller's tensor in place: its kernel is
 captured with a placeholder slot, and when the capture ends every rank shares the (allocation
 handle, offset) of its recorded inputs and the slots are filled before `graph` returns, so no
-replay can see an empty slot. Captures graphar does not own (a plain `torch.cuda.graph`, Inductor's
-cudagraph trees) take the copy-in path instead: one local copy per call, no registration.
+replay can see an empty slot; the graph holds those inputs for as long as it lives. Captures
+graphar does not own (a plain `torch.cuda.graph`, Inductor's cudagraph trees) take the copy-in
+path instead: one local copy per call, no registration.
 """
 
 from __future__ import annotations
@@ -55,9 +56,17 @@ def graph(
             yield
     finally:
         _state.capture = None
+    finish(cuda_graph, capture)
+
+
+def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
+    """Register every recorded call (collective), and tie the tensors the graph reads in place to
+    the graph's lifetime: freed and reused, their memory would feed other data to every replay."""
     # Group names are equal on every rank, so every rank registers its groups in the same order.
     for comm in sorted(capture.calls, key=lambda c: c.group_name):
         comm.register_graph(capture.calls[comm])
+    inputs = [call.tensor for calls in capture.calls.values() for call in calls]
+    cuda_graph._graphar_inputs = getattr(cuda_graph, "_graphar_inputs", ()) + tuple(inputs)
 
 
 class BatchGraphs:

@@ -1,8 +1,10 @@
 """Rewrite `_c10d_functional.all_reduce(x, 'sum', group) + wait_tensor` into `graphar::all_reduce`.
 
 Every decision here reads only facts that are equal on every rank (op, dtype, shape, group, config),
-so all ranks rewrite the same graph (DESIGN.md decision 6). A group with no graphar communicator is
-still rewritten: the op falls back to the original collective at run time.
+so all ranks rewrite the same graph. A group with no graphar communicator is still rewritten: the op
+falls back to the original collective at run time. So is an all-reduce whose size is symbolic
+(dynamic shapes) unless it is provably over the limit: the op checks the size of each call against
+its communicator's limit and uses the collective above it, and every rank sees the same size.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphar.comm import allreduce
 from graphar.config import Config
 
 log = logging.getLogger("graphar")
@@ -92,11 +95,20 @@ def _reason_to_skip(match: _AllReduceMatch, config: Config) -> str | None:
     if val.dtype not in SUPPORTED_DTYPES:
         return f"dtype {val.dtype} is not supported"
     nbytes = val.numel() * val.element_size()
-    if not statically_known_true(nbytes <= config.max_all_reduce_bytes):
-        return f"size {nbytes} bytes is not provably <= {config.max_all_reduce_bytes}"
+    if statically_known_true(nbytes > config.max_all_reduce_bytes):
+        return f"size {nbytes} bytes is over max_all_reduce_bytes={config.max_all_reduce_bytes}"
     if not _group_spans_one_node(match.group_name):
         return f"group {match.group_name!r} spans more than one node"
     return None
+
+
+def _warn_over_communicator_limit(match: _AllReduceMatch, nbytes: object) -> None:
+    """The communicator's buffers (`graphar.init(max_bytes=)`) bound what the kernels serve at run time;
+    say so when this all-reduce is over them, rather than let every call fall back without a word."""
+    comm = allreduce.communicator(match.group_name)
+    if comm is not None and statically_known_true(nbytes > comm.max_bytes):
+        log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes, graphar.init(max_bytes=)):"
+                    " it will run on the collective", match.all_reduce.name, nbytes, match.group_name, comm.max_bytes)
 
 
 def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:
@@ -107,7 +119,10 @@ def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:
         if reason is not None:
             log.info("graphar: %s left on its collective: %s", match.all_reduce.name, reason)
             continue
-        log.info("graphar: %s -> graphar::all_reduce (group %r)", match.all_reduce.name, match.group_name)
+        size = match.x.meta["val"].numel() * match.x.meta["val"].element_size()
+        checked = "" if isinstance(size, int) else "; its size is symbolic, checked at each call"
+        log.info("graphar: %s -> graphar::all_reduce (group %r%s)", match.all_reduce.name, match.group_name, checked)
+        _warn_over_communicator_limit(match, size)
         match.replace_with_graphar()
         count += 1
     return count

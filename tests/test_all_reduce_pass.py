@@ -175,22 +175,33 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(counts["all_reduce"], 0)
         self.assertEqual(before, after)
 
-    def test_symbolic_size_rewritten_only_when_provably_under_limit(self) -> None:
+    def test_symbolic_size_rewritten_unless_provably_over_limit(self) -> None:
+        """Dynamic shapes: the op checks the size at each call, so only a size provably over the
+        limit stays on the collective."""
+
         def layer(x, w):
             y = x @ w
             dist.all_reduce(y)
             return y
 
-        x, w = torch.randn(8, 16), torch.randn(16, 16)
+        w = torch.randn(16, 16)
+        x = torch.randn(8, 16)
         torch._dynamo.mark_dynamic(x, 0)
+        _, after, counts = post_grad_graphs(layer, x, w, config=Config(max_all_reduce_bytes=1 << 20))
+        self.assertEqual(counts["all_reduce"], 1)
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "Sym(s77)", arg1_1: "f32[s77, 16]", arg2_1: "f32[16, 16]"):
+        mm: "f32[s77, 16]" = torch.ops.aten.mm.default(arg1_1, arg2_1);  arg1_1 = arg2_1 = None
+        all_reduce_default: "f32[s77, 16]" = torch.ops.graphar.all_reduce.default(mm, '0');  mm = None
+        return (all_reduce_default,)
+""")
+
+        x = torch.randn(20000, 16)  # 64 bytes a row: over 1 MiB from 16385 rows
+        torch._dynamo.mark_dynamic(x, 0, min=16385, max=1 << 20)
         _, after, counts = post_grad_graphs(layer, x, w, config=Config(max_all_reduce_bytes=1 << 20))
         self.assertEqual(counts["all_reduce"], 0)
         self.assertIn("_c10d_functional.all_reduce", after)
-
-        x = torch.randn(8, 16)
-        torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
-        _, after, counts = post_grad_graphs(layer, x, w, config=Config(max_all_reduce_bytes=1 << 20))
-        self.assertEqual(counts["all_reduce"], 1)
 
     def test_dtensor_tensor_parallel_mlp(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import tempfile
 import time
 import traceback
@@ -24,13 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphar._launch import free_port
+
 WORLD_SIZES = (2, 4, 6, 8)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...],
@@ -68,7 +63,7 @@ def run_workers(
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:
-        port = _free_port()
+        port = free_port()
         procs = [
             context.Process(target=_entry, args=(fn, rank, world_size, port, args, env or {}, error_dir))
             for rank in range(world_size)

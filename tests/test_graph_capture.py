@@ -1,0 +1,59 @@
+"""graphar.graph's end of capture, with a fake communicator (no GPU): registration order, and the
+tensors read in place at every replay kept alive as long as the graph."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from graphar import GrapharCommError, GrapharTimeoutError, graphs
+
+
+class _FakeComm:
+    def __init__(self, name: str, registered: list) -> None:
+        self.group_name = name
+        self.registered = registered
+
+    def register_graph(self, calls: list) -> None:
+        self.registered.append((self.group_name, [c.tensor for c in calls]))
+
+
+class _Call:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _Graph:  # stands in for torch.cuda.CUDAGraph, which takes attributes the same way
+    pass
+
+
+def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
+    registered: list = []
+    capture = graphs.Capture()
+    x, y = torch.randn(4), torch.randn(4)
+    capture.record(_FakeComm("b", registered), _Call(x))
+    capture.record(_FakeComm("a", registered), _Call(y))
+    cuda_graph = _Graph()
+    graphs.finish(cuda_graph, capture)
+    assert [name for name, _ in registered] == ["a", "b"]  # every rank registers in one order
+
+    alive = weakref.ref(x)
+    del x, capture, registered
+    gc.collect()
+    assert alive() is not None, "a tensor the graph reads in place was freed while the graph lives"
+    del cuda_graph
+    gc.collect()
+    assert alive() is None
+
+
+def test_cuda_graph_objects_take_the_reference() -> None:
+    # torch.cuda.CUDAGraph is a Python subclass of the C++ graph: its instances have a __dict__.
+    assert torch.cuda.CUDAGraph.__dictoffset__ != 0
+
+
+def test_timeout_is_a_comm_error() -> None:
+    # The README promises GrapharCommError from a communicator that cannot go on; a timed-out one
+    # raises GrapharTimeoutError on every later call, which is one.
+    assert issubclass(GrapharTimeoutError, GrapharCommError)
