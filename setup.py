@@ -1,14 +1,17 @@
-"""Build graphar; the CUDA library is built with nvcc when nvcc is on the PATH.
+"""Build graphar; the CUDA library is built with nvcc when there is one (PATH, CUDA_HOME).
 
-The library has a plain C ABI and no torch headers (DESIGN.md decision 1), so one build serves every
+The library has a plain C ABI and no torch headers, so one build serves every
 torch version. Without nvcc the package installs without it and `graphar._cuda` builds it on first
 use where nvcc exists; set GRAPHAR_SKIP_CUDA_BUILD=1 to skip the build on purpose.
+
+pip shows what this build says only with `pip install -v` (or when it fails); after any install,
+`python -m graphar demo` says whether the library is built and loads.
 """
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -30,12 +33,24 @@ class BuildPyWithCuda(build_py):
         package_dir = ROOT / "graphar" if self.editable_mode else Path(self.build_lib) / "graphar"
         if not self.editable_mode:
             shutil.copytree(ROOT / "csrc", package_dir / "csrc", dirs_exist_ok=True)
-        if os.environ.get("GRAPHAR_SKIP_CUDA_BUILD"):
+        cuda = _load_cuda_module()
+        if cuda.settings.SKIP_CUDA_BUILD.get():
             print("graphar: GRAPHAR_SKIP_CUDA_BUILD is set; the CUDA library is not built")
-        elif shutil.which("nvcc") is None:
-            print("graphar: nvcc not found; the CUDA library is not built (built on first use where nvcc exists)")
+        elif cuda.find_nvcc() is None:
+            print("graphar: nvcc not found (PATH, CUDA_HOME); the CUDA library is not built "
+                  "(built on first use where nvcc exists)")
         else:
-            _load_cuda_module().build_library(package_dir)
+            print(f"graphar: built {_build(cuda, package_dir)}")
+
+
+def _build(cuda: ModuleType, package_dir: Path) -> Path:
+    try:
+        return cuda.build_library(package_dir)
+    except cuda.GrapharUnavailable as e:
+        # SystemExit, not an exception: an editable install ignores exceptions from build_py. pip
+        # shows the message, as the output of a failed build.
+        raise SystemExit(f"graphar: {e}\nSet GRAPHAR_CUDA_ARCHS to targets this nvcc supports, or "
+                         "GRAPHAR_SKIP_CUDA_BUILD=1 to install without the CUDA library.") from e
 
 
 setup(

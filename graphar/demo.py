@@ -1,25 +1,41 @@
-"""`python -m graphar demo`: compile a small tensor-parallel model with backend="graphar".
+"""`python -m graphar demo`: both of graphar's rewrites on small models, compiled and checked.
 
-Spawns 2 processes (NCCL on GPUs 0 and 1 when there are two GPUs, else gloo on the CPU), compiles a
-built-in TP MLP with `backend="graphar"`, prints the graph before and after graphar's pass, and
-checks the compiled outputs against the uncompiled model for fp32 and bf16.
+Spawns `--world-size` processes (NCCL with one GPU each and `graphar.init()` when there are enough
+GPUs, else gloo on the CPU) and compiles with `backend="graphar"`:
+(a) a tensor-parallel MLP, whose all-reduces become `graphar::all_reduce` (its graph is printed
+    before and after graphar's pass), in fp32 and bf16;
+(b) a Ulysses attention block, whose Q/K/V `all_to_all_single`s become one `graphar::qkv_all_to_all`.
+For every rewrite it prints what the collectives became, read from the compiled graph, and the
+transport that serves them in this run, asked of graphar's runtime. Each compiled output is checked
+against the uncompiled model.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-import socket
-import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_graph_lowering
+from torch.utils._pytree import tree_leaves
 
-WORLD_SIZE = 2
+import graphar
+from graphar import _cuda
+from graphar._launch import free_port
+from graphar.comm import allreduce, exchange
+from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+
+WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
 HIDDEN, FFN, BATCH = 64, 256, 8
+HEADS, SEQ = 8, 16  # attention heads of HIDDEN // HEADS dims; tokens per rank
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class TensorParallelMLP(torch.nn.Module):
@@ -45,25 +61,116 @@ class TensorParallelMLP(torch.nn.Module):
         return x
 
 
+class UlyssesAttention(torch.nn.Module):
+    """Sequence-parallel attention as Ulysses code writes it: each rank holds SEQ tokens of all heads;
+    one all_to_all_single per tensor gives it every token of HEADS / world_size heads, and one more
+    sends the attention output back."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # same weights on every rank
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
+        self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (seq_to_heads_unpacked(proj(x).view(b, s, HEADS, -1)) for proj in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(heads_to_seq_unpacked(o.transpose(1, 2)).reshape(b, s, HIDDEN))
+
+
+@dataclass
+class _Printer:
+    """What the launcher and rank 0 print (other ranks are silent); progress lines carry the seconds
+    since the demo started."""
+
+    active: bool
+    start: float
+
+    def __call__(self, text: str) -> None:
+        if self.active:
+            print(text, flush=True)
+
+    def progress(self, text: str) -> None:
+        self(f"[{time.time() - self.start:5.1f} s] {text}")
+
+
 class _GraphPrinter(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         print(self.format(record), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def cuda_library_status() -> str:
+    """One line: whether graphar's CUDA library was built at install and loads here, and if not, why."""
+    packaged = _cuda.PACKAGE_DIR / _cuda.LIB_NAME
+    built = f"built at install ({packaged})" if packaged.is_file() else "not built at install"
+    try:
+        lib = _cuda.library()
+    except Exception as e:  # noqa: BLE001  (whatever the cause, say it: the demo runs without it)
+        return f"graphar CUDA library: {built}; not usable here: {e}. graphar's ops fall back to torch.distributed."
+    return f"graphar CUDA library: {built}; loaded from {lib._name}"
 
 
-def _worker(rank: int, world_size: int, port: int, use_gpu: bool) -> None:
-    import graphar
+def _transport(op: str, exchanges: int, group: str, backend: str) -> str:
+    """What serves `op` on `group` in this run: graphar's runtime picks it by the group's communicator."""
+    if op == "graphar::all_reduce":
+        if allreduce.communicator(group) is not None:
+            return "custom IPC all-reduce"
+        return f"{backend} fallback (no graphar communicator on this group)"
+    kind = "one packed exchange" if exchanges > 1 else "one exchange"
+    return f"{kind} over {'CUDA IPC' if exchange.for_group(group) is not None else backend}"
 
+
+def rewrites(graph: torch.fx.Graph, backend: str) -> list[str]:
+    """One line per graphar op in a compiled graph: the collectives it replaced, and its transport here."""
+    lines = []
+    for node in graph.nodes:
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "graphar"):
+            continue
+        op, group = node.target.name(), node.args[-1]  # every graphar op takes the group name last
+        inputs = [n.meta["val"] for n in tree_leaves(node.args[:-1])]  # one per collective it replaced
+        collective = "all_reduce" if op == "graphar::all_reduce" else "all_to_all_single"
+        count = f"{len(inputs)} x " if len(inputs) > 1 else ""
+        shapes = ", ".join(dict.fromkeys("x".join(map(str, t.shape)) for t in inputs))
+        lines.append(f"{count}{collective} (group {group!r}, {shapes} {SHORT[inputs[0].dtype]}) -> {op}: "
+                     f"{_transport(op, len(inputs), group, backend)}")
+    return lines
+
+
+def _compile_and_check(out: _Printer, name: str, model: torch.nn.Module, x: torch.Tensor, backend: str) -> None:
+    out.progress(f"compiling {name} ({SHORT[x.dtype]})...")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphar", fullgraph=True)
+    actual, lowerings = run_and_get_graph_lowering(compiled, x)
+    lines = [line for lowering in lowerings for line in rewrites(lowering.graph, backend)]
+    if not lines:
+        raise AssertionError(f"{name}: graphar rewrote no collective")
+    for line in lines:
+        out(f"  {line}")
+    error = (actual.float() - model(x).float()).abs().max().item()
+    out(f"  compiled vs uncompiled: max |diff| = {error:.3g} (tolerance {TOLERANCE[x.dtype]})")
+    if error > TOLERANCE[x.dtype]:
+        raise AssertionError(f"rank {dist.get_rank()}: {name}: outputs differ by {error}")
+
+
+def _run(out: _Printer, rank: int, world_size: int, device: torch.device, backend: str) -> None:
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            model = TensorParallelMLP(rank, world_size, dtype, device)
+            x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+            _compile_and_check(out, "the tensor-parallel MLP", model, x, backend)
+            logging.getLogger("graphar.graphs").setLevel(logging.WARNING)  # show the graphs once
+        x = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(device)  # this rank's tokens
+        _compile_and_check(out, "the Ulysses attention block", UlyssesAttention(device), x, backend)
+
+
+def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
+    backend = "nccl" if use_gpu else "gloo"
     if use_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     if use_gpu:
         graphar.init()
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass we want to show
@@ -71,36 +178,31 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool) -> None:
         logging.getLogger("graphar.graphs").addHandler(_GraphPrinter())
         logging.getLogger("graphar.graphs").setLevel(logging.DEBUG)
     try:
-        _compare(rank, world_size, device)
+        _run(_Printer(rank == 0, start), rank, world_size, device, backend)
     finally:
         graphar.shutdown()
         dist.destroy_process_group()
 
 
-def _compare(rank: int, world_size: int, device: torch.device) -> None:
-    with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            model = TensorParallelMLP(rank, world_size, dtype, device)
-            x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-            expected = model(x)
-            torch._dynamo.reset()
-            actual = torch.compile(model, backend="graphar", fullgraph=True)(x)
-            error = (actual.float() - expected.float()).abs().max().item()
-            if rank == 0:
-                print(f"{dtype}: compiled vs uncompiled max |diff| = {error:.3g} (tolerance {TOLERANCE[dtype]})")
-            if error > TOLERANCE[dtype]:
-                raise AssertionError(f"rank {rank}: {dtype} outputs differ by {error}")
-            logging.getLogger("graphar.graphs").setLevel(logging.WARNING)  # show the graphs once
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, choices=WORLD_SIZES, default=2,
+                        help="processes to spawn, one GPU each when there are that many (default: 2)")
 
 
-def main() -> int:
-    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
+def main(world_size: int = 2) -> int:
     start = time.time()
-    print(f"graphar demo: {WORLD_SIZE} processes on {'NCCL + GPUs' if use_gpu else 'gloo + CPU'}", flush=True)
-    mp.spawn(_worker, args=(WORLD_SIZE, _free_port(), use_gpu), nprocs=WORLD_SIZE, join=True)
-    print(f"graphar demo: OK, compiled outputs equal the uncompiled model ({time.time() - start:.0f} s)")
+    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    out = _Printer(True, start)
+    out(f"graphar demo: {world_size} processes, {'NCCL, one GPU each' if use_gpu else 'gloo on the CPU'}")
+    if torch.cuda.is_available():
+        out.progress("loading graphar's CUDA library (nvcc builds it on first use: a minute or two)...")
+    out(cuda_library_status())
+    out.progress(f"starting {world_size} processes...")
+    mp.spawn(_worker, args=(world_size, free_port(), use_gpu, start), nprocs=world_size, join=True)
+    out(f"graphar demo: OK, compiled outputs match the uncompiled models ({time.time() - start:.0f} s)")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    """The `demo` command of `python -m graphar`."""
+    return main(args.world_size)
