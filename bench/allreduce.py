@@ -311,7 +311,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         "graphar 1stage / 2stage / auto in graph modes run under a plain torch.cuda.graph (the copy-in path); "
         "'graphar zero-copy' is auto under graphar.graphs.graph (pointers backfilled after capture).",
         "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
-        "as in ../shared/notes/baseline-h200x2.md; two_shot is in place.",
+        "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
         f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "
         "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).",
         f"graph-mm: each iteration is a bf16 [{m}, {k}] x [{k}, {n}] matmul then the collective; "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import common
 
-# ../shared/notes/baseline-h200x2.md, then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
+# The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128),
                   (1, 75600, 40, 128)]
 QUICK_SHAPES = DEFAULT_SHAPES[:3]

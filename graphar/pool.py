@@ -1,4 +1,4 @@
-"""Graph-safe staging buffers for graphar's collectives (DESIGN.md decision 4).
+"""Graph-safe staging buffers for graphar's collectives.
 
 A staging buffer is scratch memory a collective writes and reads within one call, reused by the next
 call of the same role. Reuse is where CUDA graphs bite: a buffer first allocated during a capture lives
