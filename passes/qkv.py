@@ -13,9 +13,14 @@ the ranks (scatter) and another gathered from them (gather), for any order of th
   it transposed, one copy more than the original);
 - three independent all-to-alls that are not relayouts become one `graphar::packed_all_to_all_single`.
 
-Only graph structure decides (shapes, dtypes, groups, order), so every rank rewrites alike (DESIGN.md
-decision 6). The nodes after the rewrite are views of the new op's result: the receive side for b == 1
-costs nothing.
+Only graph structure decides (shapes, dtypes, groups, order), so every rank rewrites alike. The
+nodes after the rewrite are views of the new op's result: the receive side for b == 1 costs nothing.
+
+Sizes may be symbolic (SymInts, when torch.compile traces with dynamic shapes: sequence and batch
+vary, heads and head dims stay numbers). The algebra computes with them as with ints, and decides
+(divisible, equal, one) only on facts proved from the graph's shape environment without a guard
+(`statically_known_true`), so one compiled graph keeps serving every length; what cannot be proved
+is left alone. The one guard the pass may add ties Q, K and V's sizes to each other (`_tie`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.distributed as dist
 from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from graphar.config import Config
 
@@ -38,9 +45,11 @@ log = logging.getLogger("graphar")
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+# A size is an int, or a SymInt when the graph was traced with dynamic shapes.
+Size = int | torch.SymInt
 # A layout maps logical indices to offsets in a source's contiguous storage. Each logical dim is a
 # row-major tuple of (size, stride) modes, so a reshape can always regroup modes without copying.
-Mode = tuple[int, int]
+Mode = tuple[Size, Size]
 Layout = tuple[tuple[Mode, ...], ...]
 
 # Ops that keep the row-major order of the elements: their result is the input reshaped.
@@ -53,14 +62,40 @@ _PERMUTING = {aten.permute.default, aten.transpose.int, aten.t.default}
 _HEADS_SWAP = [0, 2, 1, 3]
 
 
-def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+def _known(cond: bool | torch.SymBool) -> bool:
+    """Whether `cond` holds for every size the graph accepts, proved from the shape environment
+    without adding a guard; False when it cannot be proved. Plain bools pass through."""
+    return statically_known_true(cond)
+
+
+def _one(n: Size) -> bool:
+    return _known(n == 1)
+
+
+def _divides(p: Size, n: Size) -> bool:
+    return _known(n % p == 0)
+
+
+def _same(a: Sequence[Size], b: Sequence[Size]) -> bool:
+    """Sizes provably equal one for one."""
+    return len(a) == len(b) and all(_known(x == y) for x, y in zip(a, b))
+
+
+def _same_modes(a: Sequence[Mode], b: Sequence[Mode]) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def _shape(node: torch.fx.Node) -> tuple[Size, ...] | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not all(isinstance(n, int) for n in val.shape):
-        return None  # dynamic shapes: a decision on symbols could differ between ranks' inputs
-    return tuple(val.shape)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _contiguous(shape: Sequence[int]) -> Layout:
+def _size_arg(arg: object) -> Size:
+    """A size argument of a node: an int, or the node that computes a SymInt."""
+    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
+
+
+def _contiguous(shape: Sequence[Size]) -> Layout:
     strides = [1] * len(shape)
     for k in range(len(shape) - 2, -1, -1):
         strides[k] = strides[k + 1] * shape[k + 1]
@@ -68,35 +103,38 @@ def _contiguous(shape: Sequence[int]) -> Layout:
 
 
 def _flat(layout: Layout | Sequence[Sequence[Mode]]) -> list[Mode]:
-    return [m for dim in layout for m in dim if m[0] != 1]
+    return [m for dim in layout for m in dim if not _one(m[0])]
 
 
 def _canonical(modes: Iterable[Mode]) -> tuple[Mode, ...]:
+    """Modes with those of size 1 dropped and neighbours that are one run merged. Unproved merges are
+    skipped: the result still maps alike, it only compares unequal to more layouts."""
     out: list[Mode] = []
     for size, stride in modes:
-        if size == 1:
+        if _one(size):
             continue
-        if out and out[-1][1] == size * stride:
+        if out and _known(out[-1][1] == size * stride):
             out[-1] = (out[-1][0] * size, stride)
         else:
             out.append((size, stride))
     return tuple(out)
 
 
-def _reshape(modes: Sequence[Mode], shape: Sequence[int]) -> Layout | None:
-    """Regroup row-major modes into dims of `shape`, splitting a mode where a dim ends inside it."""
-    rest = [m for m in modes if m[0] != 1]
+def _reshape(modes: Sequence[Mode], shape: Sequence[Size]) -> Layout | None:
+    """Regroup row-major modes into dims of `shape`, splitting a mode where a dim ends inside it.
+    None unless every division is proved exact, so the regrouping holds for every size."""
+    rest = [m for m in modes if not _one(m[0])]
     dims = []
     for n in shape:
         dim: list[Mode] = []
-        while n > 1:
+        while not _known(n <= 1):
             if not rest:
                 return None
             size, stride = rest[0]
-            if n % size == 0:
+            if _divides(size, n):
                 dim.append(rest.pop(0))
                 n //= size
-            elif size % n == 0:
+            elif _divides(n, size):
                 dim.append((n, stride * (size // n)))
                 rest[0] = (size // n, stride)
                 n = 1
@@ -164,28 +202,36 @@ class _Exchange:
         return self.a2a.meta["val"].dtype
 
     @property
+    def heads(self) -> Size:
+        """The scattered dim of X: the heads of a Ulysses relayout."""
+        return _shape(self.x)[self.scatter]
+
+    @property
     def source(self) -> torch.fx.Node:
         """The node the rewrite reads: X for a relayout, the all_to_all's input otherwise."""
         return self.x if self.x is not None else self.a2a_input
 
     def key(self) -> tuple:
-        """Exchanges with equal keys may be packed together."""
-        if self.x is None:
-            return (self.group_name, self.dtype)
+        """Exchanges may be packed together only with equal keys (relayouts: and equal `others`)."""
+        return (self.group_name, self.dtype) if self.x is None else (self.group_name, self.dtype, self.scatter)
+
+    def others(self) -> tuple[Size, ...]:
+        """X's sizes but the heads: Q, K and V must share them to be packed."""
         shape = list(_shape(self.x))
         del shape[self.scatter]
-        return (self.group_name, self.dtype, self.scatter, tuple(shape))
+        return tuple(shape)
 
 
 def _equal_splits(a2a: torch.fx.Node, world_size: int) -> bool:
     shape = _shape(a2a.args[0])
-    if shape is None or not shape or shape[0] % world_size:
+    if shape is None or not shape or not _divides(world_size, shape[0]):
         return False
     out_splits, in_splits = a2a.args[1], a2a.args[2]
     if out_splits is None and in_splits is None:
         return True
     equal = [shape[0] // world_size] * world_size
-    return list(out_splits or ()) == equal and list(in_splits or ()) == equal
+    return all(splits is not None and _same([_size_arg(n) for n in splits], equal)
+               for splits in (out_splits, in_splits))
 
 
 def _find_exchanges(graph: torch.fx.Graph, config: Config) -> list[_Exchange]:
@@ -205,7 +251,7 @@ def _find_exchanges(graph: torch.fx.Graph, config: Config) -> list[_Exchange]:
             log.info("graphar qkv: %s left alone: group %r not found (%s)", a2a.name, group_name, e)
             continue
         if not _equal_splits(a2a, world_size):
-            log.info("graphar qkv: %s left alone: splits are not equal (or shapes are dynamic)", a2a.name)
+            log.info("graphar qkv: %s left alone: splits are not provably equal", a2a.name)
             continue
         exchange = _Exchange(a2a, users[0], group_name, world_size)
         _read_relayout(exchange)
@@ -213,7 +259,7 @@ def _find_exchanges(graph: torch.fx.Graph, config: Config) -> list[_Exchange]:
     return found
 
 
-def _expected(x_shape: Sequence[int], p: int, scatter: int) -> tuple[tuple[int, ...], tuple[Mode, ...]]:
+def _expected(x_shape: Sequence[Size], p: int, scatter: int) -> tuple[tuple[Size, ...], tuple[Mode, ...]]:
     """Shape and canonical modes of X with dim `scatter` split over p ranks and the other of dims 1, 2
     gathered, over the virtual global tensor in which rank i's X starts at offset i * numel(X)."""
     gather = 3 - scatter
@@ -257,7 +303,7 @@ def _relayouts(ex: _Exchange, send: list[torch.fx.Node], receive: list[torch.fx.
     for node in send[1:]:
         layout = _apply(layout, node) if layout is not None else None
     sent = _flat(layout) if layout is not None else []
-    if not sent or sent[0][0] % p:
+    if not sent or not _divides(p, sent[0][0]):
         return {}
     (n0, s0), rest = sent[0], sent[1:]
     dest_stride = s0 * (n0 // p)  # rank j receives the block at offset j * dest_stride of every X
@@ -271,8 +317,8 @@ def _relayouts(ex: _Exchange, send: list[torch.fx.Node], receive: list[torch.fx.
         for scatter in (1, 2):
             shape, modes = _expected(x_shape, p, scatter)
             block = (x_shape[scatter] // p) * math.prod(x_shape[scatter + 1:])
-            if (x_shape[scatter] % p == 0 and dest_stride == block and _shape(node) == shape
-                    and _canonical(_flat(received)) == modes):
+            if (_divides(p, x_shape[scatter]) and _known(dest_stride == block) and _same(_shape(node), shape)
+                    and _same_modes(_canonical(_flat(received)), modes)):
                 found[scatter] = node
     return found
 
@@ -300,7 +346,42 @@ class _Order:
         return not any(self.depends_on(a.source, b.wait) for a in members for b in members if a is not b)
 
 
-def _triplets(exchanges: list[_Exchange], order: _Order) -> tuple[list[list[_Exchange]], list[_Exchange]]:
+def _same_key(a: _Exchange, b: _Exchange) -> bool:
+    return a.key() == b.key()
+
+
+def _qkv_packable(a: _Exchange, b: _Exchange) -> bool:
+    """Relayouts of one kind, group and dtype, whose heads are numbers (the slices of the packed
+    result need them) and whose other sizes are equal, or may be tied (`_tieable`)."""
+    return (a.key() == b.key() and isinstance(a.heads, int) and isinstance(b.heads, int)
+            and all(_known(x == y) or _tieable(x, y) for x, y in zip(a.others(), b.others())))
+
+
+def _tieable(a: Size, b: Size) -> bool:
+    """Whether `_tie` may guard a == b: each is a symbol of its own, and they are equal in this
+    compile's inputs (shapes, equal on every rank).
+
+    Dynamo gives Q, K and V passed as separate inputs a symbol each, though self-attention makes
+    them equal. A guard between two symbols pins no number, so the graph still serves every length;
+    a size against a number (s == 8) would recompile per length, and is never tied."""
+    sizes = (a, b)
+    if not all(isinstance(n, torch.SymInt) and isinstance(n.node.expr, sympy.Symbol) for n in sizes):
+        return False
+    return all(n.node.has_hint() for n in sizes) and a.node.hint == b.node.hint
+
+
+def _tie(group: Sequence[_Exchange]) -> None:
+    """Guard equal the sizes of a Q/K/V triplet that are tieable but not proved equal: the pass's one
+    guard, and a needed one: nothing in the graph relates separate inputs' symbols, and the packed op
+    needs them equal. Inputs of unequal lengths then recompile, into a graph that leaves them unpacked."""
+    for e in group[1:]:
+        for a, b in zip(group[0].others(), e.others()):
+            if not _known(a == b) and not guard_or_false(a == b):
+                raise AssertionError(f"graphar qkv: {a} == {b} was tieable but its guard failed")
+
+
+def _triplets(exchanges: list[_Exchange], order: _Order, packable: Callable[[_Exchange, _Exchange], bool]
+              ) -> tuple[list[list[_Exchange]], list[_Exchange]]:
     """Greedy, in graph order: each exchange joins the first two later ones it can be packed with."""
     exchanges = sorted(exchanges, key=lambda e: order.index[e.a2a])
     groups, used = [], set()
@@ -309,7 +390,7 @@ def _triplets(exchanges: list[_Exchange], order: _Order) -> tuple[list[list[_Exc
             continue
         group = [first]
         for other in exchanges[i + 1:]:
-            if id(other) in used or other.key() != first.key():
+            if id(other) in used or not packable(first, other):
                 continue
             if order.independent([*group, other]):
                 group.append(other)
@@ -338,12 +419,16 @@ def _can_read(user: torch.fx.Node, new: torch.fx.Node) -> bool:
     """Whether `user` accepts new's strides in place of its input's: only a view can refuse."""
     if user.target not in (aten.view.default, aten._unsafe_view.default):
         return True
-    shape = _shape(user)
-    try:
-        new.meta["val"].view(shape)
-    except RuntimeError:
-        return False
-    return True
+    return _viewable(new.meta["val"], _shape(user))
+
+
+def _viewable(t: torch.Tensor, shape: Sequence[Size]) -> bool:
+    """Whether `t.view(shape)` exists for every size, proved without a guard (trying the view on
+    symbolic sizes would guard): each dim of `shape` must take modes of t that merge into one run."""
+    if _known(t.numel() == 0):
+        return True
+    layout = _reshape(list(zip(t.shape, t.stride())), shape)
+    return layout is not None and all(len(_canonical(dim)) <= 1 for dim in layout)
 
 
 class _Rewriter:
@@ -426,8 +511,8 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     if not exchanges:
         return 0
     order = _Order(graph)
-    qkv_groups, singles = _triplets([e for e in exchanges if e.x is not None], order)
-    packed_groups, _ = _triplets([e for e in exchanges if e.x is None], order)
+    qkv_groups, singles = _triplets([e for e in exchanges if e.x is not None], order, _qkv_packable)
+    packed_groups, _ = _triplets([e for e in exchanges if e.x is None], order, _same_key)
     outputs = []
     for e in singles:
         if 1 in e.kinds:
@@ -436,6 +521,7 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
             log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing", e.a2a.name)
     rewriter = _Rewriter(graph)
     for group in qkv_groups:
+        _tie(group)
         rewriter.qkv(group)
     for e in outputs:
         rewriter.output(e)

@@ -32,11 +32,25 @@ def readable(graph: torch.fx.Graph) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
 
 
+def _shape_facts(shape_env: Any) -> list[str]:
+    """The guards and deferred runtime asserts of a shape environment, as text."""
+    if shape_env is None:
+        return []
+    asserts = [ra.expr for ras in shape_env.deferred_runtime_asserts.values() for ra in ras]
+    return [str(g.expr) for g in shape_env.guards] + [str(e) for e in asserts]
+
+
 class _RecordingPass(GrapharPass):
+    """Records the graph before and after graphar's pass, and `new_facts`: the guards and runtime
+    asserts the pass added to the shape environment (dynamic shapes)."""
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.before = readable(graph)
+        shape_env = getattr(V.fake_mode, "shape_env", None)
+        facts = _shape_facts(shape_env)
         super().__call__(graph)
         self.after = readable(graph)
+        self.new_facts = _shape_facts(shape_env)[len(facts):]
 
 
 def init_fake_world(world_size: int, rank: int = 0) -> None:
@@ -47,10 +61,16 @@ def init_fake_world(world_size: int, rank: int = 0) -> None:
 
 
 def all_post_grad_graphs(
-    fn: Callable[..., Any], *args: Any, config: Config | None = None, fullgraph: bool = True
+    fn: Callable[..., Any],
+    *args: Any,
+    config: Config | None = None,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    recorders: list[Any] | None = None,
 ) -> list[tuple[str, str, dict[str, int]]]:
     """(before, after, counts) for every graph `fn` compiles to, in order (graph breaks allowed
-    with fullgraph=False)."""
+    with fullgraph=False). `dynamic` is torch.compile's; `torch._dynamo.mark_dynamic` on the
+    arguments works too. `recorders`, when given, receives each graph's recording pass."""
     results = []
 
     def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]):
@@ -60,6 +80,8 @@ def all_post_grad_graphs(
         ):
             post_grad_passes(gm, is_inference=True)
         results.append((recorder.before, recorder.after, recorder.counts))
+        if recorders is not None:
+            recorders.append(recorder)
         return gm
 
     backend = aot_autograd(
@@ -67,11 +89,11 @@ def all_post_grad_graphs(
     )
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args)
+        torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=dynamic)(*args)
     return results
 
 
-def post_grad_graphs(fn: Callable[..., Any], *args: Any, config: Config | None = None):
+def post_grad_graphs(fn: Callable[..., Any], *args: Any, config: Config | None = None, dynamic: bool | None = None):
     """(before, after, counts) of the one graph `fn` compiles to."""
-    (result,) = all_post_grad_graphs(fn, *args, config=config)
+    (result,) = all_post_grad_graphs(fn, *args, config=config, dynamic=dynamic)
     return result

@@ -4,29 +4,29 @@ The blocks are written as Ulysses code is (in-place c10d all-to-alls with heads 
 collectives with heads at dim 1), so the pass has to find the exchanges itself. Blocks whose values
 are small integers are compared bit for bit (every sum is exact in any order); the softmax block is
 compared within float tolerance, since Inductor compiles its arithmetic differently from eager.
+
+Shapes that vary from call to call (sequence, batch) make the default torch.compile recompile the
+second shape with dynamic sizes: that graph must get the static graph's rewrites, and serve the
+third shape without another compile.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
+from graphar._launch import free_port
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seq_to_heads_dim1(x: torch.Tensor) -> torch.Tensor:
@@ -98,11 +98,7 @@ def _check(rank: int, name: str, expected: torch.Tensor, actual: torch.Tensor, c
 
 
 def _worker(rank: int, port: int) -> None:
-    import graphar  # noqa: F401  (registers the backend and the ops)
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass under test
+    _init(rank, port)
     try:
         with torch.no_grad():
             for name, dtype, b, heads, kv_heads, exact in (
@@ -124,5 +120,66 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _init(rank: int, port: int) -> None:
+    import graphar  # noqa: F401  (registers the backend and the ops)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass under test
+
+
 def test_compiled_ulysses_equals_eager_on_gloo() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Ulysses attention taking Q, K and V as separate inputs (Dynamo gives each a symbol of its own)."""
+    q, k, v = (seq_to_heads_unpacked(t) for t in (q, k, v))
+    return heads_to_seq_unpacked(2 * q + k - v)
+
+
+def _rewrites_per_call(rank: int, name: str, model: Callable[..., torch.Tensor],
+                       calls: list[tuple[torch.Tensor, ...]]) -> list[int]:
+    """Compile `model` once (default torch.compile: a new shape recompiles with dynamic sizes), call it
+    with each argument tuple, check each output against eager; the pass's rewrites made by each call."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphar", fullgraph=True)
+    counts = []
+    for args in calls:
+        before = counters["graphar"]["qkv_all_to_all"]
+        actual = compiled(*args)
+        counts.append(counters["graphar"]["qkv_all_to_all"] - before)
+        if not torch.equal(actual, model(*args)):
+            raise AssertionError(f"rank {rank} {name}: compiled output differs from eager at {args[0].shape}")
+    return counts
+
+
+def _dynamic_worker(rank: int, port: int) -> None:
+    _init(rank, port)
+
+    def hidden(b: int, s: int) -> tuple[torch.Tensor]:
+        return (_integers(b, s, 32, dtype=torch.float32, seed=rank),)
+
+    def qkv(s: int) -> tuple[torch.Tensor, ...]:
+        return tuple(_integers(1, s, 4, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3))
+
+    block = UlyssesBlock(4, 2, 8, torch.float32, exact=True)
+    # Rewrites per call: a compile gets 2 (Q/K/V, output) whether static (first call) or dynamic (a
+    # call with a new sequence or batch); a call served by the dynamic graph compiles nothing.
+    cases = {
+        "q, k, v inputs, sequence 8, 16, 24": (exact_attention, [qkv(s) for s in (8, 16, 24)], [2, 2, 0]),
+        "block, sequence 24, 16, 8, then batch 2, 3": (
+            block, [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)], [2, 2, 0, 2, 0]),
+    }
+    try:
+        with torch.no_grad():
+            for name, (model, calls, expected) in cases.items():
+                counts = _rewrites_per_call(rank, name, model, calls)
+                if counts != expected:
+                    raise AssertionError(f"rank {rank} {name}: rewrites per call {counts}, expected {expected}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_shapes_keep_the_rewrites_on_gloo() -> None:
+    mp.spawn(_dynamic_worker, args=(free_port(),), nprocs=WORLD, join=True)

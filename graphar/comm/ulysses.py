@@ -122,6 +122,13 @@ def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
     return stages
 
 
+def _require(cond: bool | torch.SymBool, message: Callable[[], str]) -> None:
+    """Raise ValueError(message()) unless `cond`. On symbolic sizes (the fakes under dynamic shapes)
+    a condition that is already proved adds nothing; one that is not becomes a guard (or a runtime
+    assert for data-dependent sizes) on a relation the op needs, never on a size's value."""
+    torch._check_with(ValueError, cond, message)
+
+
 def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> None:
     op = f"graphar::qkv_all_to_all on group {group_name!r}"
     first = xs[0]
@@ -130,10 +137,11 @@ def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> 
             raise ValueError(f"{op}: expects [b, s_local, heads, d] tensors, got shape {tuple(x.shape)}")
         if x.dtype != first.dtype or x.device != first.device:
             raise ValueError(f"{op}: q, k and v must share dtype and device")
-        if (x.shape[0], x.shape[1], x.shape[3]) != (first.shape[0], first.shape[1], first.shape[3]):
-            raise ValueError(f"{op}: q, k and v must share b, s_local and d; got {[tuple(t.shape) for t in xs]}")
-        if x.shape[2] % world_size:
-            raise ValueError(f"{op}: {x.shape[2]} heads do not split over {world_size} ranks")
+        for dim in (0, 1, 3):
+            _require(x.shape[dim] == first.shape[dim],
+                     lambda: f"{op}: q, k and v must share b, s_local and d; got {[tuple(t.shape) for t in xs]}")
+        _require(x.shape[2] % world_size == 0,
+                 lambda x=x: f"{op}: {x.shape[2]} heads do not split over {world_size} ranks")
 
 
 def _qkv_shape(xs: Sequence[torch.Tensor], world_size: int) -> tuple[int, int, int, int]:
@@ -173,9 +181,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> tor
 
 
 def _check_output(o: torch.Tensor, world_size: int, group_name: str) -> None:
-    if o.dim() != 4 or o.shape[1] % world_size:
-        raise ValueError(f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
-                         f"with s divisible by {world_size}, got {tuple(o.shape)}")
+    def message() -> str:
+        return (f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
+                f"with s divisible by {world_size}, got {tuple(o.shape)}")
+
+    if o.dim() != 4:
+        raise ValueError(message())
+    _require(o.shape[1] % world_size == 0, message)
 
 
 @torch.library.custom_op("graphar::heads_to_seq_all_to_all", mutates_args=())
@@ -213,8 +225,10 @@ def _check_packed(xs: Sequence[torch.Tensor], world_size: int, group_name: str) 
     if not xs:
         raise ValueError(f"{op}: needs at least one tensor")
     for x in xs:
-        if x.dim() == 0 or x.shape[0] % world_size:
+        if x.dim() == 0:
             raise ValueError(f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks")
+        _require(x.shape[0] % world_size == 0,
+                 lambda x=x: f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks")
         if x.dtype != xs[0].dtype or x.device != xs[0].device:
             raise ValueError(f"{op}: all tensors must share dtype and device")
 

@@ -62,8 +62,11 @@ if triton is not None:
         dst_off = dst_row[:, None, None] + (l * d_h)[None, :, None] + e[None, None, :]
         tl.store(dst + dst_off, tl.load(src + src_off, mask=mask), mask=mask)
 
-    # Sequence-dependent sizes are not specialised: a new sequence length must not recompile
-    # (the first call at that length may be inside a CUDA-graph capture).
+    # A new sequence length or batch must not recompile (the first call at that length may be inside
+    # a CUDA-graph capture). The constexprs come from the head dim and head counts, fixed in a model
+    # (IDX64 flips once, at 2**31 elements). rows and seq are not specialised at all. Strides are
+    # specialised only on divisibility by 16 (aligned vector loads): a stride that grows with the
+    # sequence, S*h*d, keeps it for every S when h*d is a multiple of 16, as with any real head dim.
     @triton.jit(do_not_specialize=["rows", "seq"])
     def _relayout_kernel(
         dst0, src0, heads0, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
@@ -133,11 +136,23 @@ def relayout(pairs: Sequence[Pair]) -> bool:
         for dst, src in pairs:
             dst.copy_(src)
         return False
+    launch = _launch(pairs)
+    if launch is None:
+        return True
+    grid, args, constants = launch
+    device = pairs[0][0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _relayout_kernel[grid](*args, **constants, num_warps=4)
+    return True
+
+
+def _launch(pairs: Sequence[Pair]) -> tuple[tuple[int, int, int], list[object], dict[str, object]] | None:
+    """The kernel's grid, runtime arguments and constexprs for `pairs`; None when there is nothing to copy."""
     p, b, s, _, d = pairs[0][0].shape
     rows = b * s
     heads = [dst.shape[3] for dst, _ in pairs]
     if rows == 0 or p == 0 or d == 0 or not any(heads):
-        return True
+        return None
     d_pad = triton.next_power_of_2(d)
     # The largest power of two dividing every head count: no program is mostly masked out.
     common = 0
@@ -152,11 +167,8 @@ def relayout(pairs: Sequence[Pair]) -> bool:
         h = dst.shape[3] if i < len(pairs) else 0
         args += [dst, src, h, *(src.stride(k) for k in (0, 1, 2, 3)), *(dst.stride(k) for k in (0, 1, 2, 3))]
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
-    device = pairs[0][0].device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _relayout_kernel[grid](*args, rows, s, D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64,
-                               num_warps=4)
-    return True
+    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64)
+    return grid, [*args, rows, s], constants
 
 
 def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
