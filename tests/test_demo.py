@@ -1,6 +1,7 @@
 """`python -m graphar demo` on 2 gloo processes, run once for this module: both halves of graphar
 rewritten, each rewrite reported with its transport, compiled outputs equal to eager."""
 
+import os
 import subprocess
 import sys
 
@@ -11,14 +12,16 @@ FALLBACK = "gloo fallback (no graphar communicator on this group)"
 
 @pytest.fixture(scope="module")
 def demo() -> str:
-    out = subprocess.run([sys.executable, "-m", "graphar", "demo"], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the gloo path, also on a machine with GPUs
+    out = subprocess.run([sys.executable, "-m", "graphar", "demo"], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 
 
 def test_says_what_runs_and_ends_ok(demo: str) -> None:
     assert "graphar demo: 2 processes, gloo on the CPU" in demo
-    assert "graphar CUDA library: not built at install; not usable here: no CUDA device is visible." in demo
+    assert "graphar CUDA library: " in demo and "not usable here: no CUDA device is visible." in demo
     assert "graphar demo: OK" in demo
     assert "Failed to initialize NumPy" not in demo
 

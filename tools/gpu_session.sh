@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; logs and tables under $OUT.
-# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [demo] [bench-allreduce] [bench-decode] [bench-ulysses]
+# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [demo] [bench-allreduce] [bench-decode]
+#        [bench-ulysses]
+# cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export GRAPHAR_CUDA_ARCHS="${GRAPHAR_CUDA_ARCHS:-90a}"
@@ -21,7 +23,11 @@ for stage in "$@"; do
       nvidia-smi topo -m >>"$log" 2>&1
       step build 400 python -m pip install --no-build-isolation --no-deps -e . ;;
     tests=*) step tests 480 python -m pytest -q -x -rs ${stage#tests=} ;;
-    tests) step tests 480 python -m pytest -q -rs tests/gpu ;;
+    tests) step tests 480 python -m pytest -q -rs --durations=10 tests/gpu ;;
+    cpu-tests)
+      [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      step cpu-tests 400 python -m pytest -q -p no:cacheprovider --ignore=tests/gpu tests ;;
     demo) step demo 240 python -m graphar demo ;;
     bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
   esac

@@ -17,16 +17,7 @@ HIDDEN, FFN = 256, 512
 
 def _reduce_overhead(rank: int, world_size: int) -> None:
     comm = graphar.init()
-    served = []
-    try_all_reduce = comm.try_all_reduce
-
-    def counting(x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
-        out = try_all_reduce(x, algo)
-        if out is not None:
-            served.append(x.shape)
-        return out
-
-    comm.try_all_reduce = counting  # what graphar::all_reduce reaches when the pass rewrote the call
+    served = _served_calls(comm)
     # Integer-valued fp32 weights and inputs: every sum is exact, so compiled must equal eager.
     w1 = integer_valued(HIDDEN * FFN, torch.float32, -2, 2).view(HIDDEN, FFN)
     w2 = integer_valued(FFN * HIDDEN, torch.float32, -2, 2).view(FFN, HIDDEN)
@@ -53,3 +44,65 @@ def _reduce_overhead(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reduce_overhead_has_no_cudagraph_skip_and_equals_eager(world_size: int) -> None:
     run_workers(_reduce_overhead, world_size)
+
+
+def _served_calls(comm: graphar.comm.allreduce.CustomAllreduce) -> list:
+    """Shapes of the calls graphar's communicator served (what graphar::all_reduce reaches)."""
+    served = []
+    try_all_reduce = comm.try_all_reduce
+
+    def counting(x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
+        out = try_all_reduce(x, algo)
+        if out is not None:
+            served.append(tuple(x.shape))
+        return out
+
+    comm.try_all_reduce = counting
+    return served
+
+
+def _dynamic_and_strided(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    served = _served_calls(comm)
+    w = integer_valued(HIDDEN * HIDDEN, torch.float32, -2, 2).view(HIDDEN, HIDDEN)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        dist.all_reduce(y)
+        return torch.relu(y)
+
+    def einsum(x: torch.Tensor) -> torch.Tensor:  # a permuted, non-contiguous all-reduce input
+        y = torch.einsum("bsh,hd->bds", x, w)
+        dist.all_reduce(y)
+        return y
+
+    def transposed(x: torch.Tensor) -> torch.Tensor:
+        return dist._functional_collectives.all_reduce((x[0] @ w).t(), "sum", dist.group.WORLD) + 1
+
+    def reference(fn, x: torch.Tensor) -> torch.Tensor:  # eager NCCL refuses non-contiguous tensors
+        y = torch.einsum("bsh,hd->bds", x, w) if fn is einsum else (x[0] @ w).t()
+        y = y.contiguous()
+        dist.all_reduce(y)
+        return y if fn is einsum else y + 1
+
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="graphar")  # default: dynamic from the second shape
+        for b in (1, 2, 3, 4, 8, 5):
+            x = integer_valued(b * HIDDEN, torch.float32, -2, 2).view(b, HIDDEN)
+            assert torch.equal(compiled(x), block(x)), f"batch {b}"
+        assert [s[0] for s in served] == [1, 2, 3, 4, 8, 5], served
+        for fn in (einsum, transposed):
+            served.clear()
+            torch._dynamo.reset()
+            x = integer_valued(2 * 4 * HIDDEN, torch.float32, -2, 2).view(2, 4, HIDDEN)
+            out = torch.compile(fn, backend="graphar", fullgraph=True)(x)
+            assert torch.equal(out, reference(fn, x)), fn.__name__
+            assert len(served) == 1, fn.__name__
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_dynamic_shapes_and_strided_inputs_stay_on_the_custom_kernels(world_size: int) -> None:
+    run_workers(_dynamic_and_strided, world_size)

@@ -213,3 +213,28 @@ def _pointer_info(x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
 def test_expandable_segments_take_the_staged_path(world_size: int, ranks_expandable: tuple[int, ...]) -> None:
     run_workers(_expandable_segments, world_size, ranks_expandable)
+
+
+def _captured_input_outlives_its_name(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        x = integer_valued(64 * KB, torch.bfloat16)
+        expected = _nccl_sum(x)
+        graph = torch.cuda.CUDAGraph()
+        with graphar.graph(graph):
+            y = comm.all_reduce(x)
+        del x  # the graph reads it in place: graphar.graph must keep it
+        torch.cuda.synchronize()
+        junk = [torch.full((64 * KB,), 7, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
+        for _ in range(3):
+            y.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(y, expected), "a replay read memory the caller had dropped"
+        del junk
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_captured_input_outlives_its_name(world_size: int) -> None:
+    run_workers(_captured_input_outlives_its_name, world_size)
