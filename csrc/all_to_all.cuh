@@ -4,7 +4,7 @@
 // relayout of the Ulysses exchanges happens inside the copy. A byte copy: any dtype, exact bits.
 #pragma once
 
-#include "custom_all_reduce.cuh"
+#include "barrier.cuh"
 
 namespace graphar {
 
@@ -18,8 +18,9 @@ struct Placement {
 };
 
 struct AllToAllParams {
-  Params barrier;   // signals, rank, timeout, error record, out; data/copy_in/packs are unused
+  BarrierParams barrier;
   RankData sends;   // every rank's exchange buffer, by value: a captured launch keeps the buffers it saw
+  void* out;
   int64_t src_offset;  // packs into every exchange buffer where this call's chunks start
   Placement place;
 };
@@ -28,17 +29,17 @@ struct AllToAllParams {
 template <int kRanks>
 constexpr int kPullUnroll = kRanks >= 6 ? 1 : 16 / kRanks;
 
-// Entry: the pack wrote the exchange buffer in an earlier kernel; release/acquire carries it to the
-// peers without leaning on kernel boundaries for cross-GPU visibility (free next to the copy).
-// Exit: a rank may overwrite its exchange buffer (the next pack) only once every peer has pulled
-// from it; only arrival matters, so volatile.
 // Half the all-reduce's block: a pull block fits on an SM beside the next stage's pack kernel instead
 // of waiting for a whole SM to drain, which would serialize the pipeline.
 constexpr int kPullThreads = 256;
 
+// Entry: the pack wrote the exchange buffer in an earlier kernel; release/acquire carries it to the
+// peers without leaning on kernel boundaries for cross-GPU visibility (free next to the copy).
+// Exit: a rank may overwrite its exchange buffer (the next pack) only once every peer has pulled
+// from it; only arrival matters, so volatile.
 template <int kRanks>
 __global__ void __launch_bounds__(kPullThreads, 1) pull_all_to_all(AllToAllParams p) {
-  const Params& bp = p.barrier;
+  const BarrierParams& bp = p.barrier;
   if (!multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry)) return;
   const Placement pl = p.place;
   const uint4* src[kRanks];
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) pull_all_to_all(AllToAllParam
   for (int r = 0; r < kRanks; r++) {
     src[r] = static_cast<const uint4*>(p.sends.ptrs[r]) + p.src_offset + bp.rank * pl.chunk_packs;
   }
-  uint4* out = static_cast<uint4*>(bp.out);
+  uint4* out = static_cast<uint4*>(p.out);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < pl.chunk_packs;
        base += kPullUnroll<kRanks> * stride) {

@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 MB = 1 << 20
-MAX_BLOCKS = 64  # kMaxBlocks of csrc/custom_all_reduce.cuh: one barrier slot per block
+MAX_BLOCKS = 64  # kMaxBlocks of csrc/barrier.cuh: one barrier slot per block
 
 
 class SettingError(ValueError):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from graphar import _cuda, settings
-from graphar.comm import allreduce as ar
+from graphar.comm import abi
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
@@ -29,35 +29,35 @@ def _enum(text: str, prefix: str) -> dict[str, int]:
 def test_dtype_codes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
     names = {torch.float32: "GRAPHAR_FLOAT32", torch.float16: "GRAPHAR_FLOAT16", torch.bfloat16: "GRAPHAR_BFLOAT16"}
-    assert {dtype: codes[name] for dtype, name in names.items()} == ar._DTYPE_CODES
+    assert {dtype: codes[name] for dtype, name in names.items()} == abi.DTYPE_CODES
 
 
 def test_algorithm_codes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    assert {ar.ONE_STAGE: codes["GRAPHAR_ONE_STAGE"], ar.TWO_STAGE: codes["GRAPHAR_TWO_STAGE"]} == ar._ALGO_CODES
+    assert {abi.ONE_STAGE: codes["GRAPHAR_ONE_STAGE"], abi.TWO_STAGE: codes["GRAPHAR_TWO_STAGE"]} == abi.ALGO_CODES
 
 
 def test_launch_modes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    python = {"GRAPHAR_EAGER": ar.EAGER, "GRAPHAR_CAPTURED_COPY": ar.CAPTURED_COPY,
-              "GRAPHAR_ZERO_COPY": ar.ZERO_COPY, "GRAPHAR_STAGED": ar.STAGED}  # fmt: skip
+    python = {"GRAPHAR_EAGER": abi.EAGER, "GRAPHAR_CAPTURED_COPY": abi.CAPTURED_COPY,
+              "GRAPHAR_ZERO_COPY": abi.ZERO_COPY, "GRAPHAR_STAGED": abi.STAGED}  # fmt: skip
     assert {name: codes[name] for name in python} == python
 
 
 def test_barrier_where_codes_are_all_named() -> None:
-    where = re.search(r"enum Where[^{]*\{([^}]*)\}", _text("custom_all_reduce.cuh")).group(1)
-    assert sorted(int(v) for v in re.findall(r"\bk\w+\s*=\s*(\d+)", where)) == sorted(ar._WHERE)
+    where = re.search(r"enum Where[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
+    assert sorted(int(v) for v in re.findall(r"\bk\w+\s*=\s*(\d+)", where)) == sorted(abi.WHERE)
 
 
 def test_max_blocks() -> None:
-    (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("custom_all_reduce.cuh"))
-    assert int(value) == settings.MAX_BLOCKS == ar.MAX_BLOCKS
+    (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("barrier.cuh"))
+    assert int(value) == settings.MAX_BLOCKS == abi.MAX_BLOCKS
 
 
 def test_error_record_layout() -> None:
-    body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("custom_all_reduce.cuh")).group(1)
+    body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("barrier.cuh")).group(1)
     fields = re.findall(r"(uint32_t)\s+(\w+);", body)
-    assert [(name, ctypes.c_uint32) for _, name in fields] == list(ar._ErrorRecord._fields_)
+    assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
 
 
 def test_ipc_handle_size() -> None:

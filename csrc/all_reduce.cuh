@@ -1,0 +1,180 @@
+// graphar's custom all-reduce kernels: the v1 design (a per-block spin barrier over CUDA IPC,
+// barrier.cuh, then a pull-style one-stage reduce or a reduce-scatter + all-gather two-stage reduce).
+//
+// Each rank owns one IPC allocation laid out as [Signal | tmp buffer] and one registered input
+// buffer. A call reads the ws input pointers of its RankData slot: the registered buffers for
+// eager calls, the caller's tensors (pointers filled in after capture) inside graphar.graph.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "barrier.cuh"
+
+namespace graphar {
+
+constexpr int kThreads = 512;
+
+struct Params {
+  BarrierParams barrier;
+  const RankData* data;  // the ws input pointers of this call
+  const void* copy_in;   // non-null: first copy this rank's input into data->ptrs[rank] (eager path)
+  void* out;
+  int packs;             // message size in 16-byte packs
+};
+
+// ---- 16-byte packs, fp32 accumulation ------------------------------------------------------
+
+template <typename T>
+struct Pack {
+  static constexpr int kLanes = 16 / sizeof(T);
+  float v[kLanes];
+};
+
+// The 2-lane vector of a 16-bit float type and its conversions from and to a float pair.
+template <typename T>
+struct Vec2;
+template <>
+struct Vec2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 widen(type h) { return __half22float2(h); }
+  static __device__ __forceinline__ type narrow(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <>
+struct Vec2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 widen(type h) { return __bfloat1622float2(h); }
+  static __device__ __forceinline__ type narrow(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+// 16-bit floats: a pack is four 2-lane vectors.
+template <typename T>
+__device__ __forceinline__ Pack<T> unpack(const uint4& u) {
+  const auto* h = reinterpret_cast<const typename Vec2<T>::type*>(&u);
+  Pack<T> a;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 f = Vec2<T>::widen(h[i]);
+    a.v[2 * i] = f.x;
+    a.v[2 * i + 1] = f.y;
+  }
+  return a;
+}
+template <typename T>
+__device__ __forceinline__ uint4 repack(const Pack<T>& a) {
+  uint4 u;
+  auto* h = reinterpret_cast<typename Vec2<T>::type*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; i++) h[i] = Vec2<T>::narrow(a.v[2 * i], a.v[2 * i + 1]);
+  return u;
+}
+
+template <>
+__device__ __forceinline__ Pack<float> unpack<float>(const uint4& u) {
+  return {{__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w)}};
+}
+template <>
+__device__ __forceinline__ uint4 repack<float>(const Pack<float>& a) {
+  return make_uint4(__float_as_uint(a.v[0]), __float_as_uint(a.v[1]), __float_as_uint(a.v[2]),
+                    __float_as_uint(a.v[3]));
+}
+
+// Sum of src[0..kRanks)[idx] in that order: every rank that sums the same list gets the same bits.
+template <typename T, int kRanks>
+__device__ __forceinline__ uint4 reduce_in_order(const uint4* const (&src)[kRanks], int idx) {
+  uint4 loaded[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) loaded[r] = src[r][idx];  // all loads in flight at once
+  Pack<T> acc = unpack<T>(loaded[0]);
+#pragma unroll
+  for (int r = 1; r < kRanks; r++) {
+    const Pack<T> x = unpack<T>(loaded[r]);
+#pragma unroll
+    for (int j = 0; j < Pack<T>::kLanes; j++) acc.v[j] += x.v[j];
+  }
+  return repack<T>(acc);
+}
+
+// ---- kernels -------------------------------------------------------------------------------
+
+// Every rank pulls every rank's input and sums in rank order 0..ws-1.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
+  const BarrierParams& bp = p.barrier;
+  const RankData dp = *p.data;  // in a graph this slot holds the pointers filled in after capture
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int stride = gridDim.x * blockDim.x;
+  bool ok;
+  if (p.copy_in != nullptr) {
+    // Same idx -> block mapping as the reduce loop: block b's barrier covers what block b copied.
+    const uint4* in = static_cast<const uint4*>(p.copy_in);
+    uint4* mine = static_cast<uint4*>(const_cast<void*>(p.data->ptrs[bp.rank]));
+    for (int idx = tid; idx < p.packs; idx += stride) mine[idx] = in[idx];
+    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kOneStageEntry);
+  } else {
+    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kOneStageEntry);
+  }
+  if (!ok) return;
+  const uint4* src[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(dp.ptrs[r]);
+  uint4* out = static_cast<uint4*>(p.out);
+  for (int idx = tid; idx < p.packs; idx += stride) out[idx] = reduce_in_order<T, kRanks>(src, idx);
+  multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit);
+}
+
+// Reduce-scatter into the tmp buffers (rank r owns shard r, the last shard takes the remainder),
+// then all-gather from them. No exit barrier: the inputs' last readers passed the mid barrier,
+// and the next call writes tmp only after its own entry barrier.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
+  const BarrierParams& bp = p.barrier;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int stride = gridDim.x * blockDim.x;
+  const int part = p.packs / kRanks;
+  const int largest = part + p.packs % kRanks;
+  const int start = bp.rank * part;
+  const int end = bp.rank == kRanks - 1 ? p.packs : start + part;
+  // Rotated so that the ranks start on different peers; shard r is summed only by rank r in
+  // this order, so every rank gathers the same bits.
+  const uint4* src[kRanks];
+  const uint4* tmps[kRanks];
+#pragma unroll
+  for (int i = 0; i < kRanks; i++) {
+    const int target = (bp.rank + i) % kRanks;
+    src[i] = static_cast<const uint4*>(p.data->ptrs[target]);  // in a graph: filled after capture
+    tmps[i] = tmp_buffer<uint4>(select<kRanks>(bp.signals, target));
+  }
+  uint4* tmp_out = tmp_buffer<uint4>(bp.self);
+  bool ok;
+  if (p.copy_in != nullptr) {
+    // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
+    const uint4* in = static_cast<const uint4*>(p.copy_in);
+    uint4* mine = const_cast<uint4*>(src[0]);
+    for (int idx = tid; idx < largest; idx += stride) {
+#pragma unroll
+      for (int s = 0; s < kRanks; s++) {
+        if (s == kRanks - 1 || idx < part) mine[s * part + idx] = in[s * part + idx];
+      }
+    }
+    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageEntry);
+  } else {
+    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kTwoStageEntry);
+  }
+  if (!ok) return;
+  for (int idx = start + tid; idx < end; idx += stride) {
+    tmp_out[idx - start] = reduce_in_order<T, kRanks>(src, idx);
+  }
+  if (!multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageMid)) return;
+  // The same tid -> offset mapping as stage 1: the barrier only orders block b with block b.
+  uint4* out = static_cast<uint4*>(p.out);
+  for (int idx = tid; idx < largest; idx += stride) {
+#pragma unroll
+    for (int i = 0; i < kRanks; i++) {
+      const int from = (bp.rank + i) % kRanks;
+      if (from == kRanks - 1 || idx < part) out[from * part + idx] = tmps[i][idx];
+    }
+  }
+}
+
+}  // namespace graphar

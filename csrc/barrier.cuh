@@ -1,0 +1,171 @@
+// The cross-GPU barrier every graphar kernel meets its peers at: each rank's Signal (flags over
+// CUDA IPC), the bounded spin on a flag, the host-mapped record of a spin that gave up, and the
+// per-rank pointer tables the kernels' parameters carry. Apart from the kernels so that each kernel
+// family embeds BarrierParams and the orderings are written once (tests/test_csrc_build.py pins
+// them in the PTX).
+#pragma once
+
+#include <cstdint>
+
+namespace graphar {
+
+constexpr int kMaxRanks = 8;
+// Signal slots per rank; a launch never uses more blocks than this.
+constexpr int kMaxBlocks = 64;
+
+using Flag = uint32_t;
+
+// Each rank's IPC allocation is [Signal | tmp buffer]; the tmp buffer is the 2stage all-reduce's.
+struct Signal {
+  // Barrier count of (block, lane); only its own rank touches it, so a plain increment suffices.
+  alignas(128) Flag self_counter[kMaxBlocks][kMaxRanks];
+  // [phase][block][peer]: peer stores its count here over NVLink, this rank polls it locally.
+  // Two phases because a peer may store its count for barrier k+1 while this rank still polls
+  // for barrier k; it gets no further, as passing k+1 needs this rank's arrival there.
+  alignas(128) Flag peer_counter[2][kMaxBlocks][kMaxRanks];
+};
+
+template <typename P>
+__device__ __forceinline__ P* tmp_buffer(Signal* sg) {
+  return reinterpret_cast<P*>(sg + 1);
+}
+
+struct __align__(16) RankData {
+  const void* ptrs[kMaxRanks];
+};
+
+struct __align__(16) RankSignals {
+  Signal* signals[kMaxRanks];
+};
+
+// Where a spin loop gave up; written by the kernel into host-mapped memory.
+enum Where : uint32_t {
+  kOneStageEntry = 1,
+  kOneStageExit = 2,
+  kTwoStageEntry = 3,
+  kTwoStageMid = 4,
+  kAllToAllEntry = 5,
+  kAllToAllExit = 6,
+};
+
+struct ErrorRecord {
+  volatile uint32_t failed;
+  volatile uint32_t where;
+  volatile uint32_t peer;
+  volatile uint32_t block;
+};
+
+// What the barrier reads; every kernel's parameters embed one.
+struct BarrierParams {
+  RankSignals signals;
+  Signal* self;
+  ErrorRecord* error;
+  uint64_t timeout_ns;  // 0: spin without bound
+  int rank;
+};
+
+// ---- flag accesses -------------------------------------------------------------------------
+//
+// kOrdered: st.release.sys / ld.acquire.sys, which carry the data written before the store to the
+// peer that loads it; otherwise volatile, an arrival count only.
+
+template <bool kOrdered>
+__device__ __forceinline__ void st_flag(Flag* addr, Flag v) {
+  if constexpr (kOrdered) {
+    asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(addr) : "memory");
+  } else {
+    asm volatile("st.volatile.global.u32 [%1], %0;" ::"r"(v), "l"(addr) : "memory");
+  }
+}
+template <bool kOrdered>
+__device__ __forceinline__ Flag ld_flag(Flag* addr) {
+  Flag v;
+  if constexpr (kOrdered) {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  } else {
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  }
+  return v;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __noinline__ void record_timeout(ErrorRecord* e, Where where, int peer) {
+  if (e->failed) return;
+  e->where = where;
+  e->peer = peer;
+  e->block = blockIdx.x;
+  __threadfence_system();  // the details become visible before the flag the host polls
+  e->failed = 1;
+}
+
+// Spins until *flag == val; false once timeout_ns has passed (0: never). Equality, not >=,
+// because the counter wraps; the stale value in a slot is always val - 2, never val.
+template <bool kOrdered>
+__device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
+  uint64_t start = 0;
+  while (ld_flag<kOrdered>(flag) != val) {
+    if (p.timeout_ns == 0) continue;
+    const uint64_t now = global_timer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > p.timeout_ns) {
+      record_timeout(p.error, where, peer);
+      return false;
+    }
+  }
+  return true;
+}
+
+// signals.signals[i] without a runtime index into the kernel parameters, which would copy them
+// to local memory in every thread.
+template <int kRanks>
+__device__ __forceinline__ Signal* select(const RankSignals& signals, int i) {
+  Signal* s = signals.signals[0];
+#pragma unroll
+  for (int r = 1; r < kRanks; r++) s = i == r ? signals.signals[r] : s;
+  return s;
+}
+
+// ---- barrier -------------------------------------------------------------------------------
+//
+// Block b of every rank meets block b of every other rank; lane i of the block handles the
+// edge to rank i. Returns false (in every thread of the block) when a peer never arrived.
+enum class Form {
+  // Entry, when the data was written before this kernel: kernel completion already made it
+  // visible, so the flag is only an arrival count (volatile), and no work precedes it.
+  kStart,
+  // Data this kernel just wrote (2stage tmp, fused copy-in) is read by peers after the barrier:
+  // block sync gathers the block's writes, st.release.sys / ld.acquire.sys carry them across
+  // GPUs, and the trailing block sync hands the acquired view to every thread.
+  kFenced,
+  // 1stage exit: the peers' reads of our input must end before a later copy or kernel may
+  // overwrite it; only arrival matters (volatile), and nothing follows in the kernel.
+  kEnd,
+};
+
+template <int kRanks, Form kForm>
+__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where) {
+  constexpr bool kOrdered = kForm == Form::kFenced;
+  if constexpr (kForm != Form::kStart) __syncthreads();
+  bool timed_out = false;
+  if (threadIdx.x < kRanks) {
+    const int peer = threadIdx.x;
+    const Flag val = p.self->self_counter[blockIdx.x][peer] + 1;
+    p.self->self_counter[blockIdx.x][peer] = val;
+    Flag* theirs = &select<kRanks>(p.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
+    Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
+    st_flag<kOrdered>(theirs, val);
+    timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
+  }
+  if constexpr (kForm == Form::kEnd) {
+    return !timed_out;
+  } else {
+    return !__syncthreads_or(timed_out);  // tells the whole block whether to go on
+  }
+}
+
+}  // namespace graphar
