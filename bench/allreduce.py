@@ -159,11 +159,10 @@ def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
 
 def add_graphar(c: Contenders, max_bytes: int) -> None:
     try:
-        import graphar.comm.allreduce
-        import graphar.graphs
+        import graphar
 
-        comm = graphar.comm.allreduce.init(None, max_bytes=max_bytes)
-        reason = "" if comm is not None else "graphar.comm.allreduce.init returned None (its log says why)"
+        comm = graphar.init(None, max_bytes=max_bytes)
+        reason = "" if comm is not None else "graphar.init returned None (its log says why)"
     except Exception as e:
         comm, reason = None, f"graphar unavailable: {type(e).__name__}: {e}"
     if comm is None:

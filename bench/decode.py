@@ -5,7 +5,7 @@
 Each decoder block is compiled (torch.compile per block, as torchtitan does) and one decode step,
 all blocks plus the final norm, is captured in a CUDA graph:
   (a) backend="inductor": dist.all_reduce stays NCCL; captured with torch.cuda.graph;
-  (b) backend="graphar" after graphar.comm.allreduce.init: captured with graphar.graphs.BatchGraphs
+  (b) backend="graphar" after graphar.init: captured with graphar.graphs.BatchGraphs
       (zero-copy all-reduces);
   (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path).
 The table goes to stdout and to bench/results/decode-<gpu>-ws<N>.md.
@@ -231,8 +231,8 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
 
         # The first call of each compiled block runs right after its compilation, which can end
         # tens of seconds apart on different ranks: the spin bound must outlast that skew.
-        if graphar.comm.allreduce.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
-            reasons["graphar"] = "graphar.comm.allreduce.init returned None (its log says why)"
+        if graphar.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
+            reasons["graphar"] = "graphar.init returned None (its log says why)"
         else:
             step_graphar = compiled_step(blocks, norm, shape.eps, "graphar")
     except Exception as e:

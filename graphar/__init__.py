@@ -31,8 +31,14 @@ import torch._logging
 
 
 def _import_passes_from_checkout() -> None:
-    """passes/ is installed as graphar.passes; in a checkout (PYTHONPATH=., or an editable install
-    without setuptools' path finder) it sits beside graphar/ instead, so load it from there."""
+    """Make `graphar.passes` importable from a source checkout.
+
+    passes/ is a top-level folder that setup.py installs as the subpackage graphar.passes: wheels and
+    editable installs whose finder maps it (setuptools >= 64) find it by the normal import. Two ways
+    of running graphar do not: a checkout on PYTHONPATH with no install (how the GPU machines run the
+    tests), and editable installs in setuptools' "compat" mode, which only add the checkout to
+    sys.path. There passes/ sits beside graphar/, so load it from there under its installed name.
+    """
     if importlib.util.find_spec("graphar.passes") is not None:
         return
     init = Path(__file__).resolve().parent.parent / "passes" / "__init__.py"
@@ -48,7 +54,7 @@ _import_passes_from_checkout()
 from graphar import settings
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar.backend import graphar_backend, install, register as _register_backend, uninstall
-from graphar.comm.allreduce import init, shutdown
+from graphar.comm.communicator import init, shutdown
 from graphar.config import Config
 from graphar.errors import GrapharCommError, GrapharTimeoutError
 from graphar.graphs import BatchGraphs, graph

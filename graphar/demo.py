@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 import graphar
 from graphar import _cuda
 from graphar._launch import free_port
-from graphar.comm import allreduce, exchange
+from graphar.comm.communicator import communicator
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
@@ -114,11 +114,11 @@ def cuda_library_status() -> str:
 def _transport(op: str, exchanges: int, group: str, backend: str) -> str:
     """What serves `op` on `group` in this run: graphar's runtime picks it by the group's communicator."""
     if op == "graphar::all_reduce":
-        if allreduce.communicator(group) is not None:
+        if communicator(group) is not None:
             return "custom IPC all-reduce"
         return f"{backend} fallback (no graphar communicator on this group)"
     kind = "one packed exchange" if exchanges > 1 else "one exchange"
-    return f"{kind} over {'CUDA IPC' if exchange.for_group(group) is not None else backend}"
+    return f"{kind} over {'CUDA IPC' if communicator(group) is not None else backend}"
 
 
 def rewrites(graph: torch.fx.Graph, backend: str) -> list[str]:

@@ -1,18 +1,25 @@
-"""graphar's all-reduce op: functional, with a fake implementation, never returning an alias.
+"""graphar's custom ops, all four in one place: functional, with fakes, never returning an alias.
 
-`graphar::all_reduce` serves a group through its graphar communicator when there is one and the
-call is eligible; otherwise it runs the original functional collective, so a rewritten graph is
-correct on every backend and device. Either way the result is a new contiguous tensor, as
-`_c10d_functional.all_reduce` returns and as the fake says, whatever the input's strides. A
-communicator that timed out raises instead of falling back: its peers may be gone.
+- `graphar::all_reduce(x, group_name)`: the sum over the group, through its communicator's custom
+  kernels when there is one and the call is eligible, else the original functional collective;
+- `graphar::qkv_all_to_all(q, k, v, group_name)`: Ulysses sequence -> heads for Q, K and V in one
+  packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
+- `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
+- `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one.
+
+Every op takes its group by name (as `_c10d_functional` does), returns new contiguous memory whatever
+the inputs' strides, and has a fake that returns exactly the real op's sizes, strides and dtype:
+Inductor compiles against the fakes and checks the real strides at run time. Every op is marked
+side-effectful, so dead-code elimination keeps a collective a rank does not read. A communicator that
+timed out raises instead of falling back: its peers may be gone.
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphar.comm import allreduce
-from graphar.comm import ulysses as _ulysses  # noqa: F401  (registers the all-to-all ops)
+from graphar.comm import ulysses
+from graphar.comm.communicator import communicator
 
 c10d = torch.ops._c10d_functional
 
@@ -25,9 +32,9 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @torch.library.custom_op("graphar::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new contiguous tensor."""
-    comm = allreduce.communicator(group_name)
+    comm = communicator(group_name)
     # A transposed or sliced input is summed from a contiguous copy: the kernels read flat buffers.
-    out = comm.try_all_reduce(x.contiguous()) if comm is not None else None
+    out = comm.allreduce.try_all_reduce(x.contiguous()) if comm is not None else None
     return out if out is not None else functional_all_reduce(x, group_name)
 
 
@@ -36,4 +43,38 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
-torch.fx.node.has_side_effect(torch.ops.graphar.all_reduce.default)
+@torch.library.custom_op("graphar::qkv_all_to_all", mutates_args=())
+def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sequence -> heads for Q, K and V in one exchange: `[b, P*S, (hq + hk + hv)/P, d]`."""
+    return ulysses.qkv_exchange((q, k, v), group_name)
+
+
+@qkv_all_to_all.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
+    return q.new_empty(ulysses.qkv_shape((q, k, v), group_name))
+
+
+@torch.library.custom_op("graphar::heads_to_seq_all_to_all", mutates_args=())
+def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
+    return ulysses.output_exchange(o, group_name)
+
+
+@heads_to_seq_all_to_all.register_fake
+def _(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    return o.new_empty(ulysses.output_shape(o, group_name))
+
+
+@torch.library.custom_op("graphar::packed_all_to_all_single", mutates_args=())
+def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange."""
+    return ulysses.packed_exchange(xs, group_name)
+
+
+@packed_all_to_all_single.register_fake
+def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    return [x.new_empty(shape) for x, shape in zip(xs, ulysses.packed_shapes(xs, group_name))]
+
+
+for _name in ("all_reduce", "qkv_all_to_all", "heads_to_seq_all_to_all", "packed_all_to_all_single"):
+    torch.fx.node.has_side_effect(getattr(torch.ops.graphar, _name).default)

@@ -209,14 +209,6 @@ class StagingPool:
                     raise RuntimeError(f"graphar.pool.reserve({role!r}): memory did not land in graphar's pool")
                 spares.append(t)
 
-    def clear(self) -> None:
-        """Drop eager buffers and spares (graphs keep theirs until they die). Synchronizes first."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        with self._lock:
-            self._eager.clear()
-            self._spares.clear()
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             owned = list(self._owned.values())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from graphar.comm import allreduce
+from graphar.comm.communicator import communicator
 from graphar.config import Config
 
 log = logging.getLogger("graphar")
@@ -105,7 +105,7 @@ def _reason_to_skip(match: _AllReduceMatch, config: Config) -> str | None:
 def _warn_over_communicator_limit(match: _AllReduceMatch, nbytes: object) -> None:
     """The communicator's buffers (`graphar.init(max_bytes=)`) bound what the kernels serve at run time;
     say so when this all-reduce is over them, rather than let every call fall back without a word."""
-    comm = allreduce.communicator(match.group_name)
+    comm = communicator(match.group_name)
     if comm is not None and statically_known_true(nbytes > comm.max_bytes):
         log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes, graphar.init(max_bytes=)):"
                     " it will run on the collective", match.all_reduce.name, nbytes, match.group_name, comm.max_bytes)

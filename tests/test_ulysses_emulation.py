@@ -92,10 +92,10 @@ class EmulatedWorld:
             exchange_bytes(send, receive)
 
         fake = _FakeIpc(ipc)
-        patches = (mock.patch.object(ulysses, "_world_size", lambda name: world),
+        patches = (mock.patch.object(ulysses, "world_size", lambda name: world),
                    mock.patch.object(torch, "empty", _poisoned_empty),
                    mock.patch.object(ulysses, "_all_to_all", all_to_all_single),
-                   mock.patch.object(exchange, "for_group", lambda name: fake if self.transport == "ipc" else None))
+                   mock.patch.object(ulysses, "_ipc_exchange", lambda name: fake if self.transport == "ipc" else None))
         results = []
         with contextlib.ExitStack() as stack:
             for patch in patches:
@@ -302,7 +302,7 @@ class PlacementTest(TestCase):
 
 class ValidationTest(TestCase):
     def test_clear_errors(self) -> None:
-        with mock.patch.object(ulysses, "_world_size", lambda name: 4):
+        with mock.patch.object(ulysses, "world_size", lambda name: 4):
             q = torch.randn(1, 4, 6, 8)
             with self.assertRaisesRegex(ValueError, "6 heads do not split over 4 ranks"):
                 torch.ops.graphar.qkv_all_to_all(q, q, q, "g")
@@ -317,7 +317,7 @@ class ValidationTest(TestCase):
     def test_fake_shapes(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with mock.patch.object(ulysses, "_world_size", lambda name: 2), FakeTensorMode():
+        with mock.patch.object(ulysses, "world_size", lambda name: 2), FakeTensorMode():
             q, kv = torch.empty(2, 8, 8, 16), torch.empty(2, 8, 4, 16)
             self.assertEqual(torch.ops.graphar.qkv_all_to_all(q, kv, kv, "g").shape, (2, 16, 8, 16))
             self.assertEqual(torch.ops.graphar.heads_to_seq_all_to_all(q, "g").shape, (2, 4, 16, 16))

@@ -18,16 +18,19 @@ another stream is not).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphar import _cuda, pool, settings
-from graphar.comm import allreduce
+from graphar.comm.abi import CAPTURED_COPY, EAGER
 from graphar.errors import GrapharCommError
+
+if TYPE_CHECKING:
+    from graphar.comm.communicator import Communicator
 
 logger = logging.getLogger("graphar")
 
@@ -75,9 +78,9 @@ class _DeviceMemory:
 
 
 class IpcExchange:
-    """The exchange buffers of one communicator; `for_group` makes them."""
+    """The exchange buffers of one communicator (its `exchange`)."""
 
-    def __init__(self, comm: allreduce.CustomAllreduce) -> None:
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self._buffer: torch.Tensor | None = None
         self._captured = False  # a capture used the current buffer: retire it rather than free it
@@ -111,9 +114,9 @@ class IpcExchange:
         if capturing:
             self._captured = True
         else:  # the communicator's previous op may still read the buffer from another stream
-            self.comm.native("all_to_all", "graphar_comm_order", _stream(self.comm.device))
+            self.comm.order(_stream(self.comm.device))
         buffer = self._buffer
-        mode = allreduce.CAPTURED_COPY if capturing else allreduce.EAGER
+        mode = CAPTURED_COPY if capturing else EAGER
         if len(stages) == 1:
             stages[0].pack(buffer)
             self._pull(out, stages[0], mode)
@@ -129,9 +132,9 @@ class IpcExchange:
 
     def _pull(self, out: torch.Tensor, stage: Stage, mode: int) -> None:
         p = stage.placement
-        self.comm.native("all_to_all", "graphar_comm_all_to_all", mode, out.data_ptr() + stage.out_offset,
-                         stage.src_offset, p.chunk_bytes, p.row_bytes, p.dst_row_stride, p.dst_chunk_stride,
-                         self._blocks, _stream(self.comm.device))  # fmt: skip
+        self.comm.launch_all_to_all(mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes,
+                                    p.row_bytes, p.dst_row_stride, p.dst_chunk_stride, self._blocks,
+                                    _stream(self.comm.device))  # fmt: skip
 
     def reserve(self, nbytes: int) -> None:
         """Collective, outside capture: grow the buffer to at least `nbytes` now."""
@@ -145,21 +148,19 @@ class IpcExchange:
         comm = self.comm
         what = f"graphar all_to_all exchange buffer of group {comm.group_name!r}"
         capacity = pool.capacity(nbytes, self.capacity)
-        ptr = ctypes.c_uint64()
-        handle = ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
         self._buffer = None
-        error = None
+        ptr, handle, error = 0, b"", None
         try:
-            comm.native(what, "graphar_comm_exchange_alloc", capacity, int(self._captured), ctypes.byref(ptr), handle)
+            ptr, handle = comm.alloc_exchange(capacity, self._captured, what)
         except _cuda.GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
             error = str(e)
-        gathered = comm.all_gather((handle.raw, error), what)
+        gathered = comm.all_gather((handle, error), what)
         failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
         if failed:
             raise GrapharCommError(f"{what}: allocation failed on {'; '.join(failed)}")
-        comm.native(what, "graphar_comm_exchange_open", capacity, b"".join(h for h, _ in gathered))
+        comm.open_exchange(capacity, [h for h, _ in gathered], what)
         device = torch.device("cuda", comm.device)
-        self._buffer = torch.as_tensor(_DeviceMemory(ptr.value, capacity), device=device)
+        self._buffer = torch.as_tensor(_DeviceMemory(ptr, capacity), device=device)
         if self._side is None:  # high priority: a pull's blocks go first when the next pack leaves room
             self._side = torch.cuda.Stream(device, priority=-1)
         self._captured = False
@@ -173,20 +174,6 @@ class IpcExchange:
                 "it uses NCCL. Run it once before capturing, or graphar.comm.ulysses.reserve(...).",
                 nbytes, self.comm.group_name, self.capacity,
             )  # fmt: skip
-
-
-_exchanges: dict[str, IpcExchange] = {}
-
-
-def for_group(group_name: str) -> IpcExchange | None:
-    """The IPC exchange of a group that has a graphar communicator (`graphar.init`), else None."""
-    comm = allreduce.communicator(group_name)
-    if comm is None:
-        return None
-    ex = _exchanges.get(group_name)
-    if ex is None or ex.comm is not comm:
-        ex = _exchanges[group_name] = IpcExchange(comm)
-    return ex
 
 
 def _stream(device: int) -> int:

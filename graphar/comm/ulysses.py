@@ -1,15 +1,15 @@
-"""Ulysses all-to-alls: Q, K and V in one packed exchange, the output exchange, packed equal splits.
+"""Ulysses all-to-alls: what graphar's three all-to-all ops (graphar.ops) do, and their shapes.
 
-Ops (functional, with fake implementations, side-effectful so DCE keeps them; every result is a new
-tensor, never staging memory):
+- `qkv_exchange`: sequence -> heads for `[b, S, h_c, d]` Q, K and V (K/V may have fewer heads than
+  Q) in one exchange. The result is `[b, P*S, H, d]` with H = (hq + hk + hv)/P: Q's heads first, then
+  K's, then V's; `split_heads` cuts it into three views. One tensor, not three, because three results
+  of a custom op may not alias each other and their views are what makes the receive side free.
+- `output_exchange`: heads -> sequence, `[b, P*S, h, d] -> [b, S, P*h, d]`.
+- `packed_exchange`: N equal-split `all_to_all_single`s on one group as one exchange, packed per
+  destination rank.
 
-- `graphar::qkv_all_to_all(q, k, v, group_name) -> Tensor`: sequence -> heads for `[b, S, h_c, d]`
-  tensors (K/V may have fewer heads than Q). The result is `[b, P*S, H, d]` with H = (hq + hk + hv)/P:
-  Q's heads first, then K's, then V's; `split_heads` cuts it into three views. One tensor, not three,
-  because three results may not alias each other and their views are what makes the receive side free.
-- `graphar::heads_to_seq_all_to_all(o, group_name) -> Tensor`: `[b, P*S, h, d] -> [b, S, P*h, d]`.
-- `graphar::packed_all_to_all_single(xs, group_name) -> list[Tensor]`: N equal-split
-  `all_to_all_single`s on one group as one exchange, packed per destination rank.
+Each returns new memory, never staging memory; `*_shape(s)` check the inputs and give the result's
+shape, for the ops and their fakes alike.
 
 A heads-at-dim-1 layout `[b, h, S, d]` goes through the same ops as a permuted view (`seq_to_heads`).
 Packing and unpacking are copies of bits (`graphar.kernels.pack`), so every path gives the results of
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from graphar import pool
 from graphar.comm import exchange
+from graphar.comm.communicator import communicator
 from graphar.kernels import pack
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
@@ -45,7 +46,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def _world_size(group_name: str) -> int:
+def world_size(group_name: str) -> int:
     return _group(group_name).size()
 
 
@@ -65,8 +66,14 @@ _MAX_STAGES = 8
 def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]],
          nbytes: int) -> bool:
     """Run `stages()` over the group's IPC exchange into `out`; False (nothing done) for NCCL."""
-    ex = exchange.for_group(group_name)
+    ex = _ipc_exchange(group_name)
     return ex is not None and ex.serves(like) and ex.run(out, stages(), nbytes)
+
+
+def _ipc_exchange(group_name: str) -> exchange.IpcExchange | None:
+    """The IPC exchange of a group that has a graphar communicator (`graphar.init`), else None."""
+    comm = communicator(group_name)
+    return None if comm is None else comm.exchange
 
 
 def _slices(length: int, nbytes: int) -> list[tuple[int, int]]:
@@ -144,18 +151,19 @@ def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> 
                  lambda x=x: f"{op}: {x.shape[2]} heads do not split over {world_size} ranks")
 
 
-def _qkv_shape(xs: Sequence[torch.Tensor], world_size: int) -> tuple[int, int, int, int]:
-    b, s, _, d = xs[0].shape
-    return b, world_size * s, pack.packed_heads([x.shape[2] for x in xs], world_size), d
-
-
-@torch.library.custom_op("graphar::qkv_all_to_all", mutates_args=())
-def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sequence -> heads for Q, K and V in one exchange; see the module docstring for the result."""
-    xs = (q, k, v)
-    p = _world_size(group_name)
+def qkv_shape(xs: Sequence[torch.Tensor], group_name: str) -> tuple[int, int, int, int]:
+    """The shape of `qkv_exchange(xs)`, after checking xs."""
+    p = world_size(group_name)
     _check_qkv(xs, p, group_name)
-    b, s_global, heads, d = _qkv_shape(xs, p)
+    b, s, _, d = xs[0].shape
+    return b, p * s, pack.packed_heads([x.shape[2] for x in xs], p), d
+
+
+def qkv_exchange(xs: Sequence[torch.Tensor], group_name: str) -> torch.Tensor:
+    """Sequence -> heads for Q, K and V in one exchange; see the module docstring for the result."""
+    q = xs[0]
+    p = world_size(group_name)
+    b, s_global, heads, d = qkv_shape(xs, group_name)
     s_local = s_global // p
     shape = (p, b, s_local, heads, d)
     out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
@@ -172,14 +180,6 @@ def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name
     return out
 
 
-@qkv_all_to_all.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
-    xs = (q, k, v)
-    p = _world_size(group_name)
-    _check_qkv(xs, p, group_name)
-    return q.new_empty(_qkv_shape(xs, p))
-
-
 def _check_output(o: torch.Tensor, world_size: int, group_name: str) -> None:
     def message() -> str:
         return (f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
@@ -190,15 +190,21 @@ def _check_output(o: torch.Tensor, world_size: int, group_name: str) -> None:
     _require(o.shape[1] % world_size == 0, message)
 
 
-@torch.library.custom_op("graphar::heads_to_seq_all_to_all", mutates_args=())
-def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
-    p = _world_size(group_name)
+def output_shape(o: torch.Tensor, group_name: str) -> tuple[int, int, int, int]:
+    """The shape of `output_exchange(o)`, after checking o."""
+    p = world_size(group_name)
     _check_output(o, p, group_name)
     b, s_global, h, d = o.shape
-    s_local = s_global // p
+    return b, s_global // p, p * h, d
+
+
+def output_exchange(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
+    p = world_size(group_name)
+    b, s_local, _, d = out_shape = output_shape(o, group_name)
+    h = o.shape[2]
     shape = (p, b, s_local, h, d)
-    out = torch.empty((b, s_local, p * h, d), dtype=o.dtype, device=o.device)
+    out = torch.empty(out_shape, dtype=o.dtype, device=o.device)
     if _ipc(group_name, o, out, lambda: _output_stages(o, p), pool.nbytes(shape, o.dtype)):
         return out
     if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
@@ -210,14 +216,6 @@ def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
     _all_to_all(recv, send, group_name, "heads_to_seq_all_to_all")
     pack.gather_heads(recv, out)
     return out
-
-
-@heads_to_seq_all_to_all.register_fake
-def _(o: torch.Tensor, group_name: str) -> torch.Tensor:
-    p = _world_size(group_name)
-    _check_output(o, p, group_name)
-    b, s_global, h, d = o.shape
-    return o.new_empty((b, s_global // p, p * h, d))
 
 
 def _check_packed(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> None:
@@ -233,12 +231,17 @@ def _check_packed(xs: Sequence[torch.Tensor], world_size: int, group_name: str) 
             raise ValueError(f"{op}: all tensors must share dtype and device")
 
 
-@torch.library.custom_op("graphar::packed_all_to_all_single", mutates_args=())
-def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+def packed_shapes(xs: Sequence[torch.Tensor], group_name: str) -> list[tuple[int, ...]]:
+    """The shapes of `packed_exchange(xs)` (those of xs), after checking xs."""
+    _check_packed(xs, world_size(group_name), group_name)
+    return [tuple(x.shape) for x in xs]
+
+
+def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.Tensor]:
     """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange: chunk j of every x goes to
     rank j side by side, so the packed exchange moves each x's chunks exactly where its own would."""
-    p = _world_size(group_name)
-    _check_packed(xs, p, group_name)
+    p = world_size(group_name)
+    packed_shapes(xs, group_name)
     widths = [x.numel() // p for x in xs]
     total = sum(widths)
     dtype, device = xs[0].dtype, xs[0].device
@@ -261,18 +264,6 @@ def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[to
     return outs
 
 
-@packed_all_to_all_single.register_fake
-def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
-    _check_packed(xs, _world_size(group_name), group_name)
-    return [x.new_empty(x.shape) for x in xs]
-
-
-# Collectives: dead-code elimination must keep them even when a rank does not use the result.
-torch.fx.node.has_side_effect(torch.ops.graphar.qkv_all_to_all.default)
-torch.fx.node.has_side_effect(torch.ops.graphar.heads_to_seq_all_to_all.default)
-torch.fx.node.has_side_effect(torch.ops.graphar.packed_all_to_all_single.default)
-
-
 def split_heads(packed: torch.Tensor, head_counts: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Views of Q, K and V in `qkv_all_to_all`'s result, given each one's local head count."""
     return tuple(packed.split(list(head_counts), dim=2))
@@ -286,7 +277,7 @@ def seq_to_heads(
     if heads_dim not in (1, 2):
         raise ValueError(f"heads_dim must be 1 or 2, got {heads_dim}")
     xs = (q, k, v) if heads_dim == 2 else tuple(x.transpose(1, 2) for x in (q, k, v))
-    p = _world_size(group_name)
+    p = world_size(group_name)
     packed = torch.ops.graphar.qkv_all_to_all(*xs, group_name)
     out = split_heads(packed, [x.shape[2] // p for x in xs])
     return out if heads_dim == 2 else tuple(x.transpose(1, 2) for x in out)
@@ -308,7 +299,7 @@ def reserve(
     (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output.
 
     Collective when the group has a graphar communicator: it sizes the IPC exchange buffers too."""
-    p = _world_size(group_name)
+    p = world_size(group_name)
     b, s_local, _, d = shapes[0]
     heads = pack.packed_heads([s[2] for s in shapes], p)
     chunk = (p, b, s_local, heads, d)
@@ -319,7 +310,7 @@ def reserve(
     if b > 1:  # for b == 1 a contiguous attention output is sent as it is
         pool.reserve(_OUT_SEND, out_chunk, dtype, device, graphs)
     pool.reserve(_OUT_RECV, out_chunk, dtype, device, graphs)
-    ex = exchange.for_group(group_name)
+    ex = _ipc_exchange(group_name)
     if ex is not None:  # one exchange buffer serves every graph; the Q/K/V exchange is the larger
         ex.reserve(pool.nbytes(chunk, dtype))
 

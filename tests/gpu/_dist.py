@@ -107,6 +107,17 @@ def assert_equal_across_ranks(t: torch.Tensor, what: str, group: dist.ProcessGro
     assert not differing, f"{what}: ranks {differing} differ from rank 0"
 
 
+def set_barrier_counters(comm: Any, value: int) -> None:
+    """Collective, while no kernel of `comm` runs anywhere: every barrier counter as if `value`
+    barriers had passed (through the library's test-only entry point), to test the epoch wrap."""
+    from graphar import _cuda
+
+    torch.cuda.synchronize()
+    comm.all_gather(None, "barrier counter reset (idle)")
+    _cuda.check(_cuda.library().graphar_comm_set_barrier_counters(comm.handle, value), "set barrier counters")
+    comm.all_gather(None, "barrier counter reset (done)")
+
+
 def assert_timed_out_for_good(call: Callable[[], object], group_name: str, barrier: str) -> None:
     """`call()` raises GrapharTimeoutError naming the group, a peer and `barrier`, and keeps raising."""
     from graphar import GrapharTimeoutError

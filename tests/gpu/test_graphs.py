@@ -37,10 +37,10 @@ def _capture_then_replay(rank: int, world_size: int) -> None:
             for dtype, nbytes in ((torch.bfloat16, 16), (torch.float32, 64 * KB + 16), (torch.float16, MB + 48)):
                 x = integer_valued(nbytes // dtype.itemsize, dtype)
                 graph = torch.cuda.CUDAGraph()
-                slots_before = comm._next_slot
+                slots_before = comm.allreduce.graph_calls
                 with graphar.graph(graph):
                     y = comm.all_reduce(x, algo=algo)
-                assert comm._next_slot == slots_before + 1, "the call did not take the zero-copy path"
+                assert comm.allreduce.graph_calls == slots_before + 1, "the call did not take the zero-copy path"
                 for _ in range(3):
                     values = _refill(x)
                     y.fill_(float("nan"))
@@ -64,13 +64,13 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
         for algo in ("1stage", "2stage"):
             x = integer_valued(2 * MB, torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
-            slots_before = comm._next_slot
+            slots_before = comm.allreduce.graph_calls
             with capture(graph):
                 y = comm.all_reduce(x, algo=algo)
                 x.mul_(-1)  # overwrites the input while slow peers might still read it
                 z = comm.all_reduce(x, algo=algo)
                 x.add_(3)
-            assert comm._next_slot - slots_before == (2 if graphar_capture else 0)
+            assert comm.allreduce.graph_calls - slots_before == (2 if graphar_capture else 0)
             for i in range(20):
                 values = _refill(x)
                 graph.replay()

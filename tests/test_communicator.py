@@ -1,0 +1,208 @@
+"""The IPC communicator's pure-Python logic, on the CPU: the all-reduce's policy and eligibility,
+the set-up agreement between ranks, the store exchange, and graph registration against a fake
+communicator (the `CommCalls` seam)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from graphar import graphs
+from graphar.comm import allreduce as ar
+from graphar.comm import communicator as cm
+from graphar.comm.rendezvous import StoreExchange
+from graphar.errors import GrapharCommError
+
+KB, MB = 1 << 10, 1 << 20
+
+
+# ---- policy and eligibility ----------------------------------------------------------------
+
+
+def test_algorithm_choice() -> None:
+    assert all(ar.choose_algo(2, n) == "1stage" for n in (16, 256 * KB, 8 * MB))
+    assert ar.choose_algo(4, 512 * KB - 16) == "1stage" and ar.choose_algo(4, 512 * KB) == "2stage"
+    for ws in (6, 8):
+        assert ar.choose_algo(ws, 256 * KB - 16) == "1stage" and ar.choose_algo(ws, 256 * KB) == "2stage"
+    assert ar.choose_algo(2, 8 * MB, "2stage") == "2stage"
+    assert ar.choose_algo(8, 8 * MB, "1stage") == "1stage"
+    with pytest.raises(ValueError, match="1stage"):
+        ar.choose_algo(2, 16, "oneshot")
+
+
+def test_block_limit_by_architecture_unless_set(monkeypatch) -> None:
+    monkeypatch.delenv("GRAPHAR_BLOCK_LIMIT", raising=False)
+    assert ar.block_limit(9) == 64 and ar.block_limit(8) == 36
+    monkeypatch.setenv("GRAPHAR_BLOCK_LIMIT", "48")
+    assert ar.block_limit(9) == 48 and ar.block_limit(8) == 48
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: torch.ones(64, dtype=torch.int32), "dtype"),
+        (lambda: torch.ones(8, 8).t(), "contiguous"),
+        (lambda: torch.ones(12, dtype=torch.float16), "24 bytes"),
+        (lambda: torch.ones(0), "0 bytes"),
+        (lambda: torch.ones(MB // 4 + 4), "over the limit"),
+        (lambda: torch.ones(65)[1:], "aligned"),
+        (lambda: torch.ones(64, dtype=torch.bfloat16), "not on cuda:0"),
+    ],
+)
+def test_ineligible_inputs_say_why(make, reason) -> None:
+    x = make()
+    got = ar.ineligible_reason(x, 0, MB)
+    assert got is not None and reason in got, got
+
+
+# ---- agreement between ranks ---------------------------------------------------------------
+
+
+def _facts(host="h", bus="0000:01:00.0", settings=(MB, 36, None), error=None):
+    return {"host": host, "bus": bus, "settings": settings, "error": error}
+
+
+def test_shared_verdict() -> None:
+    assert cm._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
+    assert "several hosts" in cm._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
+    assert "share a GPU" in cm._shared_reason([_facts(), _facts()])
+    differing = cm._shared_reason([_facts(), _facts(bus="0000:02:00.0", settings=(MB, 48, None))])
+    assert "block limit" in differing
+    assert cm._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
+
+
+def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:
+    store = dist.HashStore()
+    results: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        exchange = StoreExchange(store, "t", r, 2, timeout_s=30)
+        results[r] = [exchange.all_gather(("step", s, r), "test") for s in range(3)]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = [[("step", s, 0), ("step", s, 1)] for s in range(3)]
+    assert results == {0: expected, 1: expected}
+
+    alone = StoreExchange(store, "alone", 0, 2, timeout_s=0.2)
+    with pytest.raises(GrapharCommError, match="not every rank arrived"):
+        alone.all_gather(None, "lonely step")
+
+
+def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with caplog.at_level(logging.WARNING, logger="graphar"):
+            assert cm.init() is None
+            assert cm.init() is None
+        warnings = [r for r in caplog.records if "custom all-reduce off" in r.getMessage()]
+        assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
+        assert cm.communicator(dist.group.WORLD.group_name) is None
+        with pytest.raises(ValueError, match="max_bytes"):
+            cm.init(max_bytes=24)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_capture_outside_graph_and_batch_graphs_validation() -> None:
+    assert graphs.current_capture() is None
+    with pytest.raises(ValueError, match="positive"):
+        graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [])
+    with pytest.raises(ValueError, match="positive"):
+        graphs.BatchGraphs(lambda x: x, lambda b: (torch.ones(b),), [0, 2])
+
+
+# ---- graph registration: what ranks exchange and what reaches the C ABI ----------------------
+
+
+class _FakeComm:
+    """What the all-reduce asks of its communicator, for one emulated rank: the store is real,
+    the library calls are recorded."""
+
+    def __init__(self, rank: int, store: dist.Store) -> None:
+        self.group_name, self.world_size, self.device, self.max_bytes = "g", 2, 0, MB
+        self._store = StoreExchange(store, "graphs", rank, 2, timeout_s=30)
+        self.broken: str | None = None
+        self.registered: tuple | None = None
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise GrapharCommError(self.broken)
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = reason
+
+    def all_gather(self, obj: Any, what: str) -> list[Any]:
+        return self._store.all_gather(obj, what)
+
+    def ipc_handle(self, base: int) -> bytes:
+        return base.to_bytes(8, "little") * 8  # a handle that names its allocation
+
+    def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
+                         own_ptrs: Sequence[int]) -> None:  # fmt: skip
+        self.registered = (first_slot, len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
+                           list(own_ptrs))  # fmt: skip
+
+
+def _register_on_two_ranks(calls_per_rank) -> tuple[list[_FakeComm], dict[int, BaseException]]:
+    store = dist.HashStore()
+    comms = [_FakeComm(r, store) for r in (0, 1)]
+    errors: dict[int, BaseException] = {}
+
+    def run(r: int) -> None:
+        try:
+            ar.AllReduce(comms[r]).register_graph(calls_per_rank[r])
+        except BaseException as e:  # noqa: BLE001  (collected for the assertions)
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return comms, errors
+
+
+def test_graph_registration_is_call_major_with_staged_entries() -> None:
+    segments = [torch.empty(256) for _ in range(2)]  # stand-ins for the ranks' allocations
+    calls = [
+        [ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
+         ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
+        [ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
+         ar.GraphCall(10, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],
+    ]  # fmt: skip
+    comms, errors = _register_on_two_ranks(calls)
+    assert not errors
+    first, count, handles, offsets, staged, own = comms[0].registered
+    assert (first, count) == (5, 2)
+    # [call 0: rank 0, rank 1][call 1: rank 0, rank 1]
+    assert offsets == [64, 0, 320, 256] and staged == [0, 1, 0, 0]
+    assert own == [c.tensor.data_ptr() for c in calls[0]]
+    handle = segments[0].data_ptr().to_bytes(8, "little") * 8
+    assert handles == handle + bytes(64) + handle + segments[1].data_ptr().to_bytes(8, "little") * 8
+    assert comms[1].registered[:2] == (9, 2)
+
+
+def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
+    x = torch.empty(64)
+    call, second = (ar.GraphCall(slot, x, x.data_ptr(), False, (256, 2, 1)) for slot in (1, 2))
+    comms, errors = _register_on_two_ranks([[call, second], [call]])
+    assert set(errors) == {0, 1}
+    assert all("different numbers" in str(e) for e in errors.values())
+    assert all(c.registered is None for c in comms)
+    with pytest.raises(GrapharCommError, match="registration"):
+        comms[0].check()  # the communicator is unusable from then on
+
+    other = ar.GraphCall(1, x, x.data_ptr(), False, (512, 2, 1))
+    _, errors = _register_on_two_ranks([[call], [other]])
+    assert set(errors) == {0, 1} and all("disagree" in str(e) for e in errors.values())
