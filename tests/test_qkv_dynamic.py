@@ -17,12 +17,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
 from graphar.comm.ulysses import heads_to_seq_unpacked
 from tests._graphs import all_post_grad_graphs
-from tests.test_qkv_pass import ONLY_QKV, WORLD, _init_fake_world, _qkv, normalise, ulysses_dim1, ulysses_dim2
+from tests.test_qkv_pass import (
+    ONLY_QKV, WORLD, FakeWorldTestCase, _qkv, normalise, three_exchanges, ulysses_dim1, ulysses_dim2,
+)
 
 
 def _symbols(texts: list[str]) -> list[str]:
@@ -56,13 +57,7 @@ def seq_to_heads_rank_minor(x: torch.Tensor) -> torch.Tensor:
     return recv.permute(2, 1, 0, 3, 4).reshape(b, s * WORLD, h // WORLD, d)
 
 
-class DynamicQkvPassTest(TestCase):
-    def setUp(self) -> None:
-        _init_fake_world()
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
-
+class DynamicQkvPassTest(FakeWorldTestCase):
     def test_heads_at_dim_2_dynamic_sequence(self) -> None:
         # Q, K and V as separate inputs: one symbol each, tied by the pass's one guard.
         before, after, count, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8)))
@@ -242,12 +237,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_dim_0_not_provably_divisible_is_left_alone(self) -> None:
-        def three(a, b, c):
-            outs = [funcol.all_to_all_single(t * 2, None, None, dist.group.WORLD) for t in (a, b, c)]
-            return [o + 1 for o in outs]
-
         args = _marked(0, torch.randn(6, 3), torch.randn(6), torch.randn(6, 5))
-        before, after, count, facts = graphs(three, *args)
+        before, after, count, facts = graphs(three_exchanges, *args)
         self.assertEqual((count, facts), (0, []))
         self.assertEqual(before, after)
         self.assertExpectedInline(after, """\
@@ -274,7 +265,7 @@ class <lambda>(torch.nn.Module):
         def checked(a, b, c):  # the same, with the divisibility stated: now provable, so packed
             for t in (a, b, c):
                 torch._check(t.shape[0] % WORLD == 0)
-            return three(a, b, c)
+            return three_exchanges(a, b, c)
 
         _, after, count, facts = graphs(checked, *args)
         self.assertEqual((count, facts), (1, []))

@@ -23,6 +23,7 @@ import graphar  # noqa: F401  (registers the ops)
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
 from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
+from tests._ulysses import seq_to_heads_dim1
 
 WORLD = 2
 ONLY_QKV = Config(all_reduce=False)
@@ -45,14 +46,6 @@ def normalise(text: str) -> str:
     return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
 
 
-def seq_to_heads_dim1(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """xDiT style with functional collectives: [b, h, S, d] -> [b, h/P, P*S, d]."""
-    b, h, s, d = x.shape
-    send = x.reshape(b, WORLD, h // WORLD, s, d).transpose(0, 1).contiguous()
-    recv = funcol.all_to_all_single(send, None, None, group or dist.group.WORLD)
-    return recv.reshape(WORLD, b, h // WORLD, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // WORLD, WORLD * s, d)
-
-
 def ulysses_dim2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     q, k, v = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
@@ -63,10 +56,15 @@ def ulysses_dim1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(*(seq_to_heads_dim1(t) for t in (q, k, v)))
 
 
+def three_exchanges(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> list[torch.Tensor]:
+    """Three independent all-to-alls that are no Ulysses relayout."""
+    outs = [funcol.all_to_all_single(t * 2, None, None, dist.group.WORLD) for t in (a, b, c)]
+    return [o + 1 for o in outs]
+
+
 def _qkv(b: int = 1, s: int = 4, h: int = 4, h_kv: int | None = None, d: int = 8, dtype=torch.float32):
-    h_kv = h_kv or h
-    return torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, h_kv, d, dtype=dtype), torch.randn(
-        b, s, h_kv, d, dtype=dtype)
+    """Q, K and V `[b, s, h, d]` (K and V with `h_kv` heads)."""
+    return tuple(torch.randn(b, s, heads, d, dtype=dtype) for heads in (h, h_kv or h, h_kv or h))
 
 
 def graphs(fn: Callable[..., Any], *args: Any) -> tuple[str, str, int]:
@@ -80,13 +78,17 @@ def graphs_with_breaks(fn: Callable[..., Any], *args: Any) -> list[tuple[str, st
             for before, after, counts in all_post_grad_graphs(fn, *args, config=ONLY_QKV, fullgraph=False)]
 
 
-class QkvPassTest(TestCase):
+class FakeWorldTestCase(TestCase):
+    """Each test on a fresh fake process group of WORLD ranks."""
+
     def setUp(self) -> None:
         _init_fake_world()
 
     def tearDown(self) -> None:
         dist.destroy_process_group()
 
+
+class QkvPassTest(FakeWorldTestCase):
     def test_heads_at_dim_2_in_place_c10d(self) -> None:
         before, after, count = graphs(ulysses_dim2, *_qkv())
         self.assertEqual(count, 2)  # the Q/K/V triplet and the output exchange
@@ -245,11 +247,7 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_not_a_relayout_becomes_packed_all_to_all(self) -> None:
-        def three(a, b, c):
-            outs = [funcol.all_to_all_single(t * 2, None, None, dist.group.WORLD) for t in (a, b, c)]
-            return [o + 1 for o in outs]
-
-        before, after, count = graphs(three, torch.randn(4, 3), torch.randn(6), torch.randn(2, 5, 2))
+        before, after, count = graphs(three_exchanges, torch.randn(4, 3), torch.randn(6), torch.randn(2, 5, 2))
         self.assertEqual(count, 1)
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):

@@ -1,9 +1,10 @@
 """Two gloo processes on the CPU: Ulysses attention compiled with backend="graphar" equals eager.
 
-The blocks are written as Ulysses code is (in-place c10d all-to-alls with heads at dim 2; functional
-collectives with heads at dim 1), so the pass has to find the exchanges itself. Blocks whose values
-are small integers are compared bit for bit (every sum is exact in any order); the softmax block is
-compared within float tolerance, since Inductor compiles its arithmetic differently from eager.
+The blocks are written as Ulysses code is (tests/_ulysses.py: in-place c10d all-to-alls with heads
+at dim 2; functional collectives with heads at dim 1), so the pass has to find the exchanges itself.
+Blocks whose values are small integers are compared bit for bit (every sum is exact in any order);
+the softmax block is compared within float tolerance, since Inductor compiles its arithmetic
+differently from eager.
 
 Shapes that vary from call to call (sequence, batch) make the default torch.compile recompile the
 second shape with dynamic sizes: that graph must get the static graph's rewrites, and serve the
@@ -18,53 +19,25 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from graphar._launch import free_port
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+from tests._ulysses import UlyssesBlock, exact_attention, seq_to_heads_dim1
 
 WORLD = 2
 
 
-def seq_to_heads_dim1(x: torch.Tensor) -> torch.Tensor:
-    b, h, s, d = x.shape
-    send = x.reshape(b, WORLD, h // WORLD, s, d).transpose(0, 1).contiguous()
-    recv = funcol.all_to_all_single(send, None, None, dist.group.WORLD)
-    return recv.reshape(WORLD, b, h // WORLD, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // WORLD, WORLD * s, d)
+def _block(heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> UlyssesBlock:
+    """The shared block with seeded weights: small integers for `exact`, else scaled normal ones."""
+    gen = torch.Generator().manual_seed(0)
 
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randint(-2, 3, (rows, cols), generator=gen) if exact else torch.randn(rows, cols, generator=gen)
+        return w.to(dtype) / (1 if exact else rows**0.5)
 
-class UlyssesBlock(torch.nn.Module):
-    """Q/K/V projections, sequence -> heads, attention (or an exact stand-in), heads -> sequence."""
-
-    def __init__(self, heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        hidden = heads * d
-
-        def weight(cols: int) -> torch.Tensor:
-            w = torch.randint(-2, 3, (hidden, cols), generator=gen) if exact else torch.randn(hidden, cols,
-                                                                                               generator=gen)
-            return w.to(dtype) / (1 if exact else hidden**0.5)
-
-        self.wq, self.wk, self.wv = weight(heads * d), weight(kv_heads * d), weight(kv_heads * d)
-        self.shape = (heads, kv_heads, d)
-        self.exact = exact
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        heads, kv_heads, d = self.shape
-        q = seq_to_heads_unpacked((x @ self.wq).view(b, s, heads, d))
-        k = seq_to_heads_unpacked((x @ self.wk).view(b, s, kv_heads, d))
-        v = seq_to_heads_unpacked((x @ self.wv).view(b, s, kv_heads, d))
-        if self.exact:
-            o = 2 * q + k - v
-        else:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               enable_gqa=heads != kv_heads).transpose(1, 2)
-        return heads_to_seq_unpacked(o).reshape(b, s, heads * d)
+    return UlyssesBlock(heads, kv_heads, d, weight, exact)
 
 
 class HeadsFirstBlock(torch.nn.Module):
@@ -106,7 +79,7 @@ def _worker(rank: int, port: int) -> None:
                 ("exact bf16 b=2 gqa", torch.bfloat16, 2, 4, 2, True),
                 ("attention fp32 b=2 gqa", torch.float32, 2, 4, 2, False),
             ):
-                model = UlyssesBlock(heads, kv_heads, 8, dtype, exact)
+                model = _block(heads, kv_heads, 8, dtype, exact)
                 x = (_integers(b, 6, heads * 8, dtype=dtype, seed=rank) if exact else
                      torch.randn(b, 6, heads * 8, generator=torch.Generator().manual_seed(rank)).to(dtype))
                 actual, code = _compile_and_run(model, x)
@@ -132,10 +105,10 @@ def test_compiled_ulysses_equals_eager_on_gloo() -> None:
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def separate_qkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Ulysses attention taking Q, K and V as separate inputs (Dynamo gives each a symbol of its own)."""
     q, k, v = (seq_to_heads_unpacked(t) for t in (q, k, v))
-    return heads_to_seq_unpacked(2 * q + k - v)
+    return heads_to_seq_unpacked(exact_attention(q, k, v))
 
 
 def _rewrites_per_call(rank: int, name: str, model: Callable[..., torch.Tensor],
@@ -163,11 +136,11 @@ def _dynamic_worker(rank: int, port: int) -> None:
     def qkv(s: int) -> tuple[torch.Tensor, ...]:
         return tuple(_integers(1, s, 4, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3))
 
-    block = UlyssesBlock(4, 2, 8, torch.float32, exact=True)
+    block = _block(4, 2, 8, torch.float32, exact=True)
     # Rewrites per call: a compile gets 2 (Q/K/V, output) whether static (first call) or dynamic (a
     # call with a new sequence or batch); a call served by the dynamic graph compiles nothing.
     cases = {
-        "q, k, v inputs, sequence 8, 16, 24": (exact_attention, [qkv(s) for s in (8, 16, 24)], [2, 2, 0]),
+        "q, k, v inputs, sequence 8, 16, 24": (separate_qkv_attention, [qkv(s) for s in (8, 16, 24)], [2, 2, 0]),
         "block, sequence 24, 16, 8, then batch 2, 3": (
             block, [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)], [2, 2, 0, 2, 0]),
     }

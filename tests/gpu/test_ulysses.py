@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from _dist import WORLD_SIZES, assert_timed_out_for_good, integer_valued, run_workers
 from torch._dynamo.utils import counters
 
@@ -23,6 +22,7 @@ import graphar
 from graphar import pool
 from graphar.comm import exchange, ulysses
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+from tests._ulysses import UlyssesBlock
 
 pytestmark = pytest.mark.gpu
 
@@ -36,10 +36,9 @@ def _set_transport(transport: str) -> exchange.IpcExchange | None:
     """For "ipc", set up the world's graphar communicator, whose IPC exchange the ops then take."""
     if transport == "nccl":
         return None
-    assert graphar.init() is not None, "no graphar communicator on this machine"
-    ex = exchange.for_group(dist.group.WORLD.group_name)
-    assert ex is not None
-    return ex
+    comm = graphar.init()
+    assert comm is not None, "no graphar communicator on this machine"
+    return comm.exchange
 
 
 def _full(seed: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -274,37 +273,22 @@ def test_reserve_before_capture(world_size: int) -> None:
     run_workers(_reserved, world_size)
 
 
-class _Block(torch.nn.Module):
-    """A Ulysses attention block written as users write it; `exact` swaps softmax for integer arithmetic."""
+def _block(heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> UlyssesBlock:
+    """The shared Ulysses block (tests/_ulysses.py) on this GPU; `exact` swaps softmax for integer arithmetic."""
 
-    def __init__(self, world_size: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, exact: bool) -> None:
-        super().__init__()
-        hidden = heads * d
-        w = (lambda cols: integer_valued(hidden * cols, dtype, -1, 1).view(hidden, cols)) if exact else (
-            lambda cols: torch.randn(hidden, cols, device="cuda", dtype=dtype) / hidden**0.5)
-        self.wq, self.wk, self.wv = w(heads * d), w(kv_heads * d), w(kv_heads * d)
-        self.shape, self.exact = (heads, kv_heads, d), exact
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        if exact:
+            return integer_valued(rows * cols, dtype, -1, 1).view(rows, cols)
+        return torch.randn(rows, cols, device="cuda", dtype=dtype) / rows**0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        heads, kv_heads, d = self.shape
-        q = seq_to_heads_unpacked((x @ self.wq).view(b, s, heads, d))
-        k = seq_to_heads_unpacked((x @ self.wk).view(b, s, kv_heads, d))
-        v = seq_to_heads_unpacked((x @ self.wv).view(b, s, kv_heads, d))
-        if self.exact:
-            group = heads // kv_heads  # GQA: each K/V head serves `group` query heads
-            o = 2 * q + k.repeat_interleave(group, dim=2) - v.repeat_interleave(group, dim=2)
-        else:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               enable_gqa=heads != kv_heads).transpose(1, 2)
-        return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, heads * d)
+    return UlyssesBlock(heads, kv_heads, d, weight, exact)
 
 
 def _peer_stops_exchanging(rank: int, world_size: int) -> None:
     """A rank alone in an IPC exchange gets an error naming the barrier and the peer, not a hang."""
     comm = graphar.init(timeout_s=0.5)
     try:
-        ex = exchange.for_group(comm.group_name)
+        ex = comm.exchange
         static = _Static(world_size, 1, 64, 2 * world_size, 64, torch.bfloat16)
         expected = static.refill(seed=5)
         assert all(torch.equal(x, e) for x, e in zip(static.step(), expected))  # sizes the buffer on every rank
@@ -334,7 +318,7 @@ def _reduce_overhead(rank: int, world_size: int, transport: str) -> None:
     ex = _set_transport(transport)
     heads, kv_heads, d, s = 4 * world_size, 2 * world_size, 64, 32
     for exact in (True, False):
-        block = _Block(world_size, heads, kv_heads, d, torch.float32, exact)
+        block = _block(heads, kv_heads, d, torch.float32, exact)
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(block, backend="graphar", mode="reduce-overhead", fullgraph=True)
