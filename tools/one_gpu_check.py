@@ -1,0 +1,122 @@
+"""Correctness of graphar's IPC paths with two processes sharing ONE GPU (a harness, not a test).
+
+When only single-GPU machines are lent, this still runs the real kernels, launches, barriers and
+graph registration end to end: two processes on cuda:0, a gloo group for the references, and a
+graphar communicator whose set-up checks are relaxed for this harness alone (NCCL refuses two ranks
+on one GPU, and graphar.init refuses a shared GPU because it would be slow, not wrong: the GPU
+time-slices the two processes' kernels, so every barrier costs milliseconds). It says nothing about
+speed. Usage: python tools/one_gpu_check.py   (exit code 0 when every check passed)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+KB, MB = 1 << 10, 1 << 20
+
+
+def _integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype).cuda()
+
+
+def _reference_sum(x: torch.Tensor) -> torch.Tensor:
+    ref = x.float().cpu()
+    dist.all_reduce(ref)  # gloo, on the CPU
+    return ref.to(x.dtype).cuda()
+
+
+def _init_relaxed():
+    from graphar.comm import communicator as cm
+
+    cm._uniform_reason = lambda group: None  # gloo group: the harness's references run on it
+    shared = cm._shared_reason
+    cm._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
+    comm = cm.init(max_bytes=8 * MB, timeout_s=30)
+    assert comm is not None, "graphar.init set up no communicator"
+    return comm
+
+
+def _check_all_reduce(comm, rank: int) -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for nbytes in (16, 64 * KB + 16, MB):
+            for algo in ("1stage", "2stage"):
+                x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
+                y = comm.all_reduce(x, algo=algo)
+                assert torch.equal(y, _reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
+
+
+def _check_graphs(comm, rank: int) -> None:
+    import graphar
+
+    for capture in (graphar.graph, torch.cuda.graph):
+        x = _integers(32 * KB, torch.bfloat16, seed=rank)
+        graph = torch.cuda.CUDAGraph()
+        before = comm.allreduce.graph_calls
+        with capture(graph):
+            y = comm.all_reduce(x)
+            x.mul_(-1)
+            z = comm.all_reduce(x)
+        assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph else 0)
+        for i in range(3):
+            values = _integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
+            x.copy_(values)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, _reference_sum(values)), f"{capture.__name__} replay {i}: first"
+            assert torch.equal(z, _reference_sum(-values)), f"{capture.__name__} replay {i}: second"
+
+
+def _check_ulysses(comm, rank: int) -> None:
+    from graphar.comm import ulysses
+
+    group = dist.group.WORLD
+    for b, s, h, hkv, d in ((1, 64, 4, 2, 64), (2, 48, 4, 4, 32)):
+        q, k, v = (_integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
+                   for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
+        got = ulysses.seq_to_heads(q, k, v, group.group_name)
+        want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"qkv exchange b={b} s={s}"
+        o = _integers(b * WORLD * s * (h // WORLD) * d, torch.bfloat16, seed=rank).view(b, WORLD * s, h // WORLD, d)
+        got = ulysses.heads_to_seq(o, group.group_name)
+        assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange b={b}"
+    assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+    import graphar  # noqa: F401
+
+    comm = _init_relaxed()
+    try:
+        for check in (_check_all_reduce, _check_graphs, _check_ulysses):
+            check(comm, rank)
+            torch.cuda.synchronize()
+            if rank == 0:
+                print(f"ok: {check.__name__}", flush=True)
+    finally:
+        comm.close()
+
+
+def main() -> int:
+    from graphar._launch import free_port
+
+    if not torch.cuda.is_available():
+        print("no GPU")
+        return 2
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    print("one-GPU check: every check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
