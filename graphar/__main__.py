@@ -8,12 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from graphar import demo
+from graphar import demo, doctor
+from graphar.benchmarks import cli as bench
 
 # name, module, one-line summary for the list of commands
 COMMANDS = (
     ("demo", demo, "compile a tensor-parallel MLP and a Ulysses attention block with backend='graphar', "
                    "show each rewrite and its transport, check the outputs against eager"),
+    ("doctor", doctor, "say whether graphar's custom all-reduce and IPC all-to-all are on here, and if not, "
+                       "why: versions, CUDA library, GPUs, peer access, NVLink, allocator"),
+    ("bench", bench, "time graphar against NCCL: allreduce, decode or ulysses; a markdown table and a plot"),
 )  # fmt: skip
 
 

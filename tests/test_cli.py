@@ -1,4 +1,5 @@
-"""`python -m graphar`: help lists the commands, bad or missing commands exit 2, `demo --help` only helps.
+"""`python -m graphar`: help lists the commands (demo, doctor, bench) and bench's benchmarks, bad or
+missing commands exit 2, `demo --help` only helps, `doctor --help` documents the exit statuses.
 
 In-process through `main(argv)` (argparse exits with SystemExit), and once as `python -m graphar` to
 cover the module entry point.
@@ -22,7 +23,39 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m graphar")
-    assert "\n    demo " in out
+    for command in ("demo", "doctor", "bench"):
+        assert f"\n    {command} " in out
+
+
+def test_bench_help_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m graphar bench")
+    for name in ("allreduce", "decode", "ulysses"):
+        assert f"\n    {name}" in out
+
+
+def test_bench_without_a_benchmark_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench"]) == 2
+    assert "required: BENCHMARK" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "options"), [("allreduce", ["--sizes", "--dtype", "--modes"]),
+                                               ("decode", ["--batches", "--layers", "--steps", "--replays"]),
+                                               ("ulysses", ["--shapes"])])  # fmt: skip
+def test_each_benchmark_keeps_its_options(name: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["bench", name, "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in options + ["--world-size", "--quick", "--dry-run", "--out"]:
+        assert f" {option}" in out, option
+
+
+def test_doctor_help_documents_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["doctor", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m graphar doctor")
+    for status in ("0  the custom", "3  no GPU", "4  graphar's CUDA library", "5  graphar.init", "6  the check"):
+        assert f"\n  {status}" in out, status
 
 
 def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,10 @@
-"""Shared helpers for graphar's benchmarks (bench/allreduce.py, bench/decode.py, bench/ulysses.py).
+"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|decode|ulysses`).
 
-Each script sets the multicast-off environment before it imports torch, then:
-
-    main(argv, parse_args, dry_run, worker, timeout_s)   a script's entry point: --dry-run, or launch
+    add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
+    main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
     launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
                                         with torch.cuda.set_device(rank) and an NCCL default group ready
+    progress(text)                      a progress line (rank 0, the launcher): seconds since the start
     capture(fn, n, ...)                 warm up fn(0..), then capture fn(0), ..., fn(n-1) in one CUDA graph
     time_gpu(run, repeats, per)         median GPU time (CUDA events) of run(), in us per `per` units,
                                         ranks aligned before each repeat
@@ -13,8 +13,8 @@ Each script sets the multicast-off environment before it imports torch, then:
     all_ranks(flag)                     True on every rank iff flag is True on every rank
     header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
     markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
-    report(title, info, sections, notes) + write_report(text, path)   the results file
-    results_path(name, gpu, world_size) bench/results/<name>-<gpu>-ws<N>.md
+    report(title, info, sections, notes) + write_report(text, path, charts, title)   the file and its plot
+    results_path(name, gpu, world_size, out)   where the results file goes (see `results_dir`)
 
 Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer unavailable,
 "err" the measurement raised (the reason is printed once by rank 0).
@@ -22,11 +22,15 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +39,47 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphar._launch import free_port
+from graphar.benchmarks import plot
 
 Cell = float | str
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
+# Multicast (NVLS) stays off for every peer. The workers are spawned processes, which read these
+# when they set up NCCL and symmetric memory: setting them before the spawn is enough.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # About 50 us of GPU sleep on an H200 (1.98 GHz): the host enqueues the timed work meanwhile.
 _ALIGN_SLEEP_CYCLES = 100_000
 
 
-def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+@dataclass
+class _Progress:
+    """Progress lines carry the seconds since the command started; among the ranks only rank 0 prints."""
+
+    start: float = field(default_factory=time.time)
+    active: bool = True
+
+
+_progress = _Progress()
+
+
+def progress(text: str) -> None:
+    if _progress.active:
+        print(f"[{time.time() - _progress.start:6.1f} s] {text}", flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser, quick_help: str) -> None:
+    """The options every benchmark has; each adds its own after these."""
+    p.add_argument("--world-size", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--dry-run", action="store_true", help="format a table (and plot) of fake numbers on CPU")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
+                        "of a source checkout, else the current folder)")  # fmt: skip
+
+
+def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float,
+           args: tuple) -> None:  # fmt: skip
+    global _progress
+    _progress = _Progress(start, rank == 0)
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group(
@@ -70,25 +107,29 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
     available = torch.cuda.device_count()
     if world_size > available:
         raise SystemExit(f"needs {world_size} GPUs, {available} visible")
-    mp.spawn(_entry, args=(worker, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    progress(f"starting {world_size} processes, one per GPU...")
+    args = (worker, world_size, free_port(), timeout_s, _progress.start, args)
+    mp.spawn(_entry, args=args, nprocs=world_size, join=True)
 
 
 def main(
-    argv: list[str] | None,
-    parse_args: Callable[[list[str] | None], tuple[Any, Any]],
+    args: argparse.Namespace,
+    settings: Any,
     dry_run: Callable[[Any, Path | None], None],
     worker: Callable[..., None],
     timeout_s: float,
-) -> None:
+) -> int:
     """A benchmark's entry point: `--dry-run` formats fake numbers on the CPU, else one process per GPU."""
-    args, settings = parse_args(argv)
     if args.dry_run:
         dry_run(settings, args.out)
-        return
+        return 0
     world_size = args.world_size or torch.cuda.device_count()
     if world_size < 2:
         raise SystemExit(f"needs at least 2 GPUs, {torch.cuda.device_count()} visible")
     launch(worker, world_size, settings, args.out, timeout_s=timeout_s)
+    return 0
 
 
 def align_ranks() -> None:
@@ -192,8 +233,11 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "NCCL": nccl, "graphar": graphar_version}
 
 
+DRY_RUN_GPU = "cpu (dry run)"
+
+
 def gpu_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else DRY_RUN_GPU
 
 
 def gpu_slug(name: str) -> str:
@@ -232,15 +276,35 @@ def report(title: str, info: Mapping[str, str], sections: Sequence[tuple[str, st
     return "\n".join(parts)
 
 
-def results_path(name: str, gpu: str, world_size: int) -> Path:
-    return RESULTS_DIR / f"{name}-{gpu_slug(gpu)}-ws{world_size}.md"
+def results_dir() -> Path:
+    """bench/results/ when graphar runs from a source checkout (an editable install too), else the
+    current folder: an installed package has no place of its own for results."""
+    checkout = PACKAGE_DIR.parent
+    if (checkout / "setup.py").is_file() and (checkout / "bench").is_dir():
+        return checkout / "bench" / "results"
+    return Path.cwd()
 
 
-def write_report(text: str, path: Path) -> None:
+def dry_run_dir() -> Path:
+    """Dry runs' default: fake numbers stay out of the results folder."""
+    return Path(tempfile.gettempdir()) / "graphar-bench-dry-run"
+
+
+def results_path(name: str, gpu: str, world_size: int, out: Path | None, default_dir: Path | None = None) -> Path:
+    """`out` when it names a file (it has a suffix and is not a folder), else <name>-<gpu>-ws<N>.md in
+    the folder `out`, `default_dir` or `results_dir()`."""
+    if out is not None and out.suffix and not out.is_dir():
+        return out
+    return (out or default_dir or results_dir()) / f"{name}-{gpu_slug(gpu)}-ws{world_size}.md"
+
+
+def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str) -> None:
+    """The table to stdout and `path`, the charts beside it as a .png (when matplotlib is there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
     print(f"written to {path}")
+    print(plot.write_png(charts, path.with_suffix(".png"), title), flush=True)
 
 
 def format_bytes(n: int) -> str:

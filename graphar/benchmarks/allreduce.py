@@ -1,0 +1,354 @@
+"""All-reduce latency: NCCL, PyTorch symmetric memory and graphar, in CUDA graphs and eager.
+
+    python -m graphar bench allreduce [--sizes 16K,64K,...] [--dtype bf16] [--modes graph,eager,graph-mm]
+                                      [--world-size N] [--quick] [--dry-run] [--out F]
+
+Modes: "graph" (per-op us over a CUDA graph of back-to-back ops), "eager" (host-timed loop),
+"graph-mm" (per-iteration us of a matmul followed by the collective, in a CUDA graph).
+The table goes to stdout and to allreduce-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
+current folder, or --out), with a log-log plot of latency against size beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphar.benchmarks import common, plot
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("graph", "eager", "graph-mm")
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [16 * KB << i for i in range(13)]  # 16 KB .. 64 MB
+QUICK_SIZES = [16 * KB, 256 * KB, 2 * MB, 8 * MB]
+# graphar's default limit is 8 MB; the benchmark raises it so that the whole range is covered.
+GRAPHAR_MAX_BYTES = 64 * MB
+N_BUFFERS = 4  # inputs rotate among these so that L2 does not flatter back-to-back ops
+MM_SHAPE = (512, 4096, 4096)  # [m, k] x [k, n] bf16: a few tens of microseconds on an H200
+
+NCCL, ONE_SHOT, TWO_SHOT = "NCCL", "symm one_shot", "symm two_shot"
+G_1STAGE, G_2STAGE, G_AUTO, G_ZERO = "graphar 1stage", "graphar 2stage", "graphar auto", "graphar zero-copy"
+MM_ONLY = "matmul only"
+GRAPHAR_ALGOS = {G_1STAGE: "1stage", G_2STAGE: "2stage", G_AUTO: None, G_ZERO: None}
+
+
+def column_names(mode: str) -> list[str]:
+    names = [NCCL, ONE_SHOT, TWO_SHOT, G_1STAGE, G_2STAGE, G_AUTO]
+    if mode != "eager":
+        names.append(G_ZERO)
+    if mode == "graph-mm":
+        names.insert(0, MM_ONLY)
+    return names
+
+
+def ratio_pair(mode: str) -> tuple[str, str]:
+    """The graphar column a row compares with NCCL: the best path each setting allows."""
+    return (G_AUTO if mode == "eager" else G_ZERO), NCCL
+
+
+@dataclass(frozen=True)
+class Settings:
+    sizes: list[int]
+    dtype: str
+    modes: list[str]
+    ops: int  # back-to-back ops per captured graph
+    replays: int  # timed replays per graph (median)
+    eager_iters: int
+
+
+TIMEOUT_S = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", help="comma-separated byte sizes, e.g. 16K,1M (default 16K..64M, powers of 2)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    common.add_arguments(p, quick_help="4 sizes, fewer ops and replays")
+
+
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    sizes = [common.parse_bytes(s) for s in args.sizes.split(",")] if args.sizes else None
+    sizes = sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    itemsize = DTYPES[args.dtype].itemsize
+    bad = [s for s in sizes if s <= 0 or s % itemsize]
+    if bad:
+        p.error(f"sizes {bad} are not positive multiples of the {args.dtype} element size")
+    return Settings(
+        sizes=sorted(set(sizes)),
+        dtype=args.dtype,
+        modes=modes,
+        ops=20 if args.quick else 50,
+        replays=5 if args.quick else 9,
+        eager_iters=50 if args.quick else 200,
+    )
+
+
+# ---- the contenders ----------------------------------------------------------------------------
+
+Op = Callable[[torch.Tensor, torch.Tensor], Any]  # (input, preallocated output) -> result
+
+
+@dataclass
+class Column:
+    op: Op
+    symmetric: bool = False  # the input must live in a symmetric-memory buffer
+    eligible: Callable[[torch.Tensor], bool] = lambda x: True
+    context: Callable[..., Any] = torch.cuda.graph  # how graph modes capture it
+    graphar: bool = False  # verified against NCCL before timing
+
+
+@dataclass
+class Contenders:
+    columns: dict[str, Column] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # column name -> reason
+    symm_buffers: list[torch.Tensor] = field(default_factory=list)
+
+
+def add_nccl(c: Contenders) -> None:
+    c.columns[NCCL] = Column(op=lambda x, out: dist.all_reduce(x))
+    c.columns[MM_ONLY] = Column(op=lambda x, out: None)
+
+
+def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
+    """One_shot and two_shot on symmetric buffers; their columns say n/a if anything fails here."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        ops = torch.ops.symm_mem
+        group_name = dist.group.WORLD.group_name
+        try:
+            symm_mem.set_backend("CUDA")  # the IPC backend; NVSHMEM is not the peer we compare with
+        except Exception:
+            pass  # older torch has no set_backend, or the backend is already fixed
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group_name)
+        buffers = [symm_mem.empty(max_numel, dtype=dtype, device="cuda") for _ in range(N_BUFFERS)]
+        for buf in buffers:
+            symm_mem.rendezvous(buf, group_name)
+        if hasattr(ops, "one_shot_all_reduce_out"):
+            one_shot = lambda x, out: ops.one_shot_all_reduce_out(x, "sum", group_name, out)  # noqa: E731
+        else:
+            one_shot = lambda x, out: ops.one_shot_all_reduce(x, "sum", group_name)  # noqa: E731
+        two_shot_op = ops.two_shot_all_reduce_
+    except Exception as e:
+        reason = f"symmetric memory unavailable: {type(e).__name__}: {e}"
+        c.unavailable.update({ONE_SHOT: reason, TWO_SHOT: reason})
+        return
+    c.symm_buffers = buffers
+    c.columns[ONE_SHOT] = Column(op=one_shot, symmetric=True)
+    c.columns[TWO_SHOT] = Column(op=lambda x, out: two_shot_op(x, "sum", group_name), symmetric=True)
+
+
+def add_graphar(c: Contenders, max_bytes: int) -> None:
+    try:
+        import graphar
+
+        comm = graphar.init(None, max_bytes=max_bytes)
+        reason = "" if comm is not None else "graphar.init returned None (its log says why)"
+    except Exception as e:
+        comm, reason = None, f"graphar unavailable: {type(e).__name__}: {e}"
+    if comm is None:
+        c.unavailable.update(dict.fromkeys(GRAPHAR_ALGOS, reason))
+        return
+    for name, algo in GRAPHAR_ALGOS.items():
+        c.columns[name] = Column(
+            op=lambda x, out, algo=algo: comm.all_reduce(x, algo=algo),
+            eligible=comm.eligible,
+            context=graphar.graphs.graph if name == G_ZERO else torch.cuda.graph,
+            graphar=True,
+        )
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def verify(col: Column, numel: int, dtype: torch.dtype) -> bool:
+    """Integer-valued inputs: the eager call and a replay (output poisoned first) equal NCCL exactly."""
+    x = torch.randint(-4, 5, (numel,), device="cuda").to(dtype)
+    before = x.clone()
+    ref = x.clone()
+    dist.all_reduce(ref)
+    ok = col.context is not torch.cuda.graph or torch.equal(col.op(x, None), ref)
+    outs: list[torch.Tensor] = []
+    graph = common.capture(lambda i: outs.append(col.op(x, None)), 1, context=col.context)
+    outs[-1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return ok and torch.equal(outs[-1], ref) and torch.equal(x, before)
+
+
+def measure(
+    col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tensor, s: Settings, mm: list[torch.Tensor]
+) -> float:
+    def step(i: int) -> None:
+        col.op(inputs[i % len(inputs)], out)
+
+    def step_with_matmul(i: int) -> None:
+        torch.mm(mm[0], mm[1], out=mm[2])
+        step(i)
+
+    if mode == "eager":
+        return common.time_host(step, iters=s.eager_iters)
+    fn = step_with_matmul if mode == "graph-mm" else step
+    graph = common.capture(fn, s.ops, context=col.context)
+    return common.time_gpu(graph.replay, repeats=s.replays, per=s.ops)
+
+
+def run_size(
+    c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
+    dtype = DTYPES[s.dtype]
+    numel = nbytes // dtype.itemsize
+    plain = [torch.randn(numel, device="cuda", dtype=dtype) for _ in range(N_BUFFERS)]
+    symm = [buf[:numel] for buf in c.symm_buffers]
+    for buf in symm:
+        buf.normal_()
+    out = torch.empty(numel, device="cuda", dtype=dtype)
+    cells: dict[tuple, common.Cell] = {}
+    for name in dict.fromkeys(n for mode in s.modes for n in column_names(mode)):
+        col = c.columns.get(name)
+        status = "n/a" if col is None else None
+        if col is not None and not col.eligible(plain[0]):
+            status = "-"
+        if status is None and col.graphar:
+            try:
+                ok = verify(col, numel, dtype)
+            except Exception as e:
+                ok = False
+                reasons.setdefault(name, f"verification raised {type(e).__name__}: {e}")
+            if not common.all_ranks(ok):
+                status = "WRONG"
+                reasons.setdefault(name, f"differs from NCCL (or raised) at {common.format_bytes(nbytes)}")
+        for mode in s.modes:
+            if name not in column_names(mode):
+                continue
+            if status is not None:
+                cells[(mode, name)] = status
+                continue
+            try:
+                cells[(mode, name)] = measure(col, mode, symm if col.symmetric else plain, out, s, mm)
+            except Exception as e:
+                cells[(mode, name)] = "err"
+                reasons.setdefault(name, f"{mode}: {type(e).__name__}: {e}")
+            torch.cuda.synchronize()
+    return cells
+
+
+def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    dtype = DTYPES[s.dtype]
+    torch.manual_seed(1234 + rank)
+    c = Contenders()
+    add_nccl(c)
+    add_symm_mem(c, dtype, max(s.sizes) // dtype.itemsize)
+    add_graphar(c, max(GRAPHAR_MAX_BYTES, max(s.sizes)))
+    m, k, n = MM_SHAPE
+    mm = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n))]
+    reasons = dict(c.unavailable)
+    common.progress(f"set up; timing {len(s.sizes)} sizes in modes {', '.join(s.modes)}")
+    results: dict[tuple, common.Cell] = {}
+    for i, nbytes in enumerate(s.sizes, 1):
+        cells = run_size(c, nbytes, s, mm, reasons)
+        results.update({(mode, nbytes, name): v for (mode, name), v in cells.items()})
+        common.progress(f"done {common.format_bytes(nbytes)} ({i}/{len(s.sizes)})")
+    results = common.max_over_ranks(results)
+    if rank == 0:
+        gpu = common.gpu_name()
+        write(results, s, world_size, reasons, gpu, common.results_path("allreduce", gpu, world_size, out_path))
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def ratio(row: dict[str, common.Cell], mode: str) -> str:
+    num, den = (row.get(name) for name in ratio_pair(mode))
+    return f"{num / den:.2f}x" if isinstance(num, float) and isinstance(den, float) else "-"
+
+
+def mode_heading(mode: str, s: Settings) -> str:
+    if mode == "eager":
+        return f"eager: host-timed loop of {s.eager_iters} calls, us per call"
+    what = "per iteration (matmul + collective)" if mode == "graph-mm" else "per op"
+    return f"{mode}: CUDA graph of {s.ops} back-to-back iterations, us {what}"
+
+
+def tables(results: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, str]]:
+    sections = []
+    for mode in s.modes:
+        names = column_names(mode)
+        num, den = ratio_pair(mode)
+        rows = []
+        for nbytes in s.sizes:
+            row = {name: results[(mode, nbytes, name)] for name in names}
+            rows.append([common.format_bytes(nbytes)] + [row[n] for n in names] + [ratio(row, mode)])
+        sections.append((mode_heading(mode, s), common.markdown_table(["size"] + names + [f"{num} / {den}"], rows)))
+    return sections
+
+
+def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
+    m, k, n = MM_SHAPE
+    lines = [
+        f"{s.dtype}; max over ranks; graph modes: median of {s.replays} replays; eager: median of 3 loops.",
+        f"graphar is initialised with max_bytes={GRAPHAR_MAX_BYTES >> 20} MB (its default limit is 8 MB) "
+        "so that the whole range is covered; '-' marks a size graphar refuses.",
+        "graphar 1stage / 2stage / auto in graph modes run under a plain torch.cuda.graph (the copy-in path); "
+        "'graphar zero-copy' is auto under graphar.graphs.graph (pointers backfilled after capture).",
+        "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
+        "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
+        f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).",
+        f"graph-mm: each iteration is a bf16 [{m}, {k}] x [{k}, {n}] matmul then the collective; "
+        "'matmul only' is the matmul alone.",
+        "graphar columns are checked against NCCL on integer-valued inputs before timing (WRONG = mismatch).",
+    ]
+    return lines + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+
+
+def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
+    """Latency against size, log-log: one line per column and mode (colour: column, dash: mode)."""
+    lines = [
+        plot.Line(f"{name}, {mode}", plot.points(s.sizes, [results[(mode, nbytes, name)] for nbytes in s.sizes]),
+                  colour_key=name, dash_key=mode)
+        for mode in s.modes for name in column_names(mode)
+    ]  # fmt: skip
+    ticks = [(nbytes, common.format_bytes(nbytes)) for nbytes in s.sizes]
+    title = (f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
+             "(graph: us per op, eager: us per call, graph-mm: us per matmul + op)")
+    return [plot.LineChart(title, "message size", "latency, us", lines, ticks)]
+
+
+def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+    info = common.header(",".join(s.modes), world_size, gpu)
+    for name, why in sorted(reasons.items()):
+        print(f"note: {name}: {why}", flush=True)
+    title = "All-reduce latency (us)"
+    text = common.report(title, info, tables(results, s), notes(s, reasons))
+    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}")
+
+
+def dry_run(s: Settings, out: Path | None) -> None:
+    """The formatting path on fake numbers: no GPU, no graphar needed."""
+    rng = random.Random(0)
+    results: dict[tuple, common.Cell] = {}
+    for mode in s.modes:
+        for nbytes in s.sizes:
+            for name in column_names(mode):
+                fake: common.Cell = (6 + nbytes / 40e3) * rng.uniform(0.7, 1.3)  # grows with size, as real ones do
+                if name.startswith("graphar") and nbytes > 8 * MB:
+                    fake = "-"
+                elif name == TWO_SHOT and s.dtype == "fp16":
+                    fake = "err"
+                results[(mode, nbytes, name)] = fake
+    reasons = {TWO_SHOT: "dry run: pretend it raised"} if s.dtype == "fp16" else {}
+    path = common.results_path("allreduce", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
+    write(results, s, 2, reasons, common.DRY_RUN_GPU, path)

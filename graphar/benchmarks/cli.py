@@ -1,0 +1,35 @@
+"""`python -m graphar bench BENCHMARK [options]`: time graphar against NCCL (and PyTorch) on this machine.
+
+Each benchmark spawns one process per visible GPU (run it with plain `python`, not torchrun; it needs
+two GPUs or more), prints progress lines, then a markdown table, written with the GPU, world size,
+versions and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a source
+checkout, else in the current folder (or where --out says). A plot of the same numbers goes beside
+it as a .png when matplotlib is installed (pip install 'graphar[plot]'). `--dry-run` formats fake
+numbers on a machine without GPUs, to check the reporting path. `BENCHMARK --help` lists its options.
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import ModuleType
+
+from graphar.benchmarks import allreduce, common, decode, ulysses
+
+BENCHMARKS: dict[str, ModuleType] = {"allreduce": allreduce, "decode": decode, "ulysses": ulysses}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benchmarks = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module in BENCHMARKS.items():
+        summary = module.__doc__.splitlines()[0]
+        sub = benchmarks.add_parser(name, help=summary, description=module.__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        module.add_arguments(sub)
+        sub.set_defaults(benchmark_module=module, benchmark_parser=sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `bench` command of `python -m graphar`."""
+    module = args.benchmark_module
+    settings = module.settings(args, args.benchmark_parser)
+    return common.main(args, settings, module.dry_run, module.worker, module.TIMEOUT_S)

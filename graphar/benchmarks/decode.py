@@ -1,0 +1,322 @@
+"""Decode-step latency of a Llama-style tensor-parallel model: Inductor + NCCL against graphar.
+
+    python -m graphar bench decode [--batches 1,8] [--layers 8] [--steps 20] [--replays 9] [--world-size N]
+                                   [--quick] [--dry-run] [--out F]
+
+Each decoder block is compiled (torch.compile per block, as torchtitan does) and one decode step,
+all blocks plus the final norm, is captured in a CUDA graph:
+  (a) backend="inductor": dist.all_reduce stays NCCL; captured with torch.cuda.graph;
+  (b) backend="graphar" after graphar.init: captured with graphar.graphs.BatchGraphs
+      (zero-copy all-reduces);
+  (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path).
+The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
+current folder, or --out), with a bar chart of the time per step by variant beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from graphar.benchmarks import common, plot
+
+DTYPE = torch.bfloat16
+INDUCTOR, ZERO_COPY, COPY_IN = "inductor + NCCL", "graphar zero-copy", "graphar copy-in"
+VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN)
+LABELS = {v: f"({'abc'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
+# A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding
+# noise, far below what a wrong all-reduce produces.
+REL_TOLERANCE = 0.02
+COMPILE_SKEW_S = 240.0  # longest wait of one rank for another (NCCL's timeout is 300 s)
+
+Step = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 8
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    past: int = 1024  # cached tokens; the step's own token takes one more slot
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True)
+class Settings:
+    shape: Shape
+    batches: list[int]
+    steps: int  # decode steps per timed sample
+    replays: int  # timed samples (median)
+
+
+TIMEOUT_S = 300.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="1,8", help="comma-separated decode batch sizes")
+    p.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8; 2 with --quick)")
+    p.add_argument("--steps", type=int, default=20, help="decode steps per timed sample")
+    p.add_argument("--replays", type=int, default=None, help="timed samples, median reported (default 9)")
+    common.add_arguments(p, quick_help="2 layers, batch 1, 3 samples")
+
+
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    if args.quick and args.batches == p.get_default("batches"):
+        batches = [1]
+    if batches[0] < 1 or args.steps < 1:
+        p.error("batch sizes and --steps must be positive")
+    layers = args.layers or (2 if args.quick else 8)
+    replays = args.replays or (3 if args.quick else 9)
+    return Settings(shape=Shape(layers=layers), batches=batches, steps=args.steps, replays=replays)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def random_weight(fan_in: int, *size: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*size, device="cuda", dtype=DTYPE) / math.sqrt(fan_in), requires_grad=False)
+
+
+def norm_weight(size: int) -> nn.Parameter:
+    # Ones, as Llama initialises them: replicated parameters must be equal on every rank.
+    return nn.Parameter(torch.ones(size, device="cuda", dtype=DTYPE), requires_grad=False)
+
+
+class Block(nn.Module):
+    """This rank's shard of one decoder block.
+
+    QKV and gate/up are column-parallel, O and down row-parallel; each row-parallel output is summed
+    with an in-place dist.all_reduce, the pattern real TP models have.
+    """
+
+    def __init__(self, shape: Shape, world_size: int, max_batch: int) -> None:
+        super().__init__()
+        for what, count in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("intermediate", shape.intermediate)):
+            if count % world_size:
+                raise ValueError(f"{what}={count} is not divisible by world size {world_size}")
+        self.heads, self.kv_heads = shape.heads // world_size, shape.kv_heads // world_size
+        self.head_dim, self.eps = shape.head_dim, shape.eps
+        hidden, inter, d = shape.hidden, shape.intermediate // world_size, shape.head_dim
+        self.attn_norm, self.mlp_norm = norm_weight(hidden), norm_weight(hidden)
+        self.qkv = random_weight(hidden, hidden, (self.heads + 2 * self.kv_heads) * d)
+        self.o = random_weight(shape.heads * d, self.heads * d, hidden)
+        self.gate_up = random_weight(hidden, hidden, 2 * inter)
+        self.down = random_weight(shape.intermediate, inter, hidden)
+        cache = (max_batch, self.kv_heads, shape.past + 1, d)
+        self.register_buffer("k_cache", torch.randn(cache, device="cuda", dtype=DTYPE))
+        self.register_buffer("v_cache", torch.randn(cache, device="cuda", dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, d = x.shape[0], self.head_dim
+        qkv = rms_norm(x, self.attn_norm, self.eps) @ self.qkv
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        k_cache, v_cache = self.k_cache[:b], self.v_cache[:b]
+        k_cache[:, :, -1] = k.view(b, self.kv_heads, d)
+        v_cache[:, :, -1] = v.view(b, self.kv_heads, d)
+        # GQA with plain SDPA: the query heads sharing a KV head attend as a group of queries.
+        q = q.view(b, self.kv_heads, self.heads // self.kv_heads, d)
+        attn = F.scaled_dot_product_attention(q, k_cache, v_cache).reshape(b, self.heads * d) @ self.o
+        dist.all_reduce(attn)
+        x = x + attn
+        gate, up = (rms_norm(x, self.mlp_norm, self.eps) @ self.gate_up).chunk(2, dim=-1)
+        mlp = (F.silu(gate) * up) @ self.down
+        dist.all_reduce(mlp)
+        return x + mlp
+
+
+def compiled_step(blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str) -> Step:
+    compiled = [torch.compile(block, backend=backend, dynamic=False) for block in blocks]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        for block in compiled:
+            x = block(x)
+        return rms_norm(x, norm, eps)
+
+    return step
+
+
+def plain_graph(step: Step, static_x: torch.Tensor) -> Step:
+    """One step captured with torch.cuda.graph; the returned callable copies x in and replays."""
+    outs: list[torch.Tensor] = []
+    graph = common.capture(lambda i: outs.append(step(static_x)), 1)
+
+    def replay(x: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(x)
+        graph.replay()
+        return outs[-1]
+
+    return replay
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def build_variants(step_nccl: Step, step_graphar: Step | None, s: Settings, reasons: dict[str, str]) -> dict:
+    """(variant, batch) -> a callable that runs one captured step; graphar's failures become reasons."""
+    statics = {(v, b): torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE) for v in VARIANTS for b in s.batches}
+    runs = {}
+    for b in s.batches:  # dynamic=False: each batch size is a compilation of its own
+        common.progress(f"compiling and capturing {LABELS[INDUCTOR]}, batch {b}...")
+        runs[(INDUCTOR, b)] = plain_graph(step_nccl, statics[(INDUCTOR, b)])
+    if step_graphar is None:
+        return runs
+    try:
+        for b in s.batches:
+            common.progress(f"compiling and capturing {LABELS[COPY_IN]}, batch {b}...")
+            runs[(COPY_IN, b)] = plain_graph(step_graphar, statics[(COPY_IN, b)])
+    except Exception as e:
+        reasons[COPY_IN] = f"capture failed: {type(e).__name__}: {e}"
+    try:
+        from graphar.graphs import BatchGraphs
+
+        common.progress(f"capturing {LABELS[ZERO_COPY]}, batches {s.batches}...")
+        batch_graphs = BatchGraphs(step_graphar, lambda b: (statics[(ZERO_COPY, b)],), s.batches)
+        runs.update({(ZERO_COPY, b): batch_graphs for b in s.batches})
+    except Exception as e:
+        reasons[ZERO_COPY] = f"BatchGraphs failed: {type(e).__name__}: {e}"
+    return runs
+
+
+def ranks_equal(t: torch.Tensor) -> bool:
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t.contiguous())
+    return common.all_ranks(all(torch.equal(everyone[0], other) for other in everyone))
+
+
+def checks(runs: dict, x: torch.Tensor, b: int) -> dict[str, common.Cell]:
+    """Outputs of one step from the same input: (a) vs (b) closeness, (b) vs (c) bits, ranks' bits."""
+    outs = {v: runs[(v, b)](x).clone() for v in VARIANTS if callable(runs.get((v, b)))}
+    torch.cuda.synchronize()
+    cells: dict[str, common.Cell] = {"ranks equal": "yes" if all(ranks_equal(o) for o in outs.values()) else "NO"}
+    if ZERO_COPY in outs:
+        ref = outs[INDUCTOR].float()
+        diff = (outs[ZERO_COPY].float() - ref).abs().max().item()
+        high = not diff <= REL_TOLERANCE * ref.abs().max().item()  # NaN counts as high
+        cells["max abs diff (a, b)"] = f"{diff:.3g}" + (" (HIGH)" if high else "")
+    if ZERO_COPY in outs and COPY_IN in outs:
+        cells["(b) == (c) bits"] = "yes" if torch.equal(outs[ZERO_COPY], outs[COPY_IN]) else "NO"
+    return cells
+
+
+def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    torch.manual_seed(1000 + rank)  # weights and caches are this rank's shards
+    shape = s.shape
+    blocks = nn.ModuleList(Block(shape, world_size, max(s.batches)) for _ in range(shape.layers))
+    norm = norm_weight(shape.hidden)
+    reasons: dict[str, str] = {}
+    step_graphar = None
+    try:
+        import graphar  # registers backend="graphar"
+
+        # The first call of each compiled block runs right after its compilation, which can end
+        # tens of seconds apart on different ranks: the spin bound must outlast that skew.
+        if graphar.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
+            reasons["graphar"] = "graphar.init returned None (its log says why)"
+        else:
+            step_graphar = compiled_step(blocks, norm, shape.eps, "graphar")
+    except Exception as e:
+        reasons["graphar"] = f"unavailable: {type(e).__name__}: {e}"
+    step_nccl = compiled_step(blocks, norm, shape.eps, "inductor")
+    runs = build_variants(step_nccl, step_graphar, s, reasons)
+    reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
+    common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
+
+    gen = torch.Generator(device="cuda").manual_seed(0)  # the replicated hidden states: same on every rank
+    cells: dict[tuple, common.Cell] = {}
+    for b in s.batches:
+        x = torch.randn(b, shape.hidden, device="cuda", dtype=DTYPE, generator=gen)
+        cells.update({(b, k): v for k, v in checks(runs, x, b).items()})
+        for v in VARIANTS:
+            run = runs.get((v, b))
+            if not callable(run):
+                cells[(b, v)] = "n/a"
+                continue
+            cells[(b, v)] = common.time_gpu(lambda: [run(x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)
+        common.progress(f"done batch {b}")
+    cells = common.max_over_ranks(cells)
+    if rank == 0:
+        gpu = common.gpu_name()
+        write(cells, s, world_size, reasons, gpu, common.results_path("decode", gpu, world_size, out_path))
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+CHECK_COLUMNS = ("max abs diff (a, b)", "(b) == (c) bits", "ranks equal")
+
+
+def speedup(a: common.Cell, b: common.Cell) -> str:
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+
+
+def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
+    columns = ["batch"] + list(LABELS.values()) + ["(a) / (b)", "(a) / (c)"] + list(CHECK_COLUMNS)
+    rows = []
+    for b in s.batches:
+        timed = [cells[(b, v)] for v in VARIANTS]
+        checked = [cells.get((b, c), "-") for c in CHECK_COLUMNS]
+        rows.append([str(b)] + timed + [speedup(timed[0], timed[1]), speedup(timed[0], timed[2])] + checked)
+    return common.markdown_table(columns, rows)
+
+
+def notes(s: Settings, world_size: int, reasons: dict[str, str]) -> list[str]:
+    m = s.shape
+    lines = [
+        f"Model: {m.layers} Llama-style blocks, hidden {m.hidden}, intermediate {m.intermediate}, {m.heads} heads, "
+        f"{m.kv_heads} KV heads, head_dim {m.head_dim}, KV cache of {m.past} past tokens + the new one, "
+        f"bf16 random weights, TP={world_size}; no embedding or LM head. Two all-reduces per block.",
+        f"Per-step time: median of {s.replays} samples of {s.steps} back-to-back steps (input copy + replay), "
+        "max over ranks. (a) / (b) above 1 means graphar is faster.",
+        "Each block is compiled with torch.compile(dynamic=False) for the named backend; "
+        "the whole step (all blocks, final norm) is one CUDA graph.",
+        f"max abs diff (a, b): one step from the same input; HIGH = above {REL_TOLERANCE} of the largest output.",
+    ]
+    return lines + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+
+
+def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.BarChart:
+    bars = {label: [cells[(b, v)] for b in s.batches] for v, label in LABELS.items()}
+    return plot.BarChart(f"{s.shape.layers} blocks, median of {s.replays} samples, max over ranks",
+                         "us per decode step", [f"batch {b}" for b in s.batches], bars)  # fmt: skip
+
+
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+    info = common.header("decode, CUDA graphs", world_size, gpu)
+    for name, why in sorted(reasons.items()):
+        print(f"note: {name}: {why}", flush=True)
+    sections = [("per decode step, us", table(cells, s))]
+    title = "Decode step (TP, Llama-style)"
+    text = common.report(title, info, sections, notes(s, world_size, reasons))
+    common.write_report(text, path, [chart(cells, s)], f"{title}, {gpu}, world size {world_size}")
+
+
+def dry_run(s: Settings, out: Path | None) -> None:
+    """The formatting path on fake numbers: no GPU, no graphar needed."""
+    rng = random.Random(0)
+    cells: dict[tuple, common.Cell] = {}
+    for b in s.batches:
+        cells.update({(b, v): rng.uniform(300, 600) for v in VARIANTS})
+        cells.update({(b, CHECK_COLUMNS[0]): "0.0156", (b, CHECK_COLUMNS[1]): "yes", (b, CHECK_COLUMNS[2]): "yes"})
+    write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("decode", common.DRY_RUN_GPU, 2, out,
+                                                                     common.dry_run_dir()))

@@ -1,0 +1,225 @@
+"""Ulysses exchanges: graphar's packed Q/K/V exchange against three all_to_all_singles, in CUDA graphs.
+
+    python -m graphar bench ulysses [--shapes 1x4096x24x128,...] [--world-size N] [--quick] [--dry-run] [--out F]
+
+Spawns one process per GPU (run it with plain `python`, not torchrun). For each shape
+`b x s x h x d` (global sequence s, all heads h; bf16) it times, per op, CUDA graphs of back-to-back:
+- input exchange: 3 x (permute + all_to_all_single + permute) as Ulysses code writes it, and
+  `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
+  over both transports: NCCL (a group without a graphar communicator) and CUDA IPC (the world
+  group, after `graphar.init()`);
+- output exchange: the same for heads -> sequence;
+- the pack kernel alone and a device-to-device copy of the same bytes, as bandwidths.
+Every graphar result is checked bitwise against the three-collective path first (WRONG on a mismatch).
+Times are the max over ranks of the median replay. The table goes to stdout and to
+ulysses-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current folder, or --out), with a bar
+chart of the time per shape by transport beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from graphar.benchmarks import common, plot
+
+# The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
+DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128),
+                  (1, 75600, 40, 128)]
+QUICK_SHAPES = DEFAULT_SHAPES[:3]
+DTYPE = torch.bfloat16
+SMALL_BYTES = 256 << 20  # below this, inputs rotate between two sets so that L2 does not flatter
+GRAPH_BYTES = 4 << 30  # bytes exchanged per captured graph, which bounds its op count (and run time)
+
+UNPACKED, PACKED, PACKED_IPC = "3 x all_to_all_single", "graphar packed, NCCL", "graphar packed, IPC"
+OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC = "all_to_all_single", "graphar, NCCL", "graphar, IPC"
+TIMED = (UNPACKED, PACKED, PACKED_IPC, OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC)
+
+
+@dataclass(frozen=True)
+class Settings:
+    shapes: list[tuple[int, int, int, int]]
+    max_ops: int  # back-to-back ops per captured graph, at most
+    replays: int  # timed replays per graph (median)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    b, s, h, d = (int(v) for v in text.lower().split("x"))
+    return b, s, h, d
+
+
+TIMEOUT_S = 300.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", help="comma-separated b x s x h x d (global sequence, all heads)")
+    common.add_arguments(p, quick_help="the baseline shapes only, fewer ops and replays")
+
+
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
+    try:
+        shapes = [parse_shape(s) for s in args.shapes.split(",")] if args.shapes else None
+    except ValueError:
+        p.error(f"--shapes {args.shapes!r}: expected comma-separated b x s x h x d, e.g. 1x4096x24x128")
+    return Settings(shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
+                    max_ops=10 if args.quick else 20, replays=5 if args.quick else 7)  # fmt: skip
+
+
+def shape_label(shape: tuple[int, int, int, int]) -> str:
+    return "{}, {}, {}, {}".format(*shape)
+
+
+def qkv_bytes(shape: tuple[int, int, int, int], world_size: int) -> int:
+    b, s, h, d = shape
+    return 3 * b * (s // world_size) * h * d * DTYPE.itemsize
+
+
+def time_graph(step: Callable[[int], object], nbytes: int, s: Settings) -> float:
+    ops = max(2, min(s.max_ops, GRAPH_BYTES // max(nbytes, 1)))
+    graph = common.capture(step, ops)
+    try:
+        return common.time_gpu(graph.replay, repeats=s.replays, per=ops)
+    finally:
+        del graph
+
+
+def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings) -> dict[str, common.Cell]:
+    from graphar.comm import ulysses
+    from graphar.kernels import pack
+
+    ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport
+    b, seq, h, d = shape
+    if seq % world_size or h % world_size:
+        return {k: "-" for k in (*TIMED, "pack", "copy")}
+    s_local, h_local = seq // world_size, h // world_size
+    nbytes = qkv_bytes(shape, world_size)
+    sets = 2 if nbytes < SMALL_BYTES else 1
+    qkv = [[torch.randn(b, s_local, h, d, device="cuda", dtype=DTYPE) for _ in range(3)] for _ in range(sets)]
+    outs = [torch.randn(b, seq, h_local, d, device="cuda", dtype=DTYPE) for _ in range(sets)]
+
+    reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv[0]]
+    out_reference = ulysses.heads_to_seq_unpacked(outs[0])
+    ok = True
+    for group in (nccl_group, ipc_group):  # the first IPC call also sizes the exchange buffers
+        ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
+        ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
+    if not common.all_ranks(ok):
+        return {k: "WRONG" for k in TIMED} | {"pack": "-", "copy": "-"}
+
+    cells: dict[str, common.Cell] = {
+        UNPACKED: time_graph(lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes, s),
+        PACKED: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], nccl_group), nbytes, s),
+        PACKED_IPC: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], ipc_group), nbytes, s),
+        OUT_UNPACKED: time_graph(lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3, s),
+        OUT_GRAPHAR: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], nccl_group), nbytes // 3, s),
+        OUT_IPC: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], ipc_group), nbytes // 3, s),
+    }
+    # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
+    packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                  device="cuda")
+    cells["pack"] = time_graph(lambda i: pack.pack_heads(qkv[i % sets], world_size, packed), nbytes, s)
+    cells["copy"] = time_graph(lambda i: dst.copy_(src), nbytes, s)
+    return cells
+
+
+def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    import graphar
+
+    torch.manual_seed(1234 + rank)
+    if graphar.init() is None:
+        raise SystemExit("graphar.init() set up no communicator: the IPC transport cannot be measured here")
+    nccl_group = dist.new_group(list(range(world_size))).group_name  # no communicator: NCCL transport
+    common.progress(f"set up; timing {len(s.shapes)} shapes")
+    results: dict[tuple, common.Cell] = {}
+    for i, shape in enumerate(s.shapes, 1):
+        cells = run_shape(shape, world_size, nccl_group, s)
+        results.update({(shape, k): v for k, v in cells.items()})
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        common.progress(f"done {shape_label(shape)} ({i}/{len(s.shapes)})")
+    results = common.max_over_ranks(results)
+    if rank == 0:
+        gpu = common.gpu_name()
+        write(results, s, world_size, gpu, common.results_path("ulysses", gpu, world_size, out_path))
+
+
+def speedup(num: common.Cell, den: common.Cell) -> str:
+    return f"{den / num:.2f}x" if isinstance(num, float) and isinstance(den, float) else "-"
+
+
+def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
+    """GB/s of bytes read + bytes written, for a time in us."""
+    return 2 * nbytes / us / 1e3 if isinstance(us, float) else us
+
+
+def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> list[tuple[str, str]]:
+    exchange_rows, output_rows, pack_rows = [], [], []
+    for shape in s.shapes:
+        r = {k: results[(shape, k)] for k in (*TIMED, "pack", "copy")}
+        label = shape_label(shape)
+        mb = f"{qkv_bytes(shape, world_size) / 1e6:.1f} MB"
+        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], speedup(r[PACKED], r[UNPACKED]),
+                              speedup(r[PACKED_IPC], r[UNPACKED])])  # fmt: skip
+        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], speedup(r[OUT_GRAPHAR], r[OUT_UNPACKED]),
+                            speedup(r[OUT_IPC], r[OUT_UNPACKED])])  # fmt: skip
+        pack_bw, copy_bw = (bandwidth(qkv_bytes(shape, world_size), r[k]) for k in ("pack", "copy"))
+        ratio = f"{100 * pack_bw / copy_bw:.0f}%" if isinstance(pack_bw, float) and isinstance(copy_bw, float) else "-"
+        pack_rows.append([label, pack_bw, copy_bw, ratio])
+    return [
+        ("Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
+         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, "speedup NCCL",
+                                "speedup IPC"], exchange_rows)),
+        ("Output exchange, [b, s, h/P, d] -> [b, s/P, h, d], us per op (graph)",
+         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, "speedup NCCL", "speedup IPC"],
+                               output_rows)),
+        ("Pack kernel vs device copy, GB/s (read + write)",
+         common.markdown_table(["b, s, h, d", "pack kernel", "copy_", "pack / copy"], pack_rows)),
+    ]
+
+
+def notes(s: Settings) -> list[str]:
+    return [
+        f"bf16; CUDA graphs of up to {s.max_ops} back-to-back ops (fewer for large shapes, "
+        f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
+        f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
+        "3 x all_to_all_single: graphar.comm.ulysses.seq_to_heads_unpacked (yunchang's all_to_all_4D layout); "
+        "graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
+        "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC).",
+        "Bandwidths: 2 x q+k+v bytes (read + write) over the worst rank's time.",
+        "Targets (2 x H200): input exchange >= 1.5x the three-collective path; pack kernel >= 80% of copy_.",
+    ]
+
+
+def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
+    """Time per shape by transport, for each exchange (log scale: the shapes span 20x in bytes)."""
+    groups = [shape_label(shape) for shape in s.shapes]
+    panels = (("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC)),
+              ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC)))  # fmt: skip
+    return [plot.BarChart(f"{what}: b, s, h, d; CUDA graphs, max over ranks", "us per op", groups,
+                          {k: [results[(shape, k)] for shape in s.shapes] for k in keys}, log=True)
+            for what, keys in panels]  # fmt: skip
+
+
+def write(results: dict, s: Settings, world_size: int, gpu: str, path: Path) -> None:
+    info = common.header("graph", world_size, gpu)
+    title = "Ulysses all-to-all (us)"
+    text = common.report(title, info, tables(results, s, world_size), notes(s))
+    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}")
+
+
+def dry_run(s: Settings, out: Path | None) -> None:
+    """The formatting path on fake numbers: no GPU, no graphar needed."""
+    rng = random.Random(0)
+    results: dict[tuple, common.Cell] = {}
+    for shape in s.shapes:
+        for k in (*TIMED, "pack", "copy"):
+            results[(shape, k)] = rng.uniform(100, 3000)
+    path = common.results_path("ulysses", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
+    write(results, s, 2, common.DRY_RUN_GPU, path)
