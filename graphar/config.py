@@ -41,6 +41,9 @@ class Config:
     all_reduce: bool = True
     # Rewrite Q/K/V all_to_all_single triplets into one packed exchange.
     qkv_all_to_all: bool = True
+    # Fuse all-reduce + residual add + RMSNorm into one op. Off: until its fused kernel exists the op
+    # runs the same unfused math and is no faster.
+    fuse_norm: bool = False
     # Largest all-reduce (bytes) the pass rewrites; larger ones stay on their collective.
     max_all_reduce_bytes: int = field(default_factory=settings.MAX_ALLREDUCE_BYTES.get)
     # Group names the pass must leave on their original collective (groups are turned into names).
@@ -49,7 +52,7 @@ class Config:
     inductor: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("all_reduce", "qkv_all_to_all"):
+        for name in ("all_reduce", "qkv_all_to_all", "fuse_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(f"option {name}={getattr(self, name)!r}: expected True or False")
         limit = self.max_all_reduce_bytes

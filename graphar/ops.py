@@ -1,11 +1,13 @@
-"""graphar's custom ops, all four in one place: functional, with fakes, never returning an alias.
+"""graphar's custom ops, all five in one place: functional, with fakes, never returning an alias.
 
 - `graphar::all_reduce(x, group_name)`: the sum over the group, through its communicator's custom
   kernels when there is one and the call is eligible, else the original functional collective;
 - `graphar::qkv_all_to_all(q, k, v, group_name)`: Ulysses sequence -> heads for Q, K and V in one
   packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
-- `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one.
+- `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one;
+- `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
+  RMS-normalised; returns (normed, the sum plus the residual). Unfused math for now.
 
 Every op takes its group by name (as `_c10d_functional` does), returns new contiguous memory whatever
 the inputs' strides, and has a fake that returns exactly the real op's sizes, strides and dtype:
@@ -76,5 +78,46 @@ def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
     return [x.new_empty(shape) for x, shape in zip(xs, ulysses.packed_shapes(xs, group_name))]
 
 
-for _name in ("all_reduce", "qkv_all_to_all", "heads_to_seq_all_to_all", "packed_all_to_all_single"):
+def unfused_add_rms_norm(
+    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add and RMSNorm as the matched graph computes them: the norm in float32, cast back
+    to the sum's dtype, then times the weight (as HF's LlamaRMSNorm; `F.rms_norm` applies the weight
+    before the cast, one rounding less). The fused kernel's norm epilogue replaces this later."""
+    h = summed if residual is None else summed + residual
+    v = h.float()
+    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    if weight is not None:
+        normed = weight * normed
+    return normed.contiguous(), h.contiguous()
+
+
+def add_rms_norm_dtypes(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """(normed, residual_out) dtypes, by type promotion as `unfused_add_rms_norm` computes them."""
+    summed = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return (summed if weight is None else torch.promote_types(weight.dtype, summed)), summed
+
+
+@torch.library.custom_op("graphar::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(sum of `x` over the group + `residual`) * `weight`; returns (normed, sum + residual).
+    `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim."""
+    return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps)
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, summed = add_rms_norm_dtypes(x, residual, weight)
+    return x.new_empty(x.shape, dtype=normed), x.new_empty(x.shape, dtype=summed)
+
+
+for _name in (
+    "all_reduce", "qkv_all_to_all", "heads_to_seq_all_to_all", "packed_all_to_all_single", "all_reduce_add_rms_norm"
+):
     torch.fx.node.has_side_effect(getattr(torch.ops.graphar, _name).default)

@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from graphar.config import Config
 
 from .all_reduce import rewrite_all_reduces
+from .norm import fuse_all_reduce_norms
 from .qkv import rewrite_qkv_triplets
 
 log = logging.getLogger("graphar")
@@ -59,6 +60,8 @@ class GrapharPass(CustomGraphPass):
         self.passes: list[tuple[str, Callable[[torch.fx.Graph, Config], int]]] = []
         if self.config.all_reduce:
             self.passes.append(("all_reduce", rewrite_all_reduces))
+            if self.config.fuse_norm:  # it fuses graphar::all_reduce, which the rewrite above makes
+                self.passes.append(("fuse_norm", fuse_all_reduce_norms))
         if self.config.qkv_all_to_all:
             self.passes.append(("qkv_all_to_all", rewrite_qkv_triplets))
         self.counts: dict[str, int] = {}

@@ -275,7 +275,7 @@ def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
     return triplets, [m for m in matches if id(m) not in used]
 
 
-def _new_node(graph: torch.fx.Graph, target: Callable, *args: object, **kwargs: object) -> torch.fx.Node:
+def new_node(graph: torch.fx.Graph, target: Callable, *args: object, **kwargs: object) -> torch.fx.Node:
     """A new node computing target(*args, **kwargs), with its fake value for the passes after this one."""
     node = graph.call_function(target, args, kwargs)
     vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
@@ -307,7 +307,7 @@ class _Rewriter:
         lacks), then erase the receive side from old back to the all_to_all."""
         if not all(accepts_strides(user, new.meta["val"]) for user in old.users):
             with self.graph.inserting_after(new):
-                new = _new_node(self.graph, aten.clone.default, new, memory_format=torch.contiguous_format)
+                new = new_node(self.graph, aten.clone.default, new, memory_format=torch.contiguous_format)
         old.replace_all_uses_with(new)
         self.replaced[old] = new
         match.erase(old)
@@ -329,13 +329,13 @@ class _Rewriter:
         sources = [self.current(m.relayout.source) for m in triplet]
         with self.graph.inserting_before(self.after_last(sources)):
             swap = first.scatter_dim == 1
-            xs = [_new_node(self.graph, aten.permute.default, x, _HEADS_SWAP) if swap else x for x in sources]
-            packed = _new_node(self.graph, torch.ops.graphar.qkv_all_to_all.default, *xs, first.group_name)
+            xs = [new_node(self.graph, aten.permute.default, x, _HEADS_SWAP) if swap else x for x in sources]
+            packed = new_node(self.graph, torch.ops.graphar.qkv_all_to_all.default, *xs, first.group_name)
             ys, start = [], 0
             for x in xs:
                 heads = shape_of(x)[2] // p
-                y = _new_node(self.graph, aten.slice.Tensor, packed, 2, start, start + heads)
-                ys.append(_new_node(self.graph, aten.permute.default, y, _HEADS_SWAP) if swap else y)
+                y = new_node(self.graph, aten.slice.Tensor, packed, 2, start, start + heads)
+                ys.append(new_node(self.graph, aten.permute.default, y, _HEADS_SWAP) if swap else y)
                 start += heads
         for match, y in zip(triplet, ys):
             self.replace(match, match.relayout.result, y)
@@ -353,7 +353,7 @@ class _Rewriter:
         x, y = match.relayouts[1]
         x = self.current(x)
         with self.graph.inserting_before(x.next):
-            out = _new_node(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, match.group_name)
+            out = new_node(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, match.group_name)
         self.replace(match, y, out)
         log.info("graphar qkv: %s rewritten into %s on group %r", match.all_to_all.name, out.name, match.group_name)
 
@@ -366,9 +366,9 @@ class _Rewriter:
         """
         inputs = [self.current(m.sent) for m in triplet]
         with self.graph.inserting_before(self.after_last(inputs)):
-            packed = _new_node(self.graph, torch.ops.graphar.packed_all_to_all_single.default, inputs,
+            packed = new_node(self.graph, torch.ops.graphar.packed_all_to_all_single.default, inputs,
                                triplet[0].group_name)
-            outs = [_new_node(self.graph, operator.getitem, packed, i) for i in range(len(triplet))]
+            outs = [new_node(self.graph, operator.getitem, packed, i) for i in range(len(triplet))]
         for match, out in zip(triplet, outs):
             self.replace(match, match.wait, out)
         log.info("graphar qkv: %s packed into %s on group %r", [m.all_to_all.name for m in triplet], packed.name,

@@ -20,6 +20,7 @@ from graphar.settings import SettingError
         ({"max_all_reduce_bytes": True}, "max_all_reduce_bytes=True"),
         ({"all_reduce": "False"}, "all_reduce='False': expected True or False"),
         ({"qkv_all_to_all": 0}, "qkv_all_to_all=0: expected True or False"),
+        ({"fuse_norm": "yes"}, "fuse_norm='yes': expected True or False"),
         ({"exclude_groups": [3]}, "exclude_groups: 3 is neither a process group nor a group name"),
         ({"exclude_groups": 3}, "exclude_groups=3"),
         ({"max_all_reduce_byte": 4096}, r"options \['max_all_reduce_byte'\] are neither graphar's"),

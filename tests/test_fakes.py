@@ -78,3 +78,17 @@ def test_heads_to_seq_all_to_all(b, layout) -> None:
 def test_packed_all_to_all_single(layout) -> None:
     xs = [_variants(shape)[layout]() for shape in ((4, 6), (4, 3, 2), (2, 8))]
     _assert_fake_matches_real(ops.packed_all_to_all_single, xs, "0")
+
+
+@pytest.mark.parametrize("layout", list(_variants((4, 8))))
+@pytest.mark.parametrize("form", ["residual and weight", "residual", "weight", "neither", "bf16 with fp32 weight"])
+def test_all_reduce_add_rms_norm(form, layout) -> None:
+    x, residual = _variants((4, 8))[layout](), _variants((4, 8))[layout]()
+    weight: torch.Tensor | None = torch.randn(8)
+    if form == "bf16 with fp32 weight":
+        x, residual = x.bfloat16(), residual.bfloat16()
+    if form in ("weight", "neither"):
+        residual = None
+    if form in ("residual", "neither"):
+        weight = None
+    _assert_fake_matches_real(ops.all_reduce_add_rms_norm, x, residual, weight, 1e-6, "0")

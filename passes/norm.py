@@ -1,0 +1,270 @@
+"""Fuse `graphar::all_reduce` + residual add + RMSNorm into `graphar::all_reduce_add_rms_norm`.
+
+Runs after the all-reduce rewrite, on the post-grad graph, where an RMSNorm (HF's LlamaRMSNorm,
+`F.rms_norm`, `nn.RMSNorm`) reads, after Inductor's decompositions:
+
+    h = all_reduce(x) + residual          (either order; a cast may upcast the all-reduced x)
+    v = convert(h, float32)               (absent when h is float32)
+    n = v * rsqrt(mean(pow(v, 2), [-1], keepdim=True) + eps)
+    out = weight * convert(n, h.dtype)    (or convert(n * weight); the weight and the cast optional)
+
+`h` may flow on (the next block's residual): it becomes the op's second result. An all-reduce that
+feeds the norm with no add fuses as well (residual=None). Anything else is left alone, its reason
+logged. Only graph structure, shapes and dtypes decide, so every rank rewrites alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from graphar.config import Config
+from graphar.ops import add_rms_norm_dtypes
+
+from .qkv import new_node
+
+log = logging.getLogger("graphar")
+
+aten = torch.ops.aten
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+_ADDS = (aten.add.Tensor, aten.add.Scalar)
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype a pure dtype cast converts to, or None when `node` is not one."""
+    if node.target == _CASTS[0]:
+        return node.args[1]
+    if node.target == _CASTS[1] and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        return node.kwargs["dtype"]
+    return None
+
+
+def _other(node: torch.fx.Node, operand: torch.fx.Node) -> object:
+    """The operand of a binary `node` that is not `operand` (either order)."""
+    a, b = node.args[:2]
+    return b if a is operand else a
+
+
+def _same_shape(a: torch.Size | tuple, b: torch.Size | tuple) -> bool:
+    """Equal sizes, proved without a guard (sizes may be symbolic)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+@dataclass
+class _Norm:
+    """An RMSNorm of `h`: `nodes` from its float32 input to `out`, in graph order."""
+
+    h: torch.fx.Node
+    eps: float
+    nodes: list[torch.fx.Node]
+    weight: torch.fx.Node | None = None
+
+    @property
+    def out(self) -> torch.fx.Node:
+        return self.nodes[-1]
+
+
+def _square_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """`v` when `node` computes v ** 2 (a pow, or v * v)."""
+    if node.target == aten.pow.Tensor_Scalar and node.args[1] == 2:
+        return node.args[0]
+    if node.target == aten.mul.Tensor and node.args[0] is node.args[1]:
+        return node.args[0]
+    return None
+
+
+def _norm_input(h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(v, square): the float32 `v` (h itself or its cast) whose square starts an RMSNorm of h."""
+    inputs = [h] if h.meta["val"].dtype == torch.float32 else []
+    inputs += [u for u in h.users if _cast_dtype(u) == torch.float32]
+    for v in inputs:
+        for square in v.users:
+            if _square_of(square) is v:
+                return v, square
+    return None
+
+
+def _mean_reason(mean: torch.fx.Node | None, ndim: int) -> str | None:
+    if mean is None or mean.target != aten.mean.dim:
+        return "the square is not followed by a mean alone"
+    dims = [d % ndim for d in mean.args[1]]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if dims != [ndim - 1] or not keepdim:
+        return f"the mean is over dims {mean.args[1]} (keepdim={keepdim}), not the last dim with keepdim"
+    return None
+
+
+def _core(h: torch.fx.Node, v: torch.fx.Node, square: torch.fx.Node) -> _Norm | str:
+    """v * rsqrt(mean(square, -1, keepdim) + eps), each step used only by the next."""
+    mean = _only_user(square)
+    reason = _mean_reason(mean, h.meta["val"].dim())
+    if reason:
+        return reason
+    add_eps, rsqrt = _only_user(mean), None
+    if add_eps is None or add_eps.target not in _ADDS or add_eps.args[0] is not mean:
+        return "the mean is not followed by an add of eps alone"
+    eps = add_eps.args[1]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return f"eps {eps} is not a constant"
+    rsqrt = _only_user(add_eps)
+    scale = _only_user(rsqrt) if rsqrt is not None and rsqrt.target == aten.rsqrt.default else None
+    if scale is None or scale.target != aten.mul.Tensor or _other(scale, rsqrt) is not v:
+        return "the mean's rsqrt does not scale the norm's input alone"
+    if v is not h and set(v.users) != {square, scale}:
+        return "the float32 input of the norm is used elsewhere"
+    nodes = [n for n in (v, square, mean, add_eps, rsqrt, scale) if n is not h]
+    return _Norm(h, float(eps), nodes)
+
+
+def _extend_tail(norm: _Norm) -> None:
+    """Take in the cast back to h's dtype and the weight multiply, in either order, while each is the
+    only user of the norm so far."""
+    hidden, dtype = norm.h.meta["val"].shape[-1], norm.h.meta["val"].dtype
+    while (user := _only_user(norm.out)) is not None:
+        if _cast_dtype(user) == dtype != norm.out.meta["val"].dtype:
+            norm.nodes.append(user)
+            continue
+        weight = _other(user, norm.out) if user.target == aten.mul.Tensor else None
+        val = _val(weight)
+        if norm.weight is None and val is not None and _same_shape(val.shape, (hidden,)) and weight is not norm.out:
+            norm.weight = weight
+            norm.nodes.append(user)
+            continue
+        return
+
+
+def _norm_of(h: torch.fx.Node) -> _Norm | str | None:
+    """The RMSNorm of `h` over its last dim, a reason it cannot fuse, or None when no norm reads h."""
+    found = _norm_input(h)
+    if found is None:
+        return None
+    norm = _core(h, *found)
+    if isinstance(norm, str):
+        return norm
+    _extend_tail(norm)
+    return norm
+
+
+@dataclass
+class _NormMatch:
+    all_reduce: torch.fx.Node
+    norm: _Norm
+    residual: torch.fx.Node | None = None
+    # The residual add and any cast of the all-reduce's result before it, in graph order.
+    add_nodes: list[torch.fx.Node] = field(default_factory=list)
+
+    @property
+    def x(self) -> torch.fx.Node:
+        return self.all_reduce.args[0]
+
+    @property
+    def group_name(self) -> str:
+        return self.all_reduce.args[1]
+
+    def replace_with_fused(self) -> None:
+        graph = self.all_reduce.graph
+        args = (self.x, self.residual, self.norm.weight, self.norm.eps, self.group_name)
+        with graph.inserting_before(self.norm.out):
+            fused = new_node(graph, torch.ops.graphar.all_reduce_add_rms_norm.default, *args)
+            normed, summed = (new_node(graph, operator.getitem, fused, i) for i in range(2))
+        for new in (normed, summed):
+            new.meta["stack_trace"] = self.norm.out.meta.get("stack_trace")
+        self.norm.out.replace_all_uses_with(normed)
+        self.norm.h.replace_all_uses_with(summed)
+        # Erased by hand: the all-reduce is side-effectful, dead-code elimination would keep it.
+        for node in reversed([self.all_reduce, *self.add_nodes, *self.norm.nodes]):
+            graph.erase_node(node)
+
+
+def _residual_add(ar: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """([optional upcast, add], residual) when the all-reduce's result feeds an add, else ([], None)."""
+    chain, node = [], ar
+    for user in list(ar.users):
+        cast = _cast_dtype(user)
+        if cast is not None and cast == torch.promote_types(ar.meta["val"].dtype, cast):
+            chain, node = [user], user
+    for user in node.users:
+        if user.target == aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
+            residual = _other(user, node)
+            if isinstance(residual, torch.fx.Node) and residual is not node:
+                return chain + [user], residual
+    return [], None
+
+
+def _depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current is ancestor:
+            return True
+        if current not in seen:
+            seen.add(current)
+            todo.extend(current.all_input_nodes)
+    return False
+
+
+def _with_residual(ar: torch.fx.Node) -> _NormMatch | str | None:
+    add_nodes, residual = _residual_add(ar)
+    if residual is None:
+        return None
+    norm = _norm_of(add_nodes[-1])
+    if not isinstance(norm, _Norm):
+        return norm
+    if any(len(n.users) != 1 for n in [ar, *add_nodes[:-1]]):
+        return "the all-reduced value before the residual add is used elsewhere"
+    if _val(residual) is None or not _same_shape(_val(residual).shape, ar.meta["val"].shape):
+        return "the residual's shape differs from the all-reduced value's (a broadcast add)"
+    summed = ([ar] + add_nodes)[-2]
+    if add_nodes[-1].meta["val"].dtype != torch.promote_types(summed.meta["val"].dtype, _val(residual).dtype):
+        return "the residual add's dtype is not its operands' promoted dtype"
+    return _NormMatch(ar, norm, residual, add_nodes)
+
+
+def _match(ar: torch.fx.Node) -> _NormMatch | str:
+    """How `ar` fuses with the norm after it, or why it does not."""
+    norm = _norm_of(ar)
+    match = _NormMatch(ar, norm) if isinstance(norm, _Norm) else norm or _with_residual(ar)
+    if match is None:
+        return "not followed by a residual add or an RMSNorm"
+    if isinstance(match, str):
+        return match
+    if match.norm.weight is not None and _depends_on(match.norm.weight, match.norm.h):
+        return "the norm's weight is computed from its input"
+    expected = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight))[0]
+    if match.norm.out.meta["val"].dtype != expected:
+        return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {expected}"
+    return match
+
+
+def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:
+    """Fuse every graphar::all_reduce that feeds an RMSNorm (through a residual add or not); returns
+    how many were fused."""
+    count = 0
+    for ar in graph.find_nodes(op="call_function", target=torch.ops.graphar.all_reduce.default):
+        match = _match(ar)
+        if isinstance(match, str):
+            level = logging.DEBUG if match.startswith("not followed") else logging.INFO
+            log.log(level, "graphar: %s not fused with a norm: %s", ar.name, match)
+            continue
+        form = "residual add + RMSNorm" if match.residual is not None else "RMSNorm"
+        log.info("graphar: %s + %s -> graphar::all_reduce_add_rms_norm", ar.name, form)
+        match.replace_with_fused()
+        count += 1
+    if count:
+        # The sum's users that came before the norm's end now read the fused op placed there.
+        stable_topological_sort(graph)
+    return count

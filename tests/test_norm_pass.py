@@ -1,0 +1,192 @@
+"""Snapshots of the all-reduce + residual add + RMSNorm fusion on the post-grad graph (fake process
+group, no GPU): every form a norm takes after Inductor's decompositions, and what is left alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import graphar  # noqa: F401  (registers the ops)
+from graphar.config import Config
+from tests._graphs import init_fake_world, post_grad_graphs
+
+FUSE = Config(fuse_norm=True)
+
+
+def _hf_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float | torch.Tensor = 1e-6, dim: int = -1):
+    """HF's LlamaRMSNorm.forward; `dim` other than -1 makes a norm graphar must not fuse."""
+    v = h.to(torch.float32)
+    v = v * torch.rsqrt(v.pow(2).mean(dim, keepdim=True) + eps)
+    return weight * v.to(h.dtype)
+
+
+def _row_parallel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = x @ w
+    dist.all_reduce(y)
+    return y
+
+
+def _hf_block(x, w, residual, weight):
+    """The residual flows on to the next block."""
+    h = _row_parallel(x, w) + residual
+    return _hf_rms_norm(h, weight), h
+
+
+def _inputs(dtype: torch.dtype = torch.float32, residual_dtype: torch.dtype | None = None):
+    return (torch.randn(4, 8, dtype=dtype), torch.randn(8, 16, dtype=dtype),
+            torch.randn(4, 16, dtype=residual_dtype or dtype), torch.randn(16, dtype=dtype))
+
+
+class NormPassTest(TestCase):
+    def setUp(self) -> None:
+        init_fake_world(2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def _fused(self, fn: Callable, *args: torch.Tensor) -> str:
+        before, after, counts = post_grad_graphs(fn, *args, config=FUSE)
+        self.assertEqual((counts["all_reduce"], counts["fuse_norm"]), (1, 1))
+        return after
+
+    def _left_alone(self, fn: Callable, reason: str, *args: torch.Tensor) -> None:
+        with self.assertLogs("graphar", "INFO") as logs:
+            _, after, counts = post_grad_graphs(fn, *args, config=FUSE)
+        self.assertEqual((counts["all_reduce"], counts["fuse_norm"]), (1, 0))
+        self.assertIn(f"not fused with a norm: {reason}", "\n".join(logs.output))
+        self.assertIn("graphar.all_reduce.default", after)
+
+    def test_hf_block_bf16_residual_flows_on(self) -> None:
+        before, after, counts = post_grad_graphs(_hf_block, *_inputs(torch.bfloat16), config=FUSE)
+        self.assertEqual(counts["fuse_norm"], 1)
+        self.assertExpectedInline(before, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce: "bf16[4, 16]" = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', '0');  mm = None
+        wait_tensor: "bf16[4, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
+        add: "bf16[4, 16]" = torch.ops.aten.add.Tensor(wait_tensor, arg2_1);  wait_tensor = arg2_1 = None
+        convert_element_type_2: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(add, torch.float32)
+        pow_1: "f32[4, 16]" = torch.ops.aten.pow.Tensor_Scalar(convert_element_type_2, 2)
+        mean: "f32[4, 1]" = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
+        add_1: "f32[4, 1]" = torch.ops.aten.add.Tensor(mean, 1e-06);  mean = None
+        rsqrt: "f32[4, 1]" = torch.ops.aten.rsqrt.default(add_1);  add_1 = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(convert_element_type_2, rsqrt);  convert_element_type_2 = rsqrt = None
+        convert_element_type_3: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul, torch.bfloat16);  mul = None
+        mul_1: "bf16[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, convert_element_type_3);  arg3_1 = convert_element_type_3 = None
+        return (mul_1, add)
+""")
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
+        getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
+        return (getitem, getitem_1)
+""")
+
+    def test_hf_norm_fp32_residual_not_returned(self) -> None:
+        self.assertExpectedInline(self._fused(lambda *a: _hf_block(*a)[0], *_inputs()), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[16]"):
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
+        return (getitem,)
+""")
+
+    def test_f_rms_norm_residual_first_bf16(self) -> None:
+        def block(x, w, residual, weight):
+            h = residual + _row_parallel(x, w)
+            return F.rms_norm(h, (16,), weight, 1e-5), h
+
+        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16)), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 9.999999747378752e-06, '0');  mm = arg2_1 = arg3_1 = None
+        getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
+        getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
+        return (getitem, getitem_1)
+""")
+
+    def test_rms_norm_without_weight(self) -> None:
+        def block(x, w, residual, weight):
+            return F.rms_norm(residual + _row_parallel(x, w), (16,), None, 1e-5)
+
+        self.assertExpectedInline(self._fused(block, *_inputs()), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]"):
+        mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, None, 9.999999747378752e-06, '0');  mm = arg2_1 = None
+        getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
+        return (getitem,)
+""")
+
+    def test_no_residual_nn_rms_norm(self) -> None:
+        norm = torch.nn.RMSNorm(16, eps=1e-5, dtype=torch.bfloat16)
+
+        def block(x, w, residual, weight):
+            y = _row_parallel(x, w)
+            return norm(y), y
+
+        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16)), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, None, arg2_1, 9.999999747378752e-06, '0');  mm = arg2_1 = None
+        getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
+        getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
+        return (getitem, getitem_1)
+""")
+
+    def test_upcast_all_reduce_into_fp32_residual(self) -> None:
+        def block(x, w, residual, weight):
+            h = _row_parallel(x, w).to(torch.float32) + residual
+            return _hf_rms_norm(h, weight), h
+
+        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16, torch.float32)), """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "bf16[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0]
+        getitem_1: "f32[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
+        return (getitem, getitem_1)
+""")
+
+    def test_default_config_does_not_fuse(self) -> None:
+        _, after, counts = post_grad_graphs(_hf_block, *_inputs(torch.bfloat16))
+        self.assertNotIn("fuse_norm", counts)
+        self.assertIn("graphar.all_reduce.default", after)
+        self.assertNotIn("all_reduce_add_rms_norm", after)
+
+    def test_mean_not_over_the_last_dim(self) -> None:
+        def block(x, w, residual, weight):
+            return _hf_rms_norm(_row_parallel(x, w) + residual, weight, dim=0)
+
+        self._left_alone(block, "the mean is over dims [0]", *_inputs())
+
+    def test_norm_over_two_dims(self) -> None:
+        def block(x, w, residual, weight):
+            return F.rms_norm(_row_parallel(x, w) + residual, (4, 16), None, 1e-5)
+
+        self._left_alone(block, "the mean is over dims [1, 0]", *_inputs())
+
+    def test_pre_add_value_used_elsewhere(self) -> None:
+        def block(x, w, residual, weight):
+            y = _row_parallel(x, w)
+            return _hf_rms_norm(y + residual, weight), y
+
+        self._left_alone(block, "the all-reduced value before the residual add is used elsewhere", *_inputs())
+
+    def test_eps_not_a_constant(self) -> None:
+        def block(x, w, residual, weight):
+            return _hf_rms_norm(_row_parallel(x, w) + residual, weight, eps=weight[:1])
+
+        self._left_alone(block, "eps slice_1 is not a constant", *_inputs())
