@@ -79,41 +79,49 @@ def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
 
 
 def unfused_add_rms_norm(
-    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add and RMSNorm as the matched graph computes them: the norm in float32, cast back
-    to the sum's dtype, then times the weight (as HF's LlamaRMSNorm; `F.rms_norm` applies the weight
-    before the cast, one rounding less). The fused kernel's norm epilogue replaces this later."""
+    """Residual add and RMSNorm as the matched graph computes them, rounding for rounding: the norm
+    in float32, then the cast back to the sum's dtype and the weight multiply, in HF LlamaRMSNorm's
+    order (cast, then weight) or, with `weight_first`, in `F.rms_norm`'s (weight in float32, then
+    cast). The fused kernel's norm epilogue replaces this later."""
     h = summed if residual is None else summed + residual
     v = h.float()
-    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-    if weight is not None:
-        normed = weight * normed
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None and weight_first:
+        normed = (normed * weight).to(h.dtype)
+    else:
+        normed = normed.to(h.dtype) if weight is None else weight * normed.to(h.dtype)
     return normed.contiguous(), h.contiguous()
 
 
 def add_rms_norm_dtypes(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, weight_first: bool = False
 ) -> tuple[torch.dtype, torch.dtype]:
     """(normed, residual_out) dtypes, by type promotion as `unfused_add_rms_norm` computes them."""
     summed = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    return (summed if weight is None else torch.promote_types(weight.dtype, summed)), summed
+    plain = weight is None or weight_first  # the result is cast back to the sum's dtype last
+    return (summed if plain else torch.promote_types(weight.dtype, summed)), summed
 
 
 @torch.library.custom_op("graphar::all_reduce_add_rms_norm", mutates_args=())
 def all_reduce_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(sum of `x` over the group + `residual`) * `weight`; returns (normed, sum + residual).
-    `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim."""
-    return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps)
+    `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim;
+    `weight_first`: see `unfused_add_rms_norm`."""
+    return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)
 
 
 @all_reduce_add_rms_norm.register_fake
 def _(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    normed, summed = add_rms_norm_dtypes(x, residual, weight)
+    normed, summed = add_rms_norm_dtypes(x, residual, weight, weight_first)
     return x.new_empty(x.shape, dtype=normed), x.new_empty(x.shape, dtype=summed)
 
 

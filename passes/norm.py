@@ -6,7 +6,8 @@ Runs after the all-reduce rewrite, on the post-grad graph, where an RMSNorm (HF'
     h = all_reduce(x) + residual          (either order; a cast may upcast the all-reduced x)
     v = convert(h, float32)               (absent when h is float32)
     n = v * rsqrt(mean(pow(v, 2), [-1], keepdim=True) + eps)
-    out = weight * convert(n, h.dtype)    (or convert(n * weight); the weight and the cast optional)
+    out = weight * convert(n, h.dtype)    (or convert(n * weight), F.rms_norm's order: weight_first;
+                                           the weight and the cast optional)
 
 `h` may flow on (the next block's residual): it becomes the op's second result. An all-reduce that
 feeds the norm with no add fuses as well (residual=None). Anything else is left alone, its reason
@@ -72,6 +73,7 @@ class _Norm:
     eps: float
     nodes: list[torch.fx.Node]
     weight: torch.fx.Node | None = None
+    weight_first: bool = False  # the weight multiplies before the cast back (F.rms_norm's order)
 
     @property
     def out(self) -> torch.fx.Node:
@@ -142,6 +144,7 @@ def _extend_tail(norm: _Norm) -> None:
         val = _val(weight)
         if norm.weight is None and val is not None and _same_shape(val.shape, (hidden,)) and weight is not norm.out:
             norm.weight = weight
+            norm.weight_first = norm.out.meta["val"].dtype != dtype  # a cast back is still to come
             norm.nodes.append(user)
             continue
         return
@@ -177,7 +180,7 @@ class _NormMatch:
 
     def replace_with_fused(self) -> None:
         graph = self.all_reduce.graph
-        args = (self.x, self.residual, self.norm.weight, self.norm.eps, self.group_name)
+        args = (self.x, self.residual, self.norm.weight, self.norm.eps, self.group_name, self.norm.weight_first)
         with graph.inserting_before(self.norm.out):
             fused = new_node(graph, torch.ops.graphar.all_reduce_add_rms_norm.default, *args)
             normed, summed = (new_node(graph, operator.getitem, fused, i) for i in range(2))
@@ -244,7 +247,8 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
         return match
     if match.norm.weight is not None and _depends_on(match.norm.weight, match.norm.h):
         return "the norm's weight is computed from its input"
-    expected = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight))[0]
+    expected = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight),
+                                   match.norm.weight_first)[0]
     if match.norm.out.meta["val"].dtype != expected:
         return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {expected}"
     return match

@@ -84,7 +84,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0', False);  mm = arg2_1 = arg3_1 = None
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
@@ -95,7 +95,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[16]"):
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0', False);  mm = arg2_1 = arg3_1 = None
         getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
         return (getitem,)
 """)
@@ -109,7 +109,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 9.999999747378752e-06, '0');  mm = arg2_1 = arg3_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 9.999999747378752e-06, '0', True);  mm = arg2_1 = arg3_1 = None
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
@@ -123,7 +123,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]"):
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, None, 9.999999747378752e-06, '0');  mm = arg2_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, None, 9.999999747378752e-06, '0', False);  mm = arg2_1 = None
         getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
         return (getitem,)
 """)
@@ -139,7 +139,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, None, arg2_1, 9.999999747378752e-06, '0');  mm = arg2_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, None, arg2_1, 9.999999747378752e-06, '0', True);  mm = arg2_1 = None
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
@@ -154,7 +154,7 @@ class <lambda>(torch.nn.Module):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0');  mm = arg2_1 = arg3_1 = None
+        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0', False);  mm = arg2_1 = arg3_1 = None
         getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "f32[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
@@ -190,3 +190,24 @@ class <lambda>(torch.nn.Module):
             return _hf_rms_norm(_row_parallel(x, w) + residual, weight, eps=weight[:1])
 
         self._left_alone(block, "eps slice_1 is not a constant", *_inputs())
+
+
+class UnfusedMathTest(TestCase):
+    """The op's math rounds as the graph it replaces does, in both weight orders (fake process group:
+    the all-reduce returns its input, so the references are plain PyTorch)."""
+
+    def setUp(self) -> None:
+        init_fake_world(2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def test_rounds_as_hf_and_f_rms_norm_do(self) -> None:
+        x, residual = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+        weight = torch.randn(64, dtype=torch.bfloat16)
+        fused = torch.ops.graphar.all_reduce_add_rms_norm
+        h = x + residual
+        normed, summed = fused(x, residual, weight, 1e-6, "0", False)
+        self.assertTrue(torch.equal(summed, h) and torch.equal(normed, _hf_rms_norm(h, weight)))
+        normed, _ = fused(x, residual, weight, 1e-5, "0", True)
+        self.assertTrue(torch.equal(normed, F.rms_norm(h, (64,), weight, 1e-5)))
