@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 import graphar
 from graphar import _cuda
-from graphar._launch import free_port
+from graphar._launch import end_worker, free_port
 from graphar.comm.communicator import communicator
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 
@@ -182,6 +182,7 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) 
     finally:
         graphar.shutdown()
         dist.destroy_process_group()
+    end_worker()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

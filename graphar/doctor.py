@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 import graphar
 from graphar import _cuda, settings
-from graphar._launch import free_port
+from graphar._launch import end_worker, free_port
 from graphar.comm.allreduce import choose_algo
 from graphar.comm.communicator import communicator
 
@@ -319,6 +319,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     finally:
         graphar.shutdown()
         dist.destroy_process_group()
+    end_worker()
 
 
 def probe(world_size: int, timeout_s: float) -> tuple[list[dict[str, Any]], str | None]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._inductor.utils import run_and_get_code
 
-from graphar._launch import free_port
+from graphar._launch import end_worker, free_port
 
 WORLD = 2
 
@@ -59,6 +59,7 @@ def _worker(rank: int, port: int) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 def test_fused_norm_matches_eager() -> None:

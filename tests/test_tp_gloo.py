@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphar._launch import free_port
+from graphar._launch import end_worker, free_port
 from torch._dynamo.utils import counters
 
 WORLD = 2
@@ -123,6 +123,7 @@ def _worker(rank: int, port: int, cache_dir: str) -> None:
             _shared_cache(rank, cache_dir)
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 def test_tensor_parallel_compiles_as_users_run_it() -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar._launch import free_port
+from graphar._launch import end_worker, free_port
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock, exact_attention, seq_to_heads_dim1
 
@@ -91,6 +91,7 @@ def _worker(rank: int, port: int) -> None:
             _check(rank, "heads at dim 1", HeadsFirstBlock()(*qkv), actual, code, exact=True)
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 def _init(rank: int, port: int) -> None:
@@ -152,6 +153,7 @@ def _dynamic_worker(rank: int, port: int) -> None:
                     raise AssertionError(f"rank {rank} {name}: rewrites per call {counts}, expected {expected}")
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 def test_dynamic_shapes_keep_the_rewrites_on_gloo() -> None:
