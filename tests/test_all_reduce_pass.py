@@ -212,6 +212,9 @@ class <lambda>(torch.nn.Module):
         parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         before, after, counts = post_grad_graphs(mlp, torch.randn(4, 16))
         self.assertEqual(counts["all_reduce"], 1)
+        self.assertIn("graphar.all_reduce.default", after)
+        if not torch.__version__.startswith("2.13"):
+            return  # DTensor's graph signature differs between torch versions; the snapshots are 2.13's (CI's)
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1, arg2_1: "f32[8, 16]", arg3_1, arg4_1: "f32[16, 8]", arg5_1):
