@@ -45,11 +45,14 @@ def graphar_backend(
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(config.inductor)
     previous = patches.pop("post_grad_custom_post_pass", None) or inductor_config.post_grad_custom_post_pass
-    if isinstance(previous, GrapharPass):  # installed with graphar.install(): the backend's config wins
-        previous = previous.previous
-    patches["post_grad_custom_post_pass"] = GrapharPass(config, previous)
+    patches["post_grad_custom_post_pass"] = GrapharPass(config, _before_graphar(previous))  # the backend's config wins
     watch_compiles()
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _before_graphar(installed: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The pass installed before graphar's: `installed` itself, unless it is graphar's (install())."""
+    return installed.previous if isinstance(installed, GrapharPass) else installed
 
 
 def register() -> None:
@@ -86,9 +89,7 @@ def install(config: Config | None = None, **options: Any) -> _Installed:
     """
     if config is not None and options:
         raise SettingError("install() takes a Config or options, not both")
-    current = inductor_config.post_grad_custom_post_pass
-    previous = current.previous if isinstance(current, GrapharPass) else current
-    graphar_pass = GrapharPass(config or Config(**options), previous)
+    graphar_pass = GrapharPass(config or Config(**options), _before_graphar(inductor_config.post_grad_custom_post_pass))
     inductor_config.post_grad_custom_post_pass = graphar_pass
     watch_compiles()
     return _Installed(graphar_pass)
@@ -96,6 +97,4 @@ def install(config: Config | None = None, **options: Any) -> _Installed:
 
 def uninstall() -> None:
     """Remove graphar's pass from Inductor, restoring the pass installed before it (if any)."""
-    current = inductor_config.post_grad_custom_post_pass
-    if isinstance(current, GrapharPass):
-        inductor_config.post_grad_custom_post_pass = current.previous
+    inductor_config.post_grad_custom_post_pass = _before_graphar(inductor_config.post_grad_custom_post_pass)

@@ -42,6 +42,12 @@ class _AllReduceMatch:
     def group_name(self) -> str:
         return self.all_reduce.args[2]
 
+    @property
+    def nbytes(self) -> int | torch.SymInt:
+        """The input's size in bytes; symbolic under dynamic shapes."""
+        val = self.x.meta["val"]
+        return val.numel() * val.element_size()
+
     def replace_with_graphar(self) -> None:
         graph = self.wait.graph
         with graph.inserting_before(self.wait):
@@ -94,21 +100,21 @@ def _reason_to_skip(match: _AllReduceMatch, config: Config) -> str | None:
         return "input has no tensor metadata"
     if val.dtype not in SUPPORTED_DTYPES:
         return f"dtype {val.dtype} is not supported"
-    nbytes = val.numel() * val.element_size()
-    if statically_known_true(nbytes > config.max_all_reduce_bytes):
-        return f"size {nbytes} bytes is over max_all_reduce_bytes={config.max_all_reduce_bytes}"
+    if statically_known_true(match.nbytes > config.max_all_reduce_bytes):
+        return f"size {match.nbytes} bytes is over max_all_reduce_bytes={config.max_all_reduce_bytes}"
     if not _group_spans_one_node(match.group_name):
         return f"group {match.group_name!r} spans more than one node"
     return None
 
 
-def _warn_over_communicator_limit(match: _AllReduceMatch, nbytes: object) -> None:
+def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
     """The communicator's buffers (`graphar.init(max_bytes=)`) bound what the kernels serve at run time;
     say so when this all-reduce is over them, rather than let every call fall back without a word."""
     comm = communicator(match.group_name)
-    if comm is not None and statically_known_true(nbytes > comm.max_bytes):
+    if comm is not None and statically_known_true(match.nbytes > comm.max_bytes):
         log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes, graphar.init(max_bytes=)):"
-                    " it will run on the collective", match.all_reduce.name, nbytes, match.group_name, comm.max_bytes)
+                    " it will run on the collective", match.all_reduce.name, match.nbytes, match.group_name,
+                    comm.max_bytes)  # fmt: skip
 
 
 def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:
@@ -119,10 +125,9 @@ def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:
         if reason is not None:
             log.info("graphar: %s left on its collective: %s", match.all_reduce.name, reason)
             continue
-        size = match.x.meta["val"].numel() * match.x.meta["val"].element_size()
-        checked = "" if isinstance(size, int) else "; its size is symbolic, checked at each call"
+        checked = "" if isinstance(match.nbytes, int) else "; its size is symbolic, checked at each call"
         log.info("graphar: %s -> graphar::all_reduce (group %r%s)", match.all_reduce.name, match.group_name, checked)
-        _warn_over_communicator_limit(match, size)
+        _warn_over_communicator_limit(match)
         match.replace_with_graphar()
         count += 1
     return count

@@ -10,7 +10,6 @@ rank that compiled reports.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from graphar.config import Config
 
@@ -94,10 +93,7 @@ class GrapharPass(CustomGraphPass):
         extra = "|".join(
             [graphar.__version__, torch.__version__, self.config.cache_key(), str(_world_size()), repr(previous_key)]
         )
-        digest = hashlib.sha256(extra.encode())
-        for path in hashed_files():
-            digest.update(Path(path).read_bytes())
-        return digest.digest()
+        return get_hash_for_files(hashed_files(), extra=extra)
 
 
 def hashed_files() -> tuple[str, ...]:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphar.config import Config
 from graphar.ops import add_rms_norm_dtypes
 
+from .layout import same
 from .qkv import new_node
 
 log = logging.getLogger("graphar")
@@ -54,11 +54,6 @@ def _other(node: torch.fx.Node, operand: torch.fx.Node) -> object:
     """The operand of a binary `node` that is not `operand` (either order)."""
     a, b = node.args[:2]
     return b if a is operand else a
-
-
-def _same_shape(a: torch.Size | tuple, b: torch.Size | tuple) -> bool:
-    """Equal sizes, proved without a guard (sizes may be symbolic)."""
-    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -142,7 +137,7 @@ def _extend_tail(norm: _Norm) -> None:
             continue
         weight = _other(user, norm.out) if user.target == aten.mul.Tensor else None
         val = _val(weight)
-        if norm.weight is None and val is not None and _same_shape(val.shape, (hidden,)) and weight is not norm.out:
+        if norm.weight is None and val is not None and same(val.shape, (hidden,)) and weight is not norm.out:
             norm.weight = weight
             norm.weight_first = norm.out.meta["val"].dtype != dtype  # a cast back is still to come
             norm.nodes.append(user)
@@ -229,7 +224,7 @@ def _with_residual(ar: torch.fx.Node) -> _NormMatch | str | None:
         return norm
     if any(len(n.users) != 1 for n in [ar, *add_nodes[:-1]]):
         return "the all-reduced value before the residual add is used elsewhere"
-    if _val(residual) is None or not _same_shape(_val(residual).shape, ar.meta["val"].shape):
+    if _val(residual) is None or not same(_val(residual).shape, ar.meta["val"].shape):
         return "the residual's shape differs from the all-reduced value's (a broadcast add)"
     summed = ([ar] + add_nodes)[-2]
     if add_nodes[-1].meta["val"].dtype != torch.promote_types(summed.meta["val"].dtype, _val(residual).dtype):

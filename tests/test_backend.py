@@ -70,18 +70,23 @@ def test_uuid_covers_every_file_that_defines_an_op_or_a_fake() -> None:
 
 
 def test_uuid_changes_when_a_hashed_file_changes(tmp_path, monkeypatch) -> None:
-    copies = []
-    for i, path in enumerate(manager.hashed_files()):
-        copies.append(tmp_path / f"{i}.py")
-        copies[-1].write_text(Path(path).read_text())
-    monkeypatch.setattr(manager, "hashed_files", lambda: tuple(map(str, copies)))
-    before = GrapharPass(Config()).uuid()
-    for copy in copies:
-        text = copy.read_text()
-        copy.write_text(text + "# edited\n")
-        assert GrapharPass(Config()).uuid() != before, copy
-        copy.write_text(text)
-    assert GrapharPass(Config()).uuid() == before
+    originals = manager.hashed_files()
+
+    def copies(edited: int | None, folder: Path) -> tuple[str, ...]:
+        """The hashed files copied into `folder` (torch caches hashes by path), file `edited` changed."""
+        folder.mkdir()
+        for i, path in enumerate(originals):
+            (folder / f"{i}.py").write_text(Path(path).read_text() + ("# edited\n" if i == edited else ""))
+        return tuple(str(folder / f"{i}.py") for i in range(len(originals)))
+
+    def uuid(files: tuple[str, ...]) -> bytes:
+        monkeypatch.setattr(manager, "hashed_files", lambda: files)
+        return GrapharPass(Config()).uuid()
+
+    before = uuid(copies(None, tmp_path / "same"))
+    assert uuid(copies(None, tmp_path / "same-again")) == before
+    for i in range(len(originals)):
+        assert uuid(copies(i, tmp_path / f"edit{i}")) != before, originals[i]
 
 
 def test_uuid_follows_previous_pass() -> None:

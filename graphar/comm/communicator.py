@@ -49,6 +49,7 @@ class Communicator:
         self.timeout_s = timeout_s
         self._store = store
         self._lib = _cuda.library()
+        self._launch = self._lib.graphar_comm_all_reduce
         self._broken: str | None = None
         handle = ctypes.c_void_p()
         self._call("create", "graphar_comm_create", rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
@@ -114,8 +115,10 @@ class Communicator:
 
     def launch_all_reduce(self, dtype_code: int, algo_code: int, mode: int, input_ptr: int, output_ptr: int,
                           nbytes: int, slot: int, stream: int) -> None:  # fmt: skip
-        self._call("all_reduce", "graphar_comm_all_reduce", dtype_code, algo_code, mode, input_ptr, output_ptr,
-                   nbytes, slot, stream)  # fmt: skip
+        # Every eager all-reduce comes here: the bound function, no name lookup or argument repacking.
+        rc = self._launch(self._handle, dtype_code, algo_code, mode, input_ptr, output_ptr, nbytes, slot, stream)
+        if rc != 0:
+            self._raise("all_reduce")
 
     def order(self, stream: int) -> None:
         """Eager: make `stream` wait for this communicator's previous op when it ran on another stream."""
@@ -159,11 +162,13 @@ class Communicator:
     def _call(self, op: str, name: str, *args: Any, handle: bool = True) -> None:
         """Call `name` of the library (with this communicator's handle first unless handle=False);
         a failure raises GrapharCudaError naming the op, the group and the rank."""
-        rc = getattr(self._lib, name)(*((self._handle,) if handle else ()), *args)
-        if rc != 0:
-            raise _cuda.GrapharCudaError(
-                f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
-            )
+        if getattr(self._lib, name)(*((self._handle,) if handle else ()), *args) != 0:
+            self._raise(op)
+
+    def _raise(self, op: str) -> None:
+        raise _cuda.GrapharCudaError(
+            f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
+        )
 
     # ---- set-up steps, driven by init() -----------------------------------------------------------
 

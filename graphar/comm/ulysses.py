@@ -153,7 +153,10 @@ def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> 
 
 def qkv_shape(xs: Sequence[torch.Tensor], group_name: str) -> tuple[int, int, int, int]:
     """The shape of `qkv_exchange(xs)`, after checking xs."""
-    p = world_size(group_name)
+    return _qkv_shape(xs, world_size(group_name), group_name)
+
+
+def _qkv_shape(xs: Sequence[torch.Tensor], p: int, group_name: str) -> tuple[int, int, int, int]:
     _check_qkv(xs, p, group_name)
     b, s, _, d = xs[0].shape
     return b, p * s, pack.packed_heads([x.shape[2] for x in xs], p), d
@@ -163,7 +166,7 @@ def qkv_exchange(xs: Sequence[torch.Tensor], group_name: str) -> torch.Tensor:
     """Sequence -> heads for Q, K and V in one exchange; see the module docstring for the result."""
     q = xs[0]
     p = world_size(group_name)
-    b, s_global, heads, d = qkv_shape(xs, group_name)
+    b, s_global, heads, d = _qkv_shape(xs, p, group_name)
     s_local = s_global // p
     shape = (p, b, s_local, heads, d)
     out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
@@ -192,7 +195,10 @@ def _check_output(o: torch.Tensor, world_size: int, group_name: str) -> None:
 
 def output_shape(o: torch.Tensor, group_name: str) -> tuple[int, int, int, int]:
     """The shape of `output_exchange(o)`, after checking o."""
-    p = world_size(group_name)
+    return _output_shape(o, world_size(group_name), group_name)
+
+
+def _output_shape(o: torch.Tensor, p: int, group_name: str) -> tuple[int, int, int, int]:
     _check_output(o, p, group_name)
     b, s_global, h, d = o.shape
     return b, s_global // p, p * h, d
@@ -201,7 +207,7 @@ def output_shape(o: torch.Tensor, group_name: str) -> tuple[int, int, int, int]:
 def output_exchange(o: torch.Tensor, group_name: str) -> torch.Tensor:
     """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
     p = world_size(group_name)
-    b, s_local, _, d = out_shape = output_shape(o, group_name)
+    b, s_local, _, d = out_shape = _output_shape(o, p, group_name)
     h = o.shape[2]
     shape = (p, b, s_local, h, d)
     out = torch.empty(out_shape, dtype=o.dtype, device=o.device)
@@ -241,7 +247,7 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange: chunk j of every x goes to
     rank j side by side, so the packed exchange moves each x's chunks exactly where its own would."""
     p = world_size(group_name)
-    packed_shapes(xs, group_name)
+    _check_packed(xs, p, group_name)
     widths = [x.numel() // p for x in xs]
     total = sum(widths)
     dtype, device = xs[0].dtype, xs[0].device
