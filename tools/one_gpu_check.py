@@ -5,7 +5,7 @@ graph registration end to end: two processes on cuda:0, a gloo group for the ref
 graphar communicator whose set-up checks are relaxed for this harness alone (NCCL refuses two ranks
 on one GPU, and graphar.init refuses a shared GPU because it would be slow, not wrong: the GPU
 time-slices the two processes' kernels, so every barrier costs milliseconds). It says nothing about
-speed. Usage: python tools/one_gpu_check.py   (exit code 0 when every check passed)
+speed. Usage, from the checkout: PYTHONPATH=. python tools/one_gpu_check.py (exit code 0: every check passed)
 """
 
 from __future__ import annotations
