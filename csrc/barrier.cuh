@@ -23,6 +23,9 @@ struct Signal {
   // Two phases because a peer may store its count for barrier k+1 while this rank still polls
   // for barrier k; it gets no further, as passing k+1 needs this rank's arrival there.
   alignas(128) Flag peer_counter[2][kMaxBlocks][kMaxRanks];
+  // Calls of the push kernels so far, one copy per block (push.cuh): every entry is equal between
+  // calls, so each block reads the call's epoch without waiting for another block.
+  alignas(128) Flag push_epoch[kMaxBlocks];
 };
 
 template <typename P>
@@ -46,6 +49,9 @@ enum Where : uint32_t {
   kTwoStageMid = 4,
   kAllToAllEntry = 5,
   kAllToAllExit = 6,
+  kPushOneShot = 7,
+  kPushScatter = 8,
+  kPushGather = 9,
 };
 
 struct ErrorRecord {
@@ -102,20 +108,28 @@ __device__ __noinline__ void record_timeout(ErrorRecord* e, Where where, int pee
   e->failed = 1;
 }
 
-// Spins until *flag == val; false once timeout_ns has passed (0: never). Equality, not >=,
-// because the counter wraps; the stale value in a slot is always val - 2, never val.
+// The time bound of one spin loop: the clock starts at the first miss, so a wait that succeeds at
+// once never reads it.
+struct Deadline {
+  uint64_t start = 0;
+  // False once timeout_ns has passed since the first call (0: never), after recording where.
+  __device__ __forceinline__ bool keep_waiting(const BarrierParams& p, Where where, int peer) {
+    if (p.timeout_ns == 0) return true;
+    const uint64_t now = global_timer_ns();
+    if (start == 0) start = now;
+    if (now - start <= p.timeout_ns) return true;
+    record_timeout(p.error, where, peer);
+    return false;
+  }
+};
+
+// Spins until *flag == val; false on timeout. Equality, not >=, because the counter wraps; the
+// stale value in a slot is always val - 2, never val.
 template <bool kOrdered>
 __device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
-  uint64_t start = 0;
+  Deadline deadline;
   while (ld_flag<kOrdered>(flag) != val) {
-    if (p.timeout_ns == 0) continue;
-    const uint64_t now = global_timer_ns();
-    if (start == 0) {
-      start = now;
-    } else if (now - start > p.timeout_ns) {
-      record_timeout(p.error, where, peer);
-      return false;
-    }
+    if (!deadline.keep_waiting(p, where, peer)) return false;
   }
   return true;
 }

@@ -1,5 +1,5 @@
-// The communicator's lifecycle: its buffers (Signal + tmp, registered input, graph slots, error
-// record), the IPC mappings of the peers' buffers, the P2P probe, the all-to-all exchange buffers,
+// The communicator's lifecycle: its buffers (Signal + tmp + push receive region, registered input,
+// graph slots, error record), the IPC mappings of the peers' buffers, the P2P probe, the all-to-all exchange buffers,
 // the graph slots filled in after capture, and teardown. The launches are in launch.cuh.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "barrier.cuh"
+#include "push.cuh"
 #include "graphar_cuda.h"
 #include "host.cuh"
 
@@ -20,12 +21,15 @@ namespace {
 struct Comm {
   int device = -1, rank = 0, ranks = 0, block_limit = 0, graph_slots = 0;
   uint64_t max_bytes = 0, timeout_ns = 0;
-  char* meta = nullptr;    // Signal, then the 2stage tmp buffer (max_bytes)
+  int64_t epoch_packs = 0;  // packs per epoch of the push receive region
+  bool pdl = false;         // the device has programmatic dependent launch (Hopper and later)
+  char* meta = nullptr;     // Signal, the 2stage tmp buffer (max_bytes), the push region (2 epochs)
   char* buffer = nullptr;  // registered input buffer (max_bytes)
   RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
   ErrorRecord* error = nullptr;  // host-mapped: read by the host, written by kernels through error_device
   ErrorRecord* error_device = nullptr;
   RankSignals signals{};
+  RankData regions{};  // every rank's push receive region, inside its meta allocation
   void* peer_buffers[kMaxRanks] = {};
   bool opened = false;
   std::map<std::string, char*> graph_mappings;  // peer graph allocations by IPC handle, opened once
@@ -85,8 +89,15 @@ int close_and_free(Comm* c) {
 
 Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
 
+// Where the push receive region starts in a meta allocation.
+char* push_region(void* meta, uint64_t max_bytes) { return static_cast<char*>(meta) + sizeof(Signal) + max_bytes; }
+uint64_t push_region_bytes(const Comm* c) { return 2 * static_cast<uint64_t>(c->epoch_packs) * 16; }
+
 int create(Comm* c) {
-  CUDA_TRY(cudaMalloc(&c->meta, sizeof(Signal) + c->max_bytes));
+  int major = 0;
+  CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+  c->pdl = major >= 9;
+  CUDA_TRY(cudaMalloc(&c->meta, sizeof(Signal) + c->max_bytes + push_region_bytes(c)));
   CUDA_TRY(cudaMalloc(&c->buffer, c->max_bytes));
   CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));
   CUDA_TRY(cudaHostAlloc(&c->error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -95,6 +106,7 @@ int create(Comm* c) {
   CUDA_TRY(cudaEventCreateWithFlags(&c->last_event, cudaEventDisableTiming));
   // Zeroed before any handle leaves this process: a peer's first flag must never be wiped.
   CUDA_TRY(cudaMemset(c->meta, 0, sizeof(Signal) + c->max_bytes));
+  CUDA_TRY(cudaMemset(push_region(c->meta, c->max_bytes), 0xFF, push_region_bytes(c)));  // every slot kEmpty
   CUDA_TRY(cudaMemset(c->buffer, 0, c->max_bytes));
   CUDA_TRY(cudaMemset(c->slots, 0, sizeof(RankData) * c->graph_slots));
   CUDA_TRY(cudaDeviceSynchronize());
@@ -127,8 +139,9 @@ int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_
     return fail(GRAPHAR_EINVAL, "world size %d is not one of 2, 4, 6, 8", world_size);
   }
   if (rank < 0 || rank >= world_size) return fail(GRAPHAR_EINVAL, "rank %d out of [0, %d)", rank, world_size);
-  if (max_bytes == 0 || max_bytes % 16 != 0 || max_bytes / 16 > static_cast<uint64_t>(INT_MAX)) {
-    return fail(GRAPHAR_EINVAL, "max_bytes %llu must be a positive multiple of 16 below 32 GiB",
+  // The push region's epoch (2 * max_bytes and a few packs) must be indexable with an int.
+  if (max_bytes == 0 || max_bytes % 16 != 0 || max_bytes / 16 > static_cast<uint64_t>(INT_MAX / 2 - 1024)) {
+    return fail(GRAPHAR_EINVAL, "max_bytes %llu must be a positive multiple of 16 below 16 GiB",
                 static_cast<unsigned long long>(max_bytes));
   }
   if (block_limit < 1 || block_limit > kMaxBlocks) {
@@ -142,6 +155,8 @@ int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_
   c->block_limit = block_limit;
   c->timeout_ns = timeout_ns;
   c->graph_slots = graph_slots;
+  // Room for a two-shot of max_bytes: 2 * ws slots of the largest shard, at most packs / ws + ws.
+  c->epoch_packs = 2 * static_cast<int64_t>(max_bytes / 16) + 2 * kMaxRanks * kMaxRanks;
   const cudaError_t e = cudaGetDevice(&c->device);
   int rc = e != cudaSuccess ? cuda_fail(e, "cudaGetDevice") : create(c);
   if (rc != 0) {
@@ -186,7 +201,10 @@ int graphar_comm_open(void* comm, const void* handles) {
     c->peer_buffers[r] = buffer;
   }
   RankData eager{};
-  for (int r = 0; r < c->ranks; r++) eager.ptrs[r] = c->peer_buffers[r];
+  for (int r = 0; r < c->ranks; r++) {
+    eager.ptrs[r] = c->peer_buffers[r];
+    c->regions.ptrs[r] = push_region(c->signals.signals[r], c->max_bytes);
+  }
   CUDA_TRY(cudaMemcpy(c->slots, &eager, sizeof(eager), cudaMemcpyHostToDevice));
   CUDA_TRY(cudaDeviceSynchronize());
   return 0;
@@ -219,6 +237,14 @@ int graphar_comm_probe(void* comm, int phase, int* bad_peer) {
 
 int graphar_comm_error_record(void* comm, void** record_out) {
   *record_out = as_comm(comm)->error;
+  return 0;
+}
+
+int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot) {
+  const Comm* c = as_comm(comm);
+  const uint64_t one = static_cast<uint64_t>(c->epoch_packs / c->ranks) * 16;
+  *one_shot = one < c->max_bytes ? one : c->max_bytes;
+  *two_shot = c->max_bytes;  // the epoch was sized for it
   return 0;
 }
 
@@ -311,6 +337,7 @@ int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
       s.peer_counter[value & 1][b][r] = value;
       s.peer_counter[(value + 1) & 1][b][r] = value - 1;
     }
+    s.push_epoch[b] = value;
   }
   CUDA_TRY(cudaDeviceSynchronize());
   CUDA_TRY(cudaMemcpy(c->meta, &s, sizeof(Signal), cudaMemcpyHostToDevice));

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "comm.cuh"
 #include "graphar_cuda.h"
@@ -74,6 +75,19 @@ int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_
   const int rc = pointer_info(ptr, base, size, ipc_capable);
   CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
   return rc;
+}
+
+int graphar_graph_edges(uint64_t graph, uint64_t* total, uint64_t* programmatic) {
+  auto g = reinterpret_cast<cudaGraph_t>(graph);
+  size_t n = 0;
+  CUDA_TRY(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
+  std::vector<cudaGraphNode_t> from(n), to(n);
+  std::vector<cudaGraphEdgeData> data(n);
+  if (n > 0) CUDA_TRY(cudaGraphGetEdges(g, from.data(), to.data(), data.data(), &n));
+  *total = n;
+  *programmatic = 0;
+  for (size_t i = 0; i < n; i++) *programmatic += data[i].type == cudaGraphDependencyTypeProgrammatic;
+  return 0;
 }
 
 int graphar_ipc_handle(uint64_t base, void* handle_out) {

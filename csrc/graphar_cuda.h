@@ -16,12 +16,13 @@ extern "C" {
 
 // dtype codes of graphar_comm_all_reduce
 enum { GRAPHAR_FLOAT32 = 0, GRAPHAR_FLOAT16 = 1, GRAPHAR_BFLOAT16 = 2 };
-// algorithm codes
-enum { GRAPHAR_ONE_STAGE = 1, GRAPHAR_TWO_STAGE = 2 };
-// input paths of graphar_comm_all_reduce
+// algorithm codes: the v1 pull kernels (behind a barrier) and the barrier-free push kernels
+enum { GRAPHAR_ONE_STAGE = 1, GRAPHAR_TWO_STAGE = 2, GRAPHAR_PUSH_ONE_SHOT = 3, GRAPHAR_PUSH_TWO_SHOT = 4 };
+// input paths of graphar_comm_all_reduce (push kernels: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY, both in place)
 enum {
-  GRAPHAR_EAGER = 0,          // copy into the registered buffer inside the kernel; serialized across streams
-  GRAPHAR_CAPTURED_COPY = 1,  // the same, inside someone else's CUDA-graph capture
+  GRAPHAR_EAGER = 0,          // v1: copy into the registered buffer inside the kernel. Outside a capture
+                              // (the library asks the stream) calls are serialized across streams.
+  GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
   GRAPHAR_STAGED = 3,         // copy into the registered buffer first, then read through a graph slot
 };
@@ -34,12 +35,15 @@ int graphar_device_pci_bus_id(int device, char* out, int len);
 // Range and legacy-IPC capability of the allocation holding ptr (expandable segments: not capable).
 int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable);
 int graphar_ipc_handle(uint64_t base, void* handle_out);
+// Edges of a CUDA graph (a cudaGraph_t, e.g. torch.cuda.CUDAGraph.raw_cuda_graph()): all of them,
+// and the programmatic ones that PDL launches keep when captured.
+int graphar_graph_edges(uint64_t graph, uint64_t* total, uint64_t* programmatic);
 
-// On the current device: zeroed Signal+tmp and input buffers of max_bytes, graph slots, and a
-// host-mapped error record. Synchronizes before returning, so the handles may be shared at once.
+// On the current device: zeroed Signal+tmp and input buffers of max_bytes, a push receive region
+// (two epochs of about 2 x max_bytes, every word 0xFFFFFFFF), graph slots, and a host-mapped error record. Synchronizes before returning, so the handles may be shared at once.
 int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_limit, uint64_t timeout_ns,
                         int graph_slots, void** comm_out);
-// Two IPC handles: [Signal+tmp, input buffer].
+// Two IPC handles: [Signal+tmp+push region, input buffer].
 int graphar_comm_handles(void* comm, void* handles_out);
 // world_size x two handles (as from graphar_comm_handles, rank order); the own entry is ignored.
 int graphar_comm_open(void* comm, const void* handles);
@@ -48,8 +52,22 @@ int graphar_comm_open(void* comm, const void* handles);
 int graphar_comm_probe(void* comm, int phase, int* bad_peer);
 // Host address of the error record {failed, where, peer, block} (uint32 each).
 int graphar_comm_error_record(void* comm, void** record_out);
-int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t input, uint64_t output,
-                            uint64_t nbytes, int slot, uint64_t stream);
+// One all-reduce: its arguments in one struct, so that an eager call crosses into the library once.
+typedef struct graphar_all_reduce_args {
+  uint64_t input;   // device pointers, 16-byte aligned
+  uint64_t output;
+  uint64_t nbytes;  // a positive multiple of 16, up to max_bytes (push kernels: graphar_comm_push_limits)
+  uint64_t stream;  // cudaStream_t
+  int32_t dtype;    // GRAPHAR_FLOAT32 ...
+  int32_t algo;     // GRAPHAR_ONE_STAGE ...
+  int32_t path;     // GRAPHAR_EAGER ...
+  int32_t slot;     // the graph slot of GRAPHAR_ZERO_COPY and GRAPHAR_STAGED
+  int32_t pdl;      // push kernels: programmatic dependent launch (ignored before Hopper)
+  int32_t reserved;
+} graphar_all_reduce_args;
+int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args);
+// The largest message of each push kernel (bytes).
+int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
 // Eager only: make `stream` wait for the communicator's previous eager op when that ran on
 // another stream (before writing the exchange buffer, which that op may still read).
 int graphar_comm_order(void* comm, uint64_t stream);
@@ -70,7 +88,7 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
 // call through its registered buffer; own_ptrs[i] is this rank's own input of call i.
 int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,
                                 const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs);
-// Test only: set every barrier counter as if `value` barriers had passed. Every rank must call it
+// Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
 // with the same value while no kernel of the communicator runs anywhere.
 int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
 // Waits for the device, closes the peers' mappings and frees everything, even after an error.

@@ -12,16 +12,25 @@ using namespace graphar;
 
 namespace {
 
-using Kernel = void (*)(Params);
+// The all-reduce kernel of (T, kRanks) for an algorithm code; the launch passes its parameters by address.
+template <typename T, int kRanks>
+const void* kernel_of(int algo) {
+  switch (algo) {
+    case GRAPHAR_ONE_STAGE: return reinterpret_cast<const void*>(one_stage<T, kRanks>);
+    case GRAPHAR_TWO_STAGE: return reinterpret_cast<const void*>(two_stage<T, kRanks>);
+    case GRAPHAR_PUSH_ONE_SHOT: return reinterpret_cast<const void*>(push_one_shot<T, kRanks>);
+    case GRAPHAR_PUSH_TWO_SHOT: return reinterpret_cast<const void*>(push_two_shot<T, kRanks>);
+    default: return nullptr;
+  }
+}
 
 template <typename T>
-Kernel pick(int ranks, int algo) {
-  const bool one = algo == GRAPHAR_ONE_STAGE;
+const void* kernel_of(int ranks, int algo) {
   switch (ranks) {
-    case 2: return one ? one_stage<T, 2> : two_stage<T, 2>;
-    case 4: return one ? one_stage<T, 4> : two_stage<T, 4>;
-    case 6: return one ? one_stage<T, 6> : two_stage<T, 6>;
-    case 8: return one ? one_stage<T, 8> : two_stage<T, 8>;
+    case 2: return kernel_of<T, 2>(algo);
+    case 4: return kernel_of<T, 4>(algo);
+    case 6: return kernel_of<T, 6>(algo);
+    case 8: return kernel_of<T, 8>(algo);
     default: return nullptr;
   }
 }
@@ -38,15 +47,16 @@ PullKernel pull_kernel_for(int ranks) {
   }
 }
 
-Kernel kernel_for(int dtype, int ranks, int algo) {
-  if (algo != GRAPHAR_ONE_STAGE && algo != GRAPHAR_TWO_STAGE) return nullptr;
+const void* kernel_for(int dtype, int ranks, int algo) {
   switch (dtype) {
-    case GRAPHAR_FLOAT32: return pick<float>(ranks, algo);
-    case GRAPHAR_FLOAT16: return pick<__half>(ranks, algo);
-    case GRAPHAR_BFLOAT16: return pick<__nv_bfloat16>(ranks, algo);
+    case GRAPHAR_FLOAT32: return kernel_of<float>(ranks, algo);
+    case GRAPHAR_FLOAT16: return kernel_of<__half>(ranks, algo);
+    case GRAPHAR_BFLOAT16: return kernel_of<__nv_bfloat16>(ranks, algo);
     default: return nullptr;
   }
 }
+
+bool is_push(int algo) { return algo == GRAPHAR_PUSH_ONE_SHOT || algo == GRAPHAR_PUSH_TWO_SHOT; }
 
 // One op in flight per communicator: an eager launch on another stream waits for the previous one
 // instead of racing it for the Signal and the registered buffers.
@@ -66,16 +76,25 @@ BarrierParams barrier_params(const Comm* c) {
   return b;
 }
 
-// Launches kernel(p) on the communicator's device (current already); an eager launch first waits
-// for the previous eager op and then becomes the op the next one waits for.
-template <typename P>
-int launch(Comm* c, int mode, void (*kernel)(P), int blocks, int threads, cudaStream_t stream, const P& p) {
-  const bool eager = mode == GRAPHAR_EAGER;
+// Launches kernel(*params) on the communicator's device (current already); an eager launch first
+// waits for the previous eager op and then becomes the op the next one waits for. pdl: the kernel may
+// start before the previous kernel on the stream ends (it waits for it with griddepcontrol.wait).
+int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, int threads, cudaStream_t stream,
+           bool pdl) {
   if (eager) {
     if (int rc = wait_for_previous(c, stream)) return rc;
   }
-  kernel<<<blocks, threads, 0, stream>>>(p);
-  CUDA_TRY(cudaGetLastError());
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = pdl ? 1 : 0;
+  void* args[] = {params};
+  CUDA_TRY(cudaLaunchKernelExC(&config, kernel, args));
   if (!eager) return 0;
   CUDA_TRY(cudaEventRecord(c->last_event, stream));
   c->last_stream = stream;
@@ -83,46 +102,85 @@ int launch(Comm* c, int mode, void (*kernel)(P), int blocks, int threads, cudaSt
   return 0;
 }
 
+// Whether stream is capturing: a capture records no ordering event (the graph's own edges order it).
+int capturing(cudaStream_t stream, bool* out) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CUDA_TRY(cudaStreamIsCapturing(stream, &status));
+  *out = status != cudaStreamCaptureStatusNone;
+  return 0;
+}
+
+int check_all_reduce(const Comm* c, const graphar_all_reduce_args& a) {
+  if (!c->opened) return fail(GRAPHAR_EINVAL, "launch before the peers' buffers were opened");
+  if (a.nbytes == 0 || a.nbytes % 16 != 0 || a.nbytes > c->max_bytes) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes: not a positive multiple of 16 up to %llu",
+                static_cast<unsigned long long>(a.nbytes), static_cast<unsigned long long>(c->max_bytes));
+  }
+  if (a.input % 16 != 0 || a.output % 16 != 0) return fail(GRAPHAR_EINVAL, "input and output must be 16-byte aligned");
+  const bool graph_slot = a.path == GRAPHAR_ZERO_COPY || a.path == GRAPHAR_STAGED;
+  if (!graph_slot && a.path != GRAPHAR_EAGER && a.path != GRAPHAR_CAPTURED_COPY) {
+    return fail(GRAPHAR_EINVAL, "unknown input path %d", a.path);
+  }
+  if (graph_slot && (a.slot < 1 || a.slot >= c->graph_slots)) {
+    return fail(GRAPHAR_EINVAL, "graph slot %d out of [1, %d)", a.slot, c->graph_slots);
+  }
+  if (!is_push(a.algo)) return 0;
+  if (graph_slot) return fail(GRAPHAR_EINVAL, "push kernels read their input in place: no graph slot");
+  const int64_t packs = static_cast<int64_t>(a.nbytes / 16);
+  if (push_epoch_packs_needed(a.algo == GRAPHAR_PUSH_ONE_SHOT, packs, c->ranks) > c->epoch_packs) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes exceed the push region (graphar_comm_push_limits)",
+                static_cast<unsigned long long>(a.nbytes));
+  }
+  return 0;
+}
+
+int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
+  const bool graph_slot = a.path == GRAPHAR_ZERO_COPY || a.path == GRAPHAR_STAGED;
+  const int packs = static_cast<int>(a.nbytes / 16);
+  Params p{};
+  p.barrier = barrier_params(c);
+  p.data = c->slots + (graph_slot ? a.slot : 0);
+  p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(a.input);
+  p.out = reinterpret_cast<void*>(a.output);
+  p.packs = packs;
+  if (a.path == GRAPHAR_STAGED) {
+    CUDA_TRY(cudaMemcpyAsync(c->buffer, reinterpret_cast<const void*>(a.input), a.nbytes, cudaMemcpyDeviceToDevice,
+                             stream));
+  }
+  const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
+  return launch(c, eager, kernel, &p, blocks, kThreads, stream, false);
+}
+
+int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
+  PushParams p{};
+  p.barrier = barrier_params(c);
+  p.regions = c->regions;
+  p.in = reinterpret_cast<const void*>(a.input);
+  p.out = reinterpret_cast<void*>(a.output);
+  p.packs = static_cast<int>(a.nbytes / 16);
+  p.epoch_packs = static_cast<int>(c->epoch_packs);
+  const int blocks = std::min(c->block_limit, (p.packs + kPushThreads - 1) / kPushThreads);
+  return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0 && c->pdl);
+}
+
 }  // namespace
 
 extern "C" {
 
-int graphar_comm_all_reduce(void* comm, int dtype, int algo, int mode, uint64_t input, uint64_t output,
-                            uint64_t nbytes, int slot, uint64_t stream_handle) {
+int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args) {
   Comm* c = as_comm(comm);
-  if (!c->opened) return fail(GRAPHAR_EINVAL, "launch before the peers' buffers were opened");
-  const Kernel kernel = kernel_for(dtype, c->ranks, algo);
-  if (kernel == nullptr) return fail(GRAPHAR_EINVAL, "no kernel for dtype %d, algorithm %d", dtype, algo);
-  if (nbytes == 0 || nbytes % 16 != 0 || nbytes > c->max_bytes) {
-    return fail(GRAPHAR_EINVAL, "%llu bytes: not a positive multiple of 16 up to %llu",
-                static_cast<unsigned long long>(nbytes), static_cast<unsigned long long>(c->max_bytes));
-  }
-  if (input % 16 != 0 || output % 16 != 0) return fail(GRAPHAR_EINVAL, "input and output must be 16-byte aligned");
-  const bool graph_slot = mode == GRAPHAR_ZERO_COPY || mode == GRAPHAR_STAGED;
-  if (graph_slot && (slot < 1 || slot >= c->graph_slots)) {
-    return fail(GRAPHAR_EINVAL, "graph slot %d out of [1, %d)", slot, c->graph_slots);
-  }
-  if (!graph_slot && mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) {
-    return fail(GRAPHAR_EINVAL, "unknown input path %d", mode);
-  }
-  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  const int packs = static_cast<int>(nbytes / 16);
-  const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
-
-  Params p{};
-  p.barrier = barrier_params(c);
-  p.data = c->slots + (graph_slot ? slot : 0);
-  p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(input);
-  p.out = reinterpret_cast<void*>(output);
-  p.packs = packs;
-
+  const graphar_all_reduce_args& a = *args;
+  const void* kernel = kernel_for(a.dtype, c->ranks, a.algo);
+  if (kernel == nullptr) return fail(GRAPHAR_EINVAL, "no kernel for dtype %d, algorithm %d", a.dtype, a.algo);
+  if (int rc = check_all_reduce(c, a)) return rc;
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  if (mode == GRAPHAR_STAGED) {
-    CUDA_TRY(cudaMemcpyAsync(c->buffer, reinterpret_cast<const void*>(input), nbytes, cudaMemcpyDeviceToDevice,
-                             stream));
+  bool captured = a.path != GRAPHAR_EAGER;
+  if (!captured) {
+    if (int rc = capturing(stream, &captured)) return rc;
   }
-  return launch(c, mode, kernel, blocks, kThreads, stream, p);
+  return is_push(a.algo) ? launch_push(c, a, kernel, !captured, stream) : launch_v1(c, a, kernel, !captured, stream);
 }
 
 int graphar_comm_order(void* comm, uint64_t stream_handle) {
@@ -162,7 +220,8 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
 
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  return launch(c, mode, kernel, blocks, kPullThreads, stream, p);
+  return launch(c, mode == GRAPHAR_EAGER, reinterpret_cast<const void*>(kernel), &p, blocks, kPullThreads, stream,
+                false);
 }
 
 }  // extern "C"

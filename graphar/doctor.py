@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphar
-from graphar import _cuda, settings
+from graphar import _cuda
 from graphar._launch import end_worker, free_port
-from graphar.comm.allreduce import choose_algo
+from graphar.comm import policy
 from graphar.comm.communicator import communicator
 
 EXIT_ON, EXIT_NO_GPU, EXIT_NO_LIBRARY, EXIT_OFF, EXIT_FAILED = 0, 3, 4, 5, 6
@@ -313,6 +313,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
         comm = communicator(dist.group.WORLD.group_name)
         if comm is not None:
             facts["max_bytes"] = comm.max_bytes
+            kernels = comm.allreduce.policy
+            facts["plan"] = {n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes}
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.
             facts["shareable"] = comm.pointer_info(torch.empty(MB, device="cuda").data_ptr())[1]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
@@ -346,6 +348,15 @@ def _size(n: int) -> str:
     return f"{n // MB} MB" if n >= MB else f"{n // KB} KB"
 
 
+def _kernels(picks: list[str | None] | None) -> str:
+    """The kernels of one size by capture mode, or why NCCL serves it."""
+    if picks is None:
+        return "NCCL (over the limit)"
+    if len(set(picks)) == 1:
+        return picks[0] or "NCCL (the forced kernel cannot take it)"
+    return ", ".join(f"{mode}: {pick or 'NCCL'}" for mode, pick in zip(policy.MODES, picks))
+
+
 def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     """Print what graphar does for the group of `world_size` ranks; the exit status."""
     first = facts[0]
@@ -353,10 +364,9 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     items = [("custom all-reduce", "ON" if on else f"OFF, NCCL serves it: {first['verdict']}")]
     items += [("graphar's warning", w) for w in first["warnings"]]
     if on:
-        limit, forced = first["max_bytes"], settings.ALLREDUCE_ALGO.get()
-        items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(limit)))
-        items += [(f"all-reduce of {_size(n)}", choose_algo(world_size, n, forced) if n <= limit
-                   else "NCCL (over the limit)") for n in PLAN_SIZES]  # fmt: skip
+        items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
+        plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
+        items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
         staged = [r for r, f in enumerate(facts) if not f.get("shareable", True)]
         items.append(("graphar.graph inputs", f"staged (copied in) on ranks {staged}: expandable segments"
                       if staged else "zero copy"))  # fmt: skip

@@ -96,9 +96,16 @@ MAX_ALLREDUCE_BYTES = Setting(
     "default of the `max_all_reduce_bytes` option and of `graphar.init(max_bytes=)`: the largest "
     "all-reduce the custom kernels serve, and the size of their IPC buffers",
 )  # fmt: skip
+ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")  # the all-reduce kernels (graphar.comm.abi)
 ALLREDUCE_ALGO = Setting(
-    "GRAPHAR_ALLREDUCE_ALGO", None, _choice("1stage", "2stage"), "'1stage' or '2stage'",
-    "force one all-reduce kernel; unset, graphar picks by world size and size",
+    "GRAPHAR_ALLREDUCE_ALGO", None, _choice(*ALGOS), ", ".join(f"'{a}'" for a in ALGOS),
+    "force one all-reduce kernel (a call it cannot take runs on NCCL); unset, graphar picks from its measured "
+    "table by GPU, world size, size and capture mode",
+)  # fmt: skip
+PDL = Setting(
+    "GRAPHAR_PDL", True, _flag, "1/0, true/false, yes/no or on/off",
+    "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later), so that a "
+    "kernel's start overlaps the end of the kernel before it",
 )  # fmt: skip
 BLOCK_LIMIT = Setting(
     "GRAPHAR_BLOCK_LIMIT", None, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
@@ -134,7 +141,7 @@ SKIP_CUDA_BUILD = Setting(
 )  # fmt: skip
 
 ALL: tuple[Setting[Any], ...] = (
-    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, BLOCK_LIMIT, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
+    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, BLOCK_LIMIT, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
     CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
 )  # fmt: skip
 

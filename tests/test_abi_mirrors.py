@@ -34,7 +34,10 @@ def test_dtype_codes() -> None:
 
 def test_algorithm_codes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    assert {abi.ONE_STAGE: codes["GRAPHAR_ONE_STAGE"], abi.TWO_STAGE: codes["GRAPHAR_TWO_STAGE"]} == abi.ALGO_CODES
+    names = {abi.ONE_STAGE: "GRAPHAR_ONE_STAGE", abi.TWO_STAGE: "GRAPHAR_TWO_STAGE",
+             abi.PUSH_ONE_SHOT: "GRAPHAR_PUSH_ONE_SHOT", abi.PUSH_TWO_SHOT: "GRAPHAR_PUSH_TWO_SHOT"}  # fmt: skip
+    assert {algo: codes[name] for algo, name in names.items()} == abi.ALGO_CODES
+    assert tuple(abi.ALGO_CODES) == settings.ALGOS  # GRAPHAR_ALLREDUCE_ALGO names every kernel
 
 
 def test_launch_modes() -> None:
@@ -58,6 +61,13 @@ def test_error_record_layout() -> None:
     body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("barrier.cuh")).group(1)
     fields = re.findall(r"(uint32_t)\s+(\w+);", body)
     assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
+
+
+def test_all_reduce_args_layout() -> None:
+    body = re.search(r"typedef struct graphar_all_reduce_args \{([^}]*)\}", _text("graphar_cuda.h")).group(1)
+    ctype = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
+    fields = [(name, ctype[t]) for t, name in re.findall(r"(uint64_t|int32_t)\s+(\w+);", body)]
+    assert fields == list(abi.AllReduceArgs._fields_)
 
 
 def test_ipc_handle_size() -> None:

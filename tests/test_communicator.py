@@ -1,4 +1,4 @@
-"""The IPC communicator's pure-Python logic, on the CPU: the all-reduce's policy and eligibility,
+"""The IPC communicator's pure-Python logic, on the CPU: the all-reduce's eligibility,
 the set-up agreement between ranks, the store exchange, and graph registration against a fake
 communicator (the `CommCalls` seam)."""
 
@@ -17,6 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from graphar import graphs
 from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
+from graphar.comm import policy
 from graphar.comm.rendezvous import StoreExchange
 from graphar.errors import GrapharCommError
 
@@ -24,17 +25,6 @@ KB, MB = 1 << 10, 1 << 20
 
 
 # ---- policy and eligibility ----------------------------------------------------------------
-
-
-def test_algorithm_choice() -> None:
-    assert all(ar.choose_algo(2, n) == "1stage" for n in (16, 256 * KB, 8 * MB))
-    assert ar.choose_algo(4, 512 * KB - 16) == "1stage" and ar.choose_algo(4, 512 * KB) == "2stage"
-    for ws in (6, 8):
-        assert ar.choose_algo(ws, 256 * KB - 16) == "1stage" and ar.choose_algo(ws, 256 * KB) == "2stage"
-    assert ar.choose_algo(2, 8 * MB, "2stage") == "2stage"
-    assert ar.choose_algo(8, 8 * MB, "1stage") == "1stage"
-    with pytest.raises(ValueError, match="1stage"):
-        ar.choose_algo(2, 16, "oneshot")
 
 
 def test_block_limit_by_architecture_unless_set(monkeypatch) -> None:
@@ -161,7 +151,7 @@ def _register_on_two_ranks(calls_per_rank) -> tuple[list[_FakeComm], dict[int, B
 
     def run(r: int) -> None:
         try:
-            ar.AllReduce(comms[r]).register_graph(calls_per_rank[r])
+            ar.AllReduce(comms[r], policy.Policy(9, 2, policy.Limits(MB, MB))).register_graph(calls_per_rank[r])
         except BaseException as e:  # noqa: BLE001  (collected for the assertions)
             errors[r] = e
 

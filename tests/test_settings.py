@@ -15,7 +15,8 @@ from graphar.settings import SettingError
 # variable: (good values and what they read as, bad values)
 CASES = {
     "GRAPHAR_MAX_ALLREDUCE_BYTES": ({"4096": 4096, " 16 ": 16}, ["8MB", "-1", "8.5", "0", "24"]),
-    "GRAPHAR_ALLREDUCE_ALGO": ({"1stage": "1stage", "2stage": "2stage"}, ["3stage", "oneshot"]),
+    "GRAPHAR_ALLREDUCE_ALGO": ({"1stage": "1stage", "push-twoshot": "push-twoshot"}, ["3stage", "oneshot"]),
+    "GRAPHAR_PDL": ({"0": False, "on": True}, ["2"]),
     "GRAPHAR_BLOCK_LIMIT": ({"1": 1, "64": 64}, ["0", "65", "8.5"]),
     "GRAPHAR_PULL_BLOCKS": ({"32": 32}, ["0", "65", "x"]),
     "GRAPHAR_TIMEOUT_S": ({"0": 0.0, "2.5": 2.5}, ["-1", "inf", "nan", "soon"]),
@@ -51,7 +52,7 @@ def test_import_rejects_a_bad_variable_even_where_it_is_never_read() -> None:
     env = {"GRAPHAR_ALLREDUCE_ALGO": "3stage", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", "import graphar"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0
-    assert "SettingError: GRAPHAR_ALLREDUCE_ALGO='3stage' is not valid: expected '1stage' or '2stage'" in out.stderr
+    assert "SettingError: GRAPHAR_ALLREDUCE_ALGO='3stage' is not valid: expected '1stage', '2stage', 'push-oneshot'" in out.stderr
 
 
 def test_readme_documents_every_variable() -> None:

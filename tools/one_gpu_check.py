@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 KB, MB = 1 << 10, 1 << 20
+ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
 
 
 def _integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -46,25 +47,53 @@ def _init_relaxed():
 
 def _check_all_reduce(comm, rank: int) -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for nbytes in (16, 64 * KB + 16, MB):
-            for algo in ("1stage", "2stage"):
+        for nbytes in (16, 48, 64 * KB + 16, MB, 8 * MB):
+            for algo in ALGOS:
                 x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
                 y = comm.all_reduce(x, algo=algo)
                 assert torch.equal(y, _reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
 
 
+def _check_special_values(comm, rank: int) -> None:
+    """-0.0, Inf and NaNs (the push kernels' empty-slot pattern among them) sum as in PyTorch,
+    NaN payloads aside; the ranks agree bitwise."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    for dtype, ints in bits.items():
+        width = torch.iinfo(ints).bits
+        pool = torch.cat([torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), 3.0], dtype=dtype),
+                          torch.tensor([-1, (1 << (width - 1)) - 1], dtype=ints).view(dtype)])  # fmt: skip
+        gen = torch.Generator().manual_seed(rank)
+        x = pool[torch.randint(len(pool), (4096,), generator=gen)]
+        x[:1000] = -0.0
+        for algo in ALGOS:
+            y = comm.all_reduce(x.cuda(), algo=algo).cpu()
+            ref = x.float()
+            dist.all_reduce(ref)
+            ref = ref.to(dtype)
+            nan = torch.isnan(ref)
+            assert torch.equal(torch.isnan(y), nan) and torch.equal(y.view(ints)[~nan], ref.view(ints)[~nan]), algo
+            everyone = [torch.empty_like(y) for _ in range(WORLD)]
+            dist.all_gather(everyone, y)
+            assert torch.equal(everyone[0].view(ints), everyone[1].view(ints)), f"{algo}: ranks differ"
+
+
 def _check_graphs(comm, rank: int) -> None:
     import graphar
 
-    for capture in (graphar.graph, torch.cuda.graph):
+    cases = [(capture, algo) for capture in (graphar.graph, torch.cuda.graph) for algo in (None, "push-oneshot")]
+    for capture, algo in cases:
         x = _integers(32 * KB, torch.bfloat16, seed=rank)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         before = comm.allreduce.graph_calls
         with capture(graph):
-            y = comm.all_reduce(x)
+            y = comm.all_reduce(x, algo=algo)
             x.mul_(-1)
-            z = comm.all_reduce(x)
-        assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph else 0)
+            z = comm.all_reduce(x, algo="push-twoshot" if algo else None)
+        graph.instantiate()
+        assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
+        if algo is not None:
+            total, programmatic = graphar._cuda.graph_edges(graph)
+            assert programmatic >= 1, f"no programmatic edge among {total}"
         for i in range(3):
             values = _integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
             x.copy_(values)
@@ -98,7 +127,7 @@ def _worker(rank: int, port: int) -> None:
 
     comm = _init_relaxed()
     try:
-        for check in (_check_all_reduce, _check_graphs, _check_ulysses):
+        for check in (_check_all_reduce, _check_special_values, _check_graphs, _check_ulysses):
             check(comm, rank)
             torch.cuda.synchronize()
             if rank == 0:

@@ -12,18 +12,22 @@ import torch
 
 from graphar import settings
 
-# dtype codes (GRAPHAR_FLOAT32 ...) and algorithm codes (GRAPHAR_ONE_STAGE ...)
+# dtype codes (GRAPHAR_FLOAT32 ...) and algorithm codes (GRAPHAR_ONE_STAGE ...): the v1 pull kernels
+# behind a barrier, and the barrier-free push kernels, which read their input in place.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-ONE_STAGE, TWO_STAGE = "1stage", "2stage"
-ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2}
+ONE_STAGE, TWO_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT = "1stage", "2stage", "push-oneshot", "push-twoshot"
+ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2, PUSH_ONE_SHOT: 3, PUSH_TWO_SHOT: 4}
+PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Launch paths (GRAPHAR_EAGER ...): copy-in eager, copy-in inside a foreign capture, zero copy
 # through a graph slot, copy into the registered buffer then a graph slot.
 EAGER, CAPTURED_COPY, ZERO_COPY, STAGED = 0, 1, 2, 3
 # kMaxBlocks: one barrier slot per block.
 MAX_BLOCKS = settings.MAX_BLOCKS
 # The barrier a spin loop gave up in (enum Where), as error messages name it.
-WHERE = {1: "all_reduce 1stage entry", 2: "all_reduce 1stage exit", 3: "all_reduce 2stage entry",
-         4: "all_reduce 2stage middle", 5: "all_to_all entry", 6: "all_to_all exit"}  # fmt: skip
+WHERE = {1: "all_reduce 1stage entry barrier", 2: "all_reduce 1stage exit barrier",
+         3: "all_reduce 2stage entry barrier", 4: "all_reduce 2stage middle barrier",
+         5: "all_to_all entry barrier", 6: "all_to_all exit barrier", 7: "all_reduce push-oneshot receive",
+         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather"}  # fmt: skip
 
 
 class ErrorRecord(ctypes.Structure):
@@ -31,3 +35,12 @@ class ErrorRecord(ctypes.Structure):
 
     _fields_ = [("failed", ctypes.c_uint32), ("where", ctypes.c_uint32), ("peer", ctypes.c_uint32),
                 ("block", ctypes.c_uint32)]  # fmt: skip
+
+
+class AllReduceArgs(ctypes.Structure):
+    """struct graphar_all_reduce_args: one all-reduce, passed to the library by address."""
+
+    _fields_ = [("input", ctypes.c_uint64), ("output", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
+                ("stream", ctypes.c_uint64), ("dtype", ctypes.c_int32), ("algo", ctypes.c_int32),
+                ("path", ctypes.c_int32), ("slot", ctypes.c_int32), ("pdl", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]  # fmt: skip

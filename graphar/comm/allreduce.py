@@ -1,10 +1,14 @@
-"""The custom all-reduce of a group's communicator: policy, eligibility, launch, graph registration.
+"""The custom all-reduce of a group's communicator: eligibility, kernel choice, launch, graph registration.
 
-Input paths of `AllReduce.all_reduce`, bitwise equal:
-- eager, or inside a capture graphar does not own: the kernel copies the input into the rank's
-  registered buffer itself, then reduces (the buffers never move, so a captured call stays valid);
-- inside `graphar.graph`: zero copy; the kernel reads the caller's tensors through a slot that is
-  filled on every rank when the capture ends (a rank whose tensor legacy IPC cannot share stages it).
+Kernels (graphar.comm.policy picks one per call from a measured table):
+- the v1 pull kernels, 1stage and 2stage, behind a spin barrier. Eager, or inside a capture graphar
+  does not own, the kernel copies the input into the rank's registered buffer itself, then reduces
+  (the buffers never move, so a captured call stays valid). Inside `graphar.graph` they read the
+  caller's tensors through a slot filled on every rank when the capture ends (a rank whose tensor
+  legacy IPC cannot share stages it);
+- the push kernels, push-oneshot and push-twoshot: no barrier, the input read in place in every
+  mode, so no registration either.
+All paths are bitwise equal across ranks.
 
 The all-reduce reaches its communicator (graphar.comm.communicator) only through `CommCalls`, the
 seam tests fake.
@@ -19,31 +23,16 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from graphar import _cuda, graphs, settings
-from graphar.comm.abi import (
-    ALGO_CODES, CAPTURED_COPY, DTYPE_CODES, EAGER, ONE_STAGE, STAGED, TWO_STAGE, ZERO_COPY,
-)  # fmt: skip
+from graphar.comm import policy
+from graphar.comm.abi import ALGO_CODES, DTYPE_CODES, EAGER, PUSH_ALGOS, STAGED, ZERO_COPY, AllReduceArgs
 from graphar.errors import GrapharCommError
 
-KB = 1 << 10
-# Above 2 ranks, 1stage (which reads ws x the message) wins below these sizes; ws == 2 always 1stage.
-_ONE_STAGE_BELOW = {4: 512 * KB, 6: 256 * KB, 8: 256 * KB}
 # Blocks per launch by compute capability major. 36 is the v1 grid search (Ampere and older); on
 # 2 x H200 64 blocks pull peers' data faster from 512 KB up (8 MB zero-copy: 34.8 -> 30.0 us,
 # bench/results/allreduce-h200-ws2.md) and change nothing below, where the grid is smaller anyway.
 _BLOCK_LIMITS = {8: 36, 9: 64}
 _DEFAULT_BLOCK_LIMIT = 36
 _FIRST_GRAPH_SLOT, GRAPH_SLOTS = 1, 1 << 16  # slot 0 holds the registered buffers
-
-
-def choose_algo(world_size: int, nbytes: int, forced: str | None = None) -> str:
-    """The kernel for one call; depends only on facts equal on every rank."""
-    if forced is not None:
-        if forced not in ALGO_CODES:
-            raise ValueError(f"all-reduce algorithm must be '1stage' or '2stage', got {forced!r}")
-        return forced
-    if world_size == 2 or nbytes < _ONE_STAGE_BELOW[world_size]:
-        return ONE_STAGE
-    return TWO_STAGE
 
 
 def block_limit(capability_major: int) -> int:
@@ -53,19 +42,19 @@ def block_limit(capability_major: int) -> int:
 
 
 def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | None:
-    """Why the custom kernels cannot sum `x` (None when they can)."""
+    """Why the custom kernels cannot sum `x` (None when they can); cheap when they can."""
     if x.dtype not in DTYPE_CODES:
         return f"dtype {x.dtype} (float32, float16 and bfloat16 only)"
-    if not x.is_contiguous():
-        return "not contiguous"
-    nbytes = x.numel() * x.element_size()
+    nbytes = x.nbytes
     if nbytes == 0 or nbytes % 16 != 0:
         return f"{nbytes} bytes is not a positive multiple of 16"
     if nbytes > max_bytes:
         return f"{nbytes} bytes is over the limit of {max_bytes}"
+    if not x.is_contiguous():
+        return "not contiguous"
     if x.data_ptr() % 16 != 0:
         return "data pointer is not 16-byte aligned"
-    if x.device.type != "cuda" or x.device.index != device:
+    if x.get_device() != device:
         return f"on {x.device}, not on cuda:{device}"
     return None
 
@@ -81,8 +70,7 @@ class CommCalls(Protocol):
     def check(self) -> None: ...
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
-    def launch_all_reduce(self, dtype_code: int, algo_code: int, mode: int, input_ptr: int, output_ptr: int,
-                          nbytes: int, slot: int, stream: int) -> None: ...  # fmt: skip
+    def launch_all_reduce(self, args: AllReduceArgs) -> None: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
     def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
@@ -110,11 +98,15 @@ class _SharedCall(NamedTuple):
 
 
 class AllReduce:
-    """The custom all-reduce of one communicator; `calls` counts the calls its kernels served."""
+    """The custom all-reduce of one communicator; `calls` counts the calls its kernels served.
 
-    def __init__(self, comm: CommCalls, forced_algo: str | None = None) -> None:
+    `pdl` (GRAPHAR_PDL) launches the push kernels with programmatic dependent launch.
+    """
+
+    def __init__(self, comm: CommCalls, kernels: policy.Policy) -> None:
         self.comm = comm
-        self._forced_algo = forced_algo
+        self.policy = kernels
+        self.pdl = settings.PDL.get()
         self._next_slot = _FIRST_GRAPH_SLOT
         self.calls = 0
 
@@ -129,40 +121,53 @@ class AllReduce:
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL."""
-        return ineligible_reason(x, self.comm.device, self.comm.max_bytes) is None
+        return self._refusal(x, None) is None
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
-        """Sum of `x` over the group, as a new tensor; `algo` forces '1stage' or '2stage'."""
+        """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""
         out = self.try_all_reduce(x, algo)
         if out is None:
-            reason = ineligible_reason(x, self.comm.device, self.comm.max_bytes)
+            reason = self._refusal(x, algo)
             raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {reason}")
         return out
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
-        """`all_reduce(x, algo)`, or None when `x` is not eligible (the caller then uses NCCL).
+        """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL).
 
-        The op's path: one eligibility check per call instead of `eligible` and then `all_reduce`.
+        The op's path, kept lean: one eligibility pass, a cached kernel pick, a capture query only
+        where the pick depends on it, one allocation (the output) and one call into the library.
         """
         comm = self.comm
         comm.check()
         if ineligible_reason(x, comm.device, comm.max_bytes) is not None:
             return None
-        nbytes = x.numel() * x.element_size()
-        dtype_code = DTYPE_CODES[x.dtype]
-        algo_code = ALGO_CODES[choose_algo(comm.world_size, nbytes, algo or self._forced_algo)]
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        mode, slot = EAGER, 0
-        if torch.cuda.is_current_stream_capturing():
-            capture = graphs.current_capture()
-            if capture is None:
-                mode = CAPTURED_COPY
-            else:
-                mode, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
+        nbytes = x.nbytes
+        capture = graphs.current_capture()
+        if capture is not None:
+            mode = policy.GRAPHAR_GRAPH
+        elif self.policy.depends_on_capture(nbytes) and torch.cuda.is_current_stream_capturing():
+            mode = policy.GRAPH
+        else:
+            mode = policy.EAGER
+        chosen = self.policy.pick(nbytes, mode, algo)
+        if chosen is None:
+            return None
+        out = torch.empty_like(x)
+        dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
+        path, slot = EAGER, 0  # the library asks the stream whether it is capturing
+        if capture is not None and chosen not in PUSH_ALGOS:
+            path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce(dtype_code, algo_code, mode, x.data_ptr(), out.data_ptr(), nbytes, slot, stream)
+        comm.launch_all_reduce(AllReduceArgs(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, algo_code,
+                                             path, slot, self.pdl))  # fmt: skip
         self.calls += 1
         return out
+
+    def _refusal(self, x: torch.Tensor, algo: str | None) -> str | None:
+        reason = ineligible_reason(x, self.comm.device, self.comm.max_bytes)
+        if reason is None and self.policy.pick(x.nbytes, policy.EAGER, algo) is None:
+            reason = f"{x.nbytes} bytes is over the limits of the forced kernel {algo or self.policy.forced!r}"
+        return reason
 
     # ---- CUDA-graph capture (graphar.graphs) --------------------------------------------------
 

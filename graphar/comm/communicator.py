@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
-from graphar.comm import abi
+from graphar.comm import abi, policy
 from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce, block_limit
 from graphar.comm.exchange import IpcExchange
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
@@ -40,7 +40,8 @@ class Communicator:
     """The IPC communicator of one process group on this process's GPU; built by `init`."""
 
     def __init__(self, *, group_name: str, rank: int, world_size: int, device: int, max_bytes: int,
-                 timeout_s: float, blocks: int, forced_algo: str | None, store: StoreExchange) -> None:  # fmt: skip
+                 timeout_s: float, blocks: int, forced_algo: str | None, capability_major: int,
+                 store: StoreExchange) -> None:  # fmt: skip
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
@@ -58,7 +59,10 @@ class Communicator:
         record = ctypes.c_void_p()
         self._call("create", "graphar_comm_error_record", ctypes.byref(record))
         self._record = abi.ErrorRecord.from_address(record.value)
-        self.allreduce = AllReduce(self, forced_algo)
+        one_shot, two_shot = ctypes.c_uint64(), ctypes.c_uint64()
+        self._call("create", "graphar_comm_push_limits", ctypes.byref(one_shot), ctypes.byref(two_shot))
+        limits = policy.Limits(max_bytes=min(max_bytes, two_shot.value), push_one_shot=one_shot.value)
+        self.allreduce = AllReduce(self, policy.Policy(capability_major, world_size, limits, forced_algo))
         self.exchange = IpcExchange(self)
 
     # ---- the collectives, as users call them ------------------------------------------------------
@@ -86,7 +90,7 @@ class Communicator:
             r = self._record
             self._broken = (
                 f"graphar op on group {self.group_name!r} (rank {self.rank}) timed out: rank {r.peer} did "
-                f"not reach the {abi.WHERE.get(r.where, '?')} barrier (block {r.block}) within {self.timeout_s} s "
+                f"not reach the {abi.WHERE.get(r.where, '?')} (block {r.block}) within {self.timeout_s} s "
                 "(GRAPHAR_TIMEOUT_S); the communicator is unusable from now on"
             )
         if self._broken is not None:
@@ -113,11 +117,9 @@ class Communicator:
 
     # ---- typed calls into the CUDA library (graphar_cuda.h states each one's contract) ------------
 
-    def launch_all_reduce(self, dtype_code: int, algo_code: int, mode: int, input_ptr: int, output_ptr: int,
-                          nbytes: int, slot: int, stream: int) -> None:  # fmt: skip
-        # Every eager all-reduce comes here: the bound function, no name lookup or argument repacking.
-        rc = self._launch(self._handle, dtype_code, algo_code, mode, input_ptr, output_ptr, nbytes, slot, stream)
-        if rc != 0:
+    def launch_all_reduce(self, args: abi.AllReduceArgs) -> None:
+        # Every eager all-reduce comes here: the bound function, its arguments in one struct.
+        if self._launch(self._handle, ctypes.byref(args)) != 0:
             self._raise("all_reduce")
 
     def order(self, stream: int) -> None:
@@ -281,7 +283,8 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
     if len(set(buses)) != len(buses):
         return f"ranks share a GPU: {buses}"
     if len({f["settings"] for f in facts}) != 1:
-        return f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO): {[f['settings'] for f in facts]}"
+        return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GPU architecture): "
+                f"{[f['settings'] for f in facts]}")
     return None
 
 
@@ -307,9 +310,10 @@ def _set_up(
                              settings.EXCHANGE_TIMEOUT_S.get())  # fmt: skip
     what = f"graphar.init of group {name!r}"
 
-    blocks = block_limit(torch.cuda.get_device_capability(device)[0])
+    capability_major = torch.cuda.get_device_capability(device)[0]
+    blocks = block_limit(capability_major)
     forced = settings.ALLREDUCE_ALGO.get()
-    facts = exchange.all_gather(_local_facts(device, (max_bytes, blocks, forced)), what)
+    facts = exchange.all_gather(_local_facts(device, (max_bytes, blocks, forced, capability_major)), what)
     reason = _shared_reason(facts)
     if reason is None and world_size > 2:
         reason = first_reason(exchange.all_gather(_nvlink_reason([f["bus"] for f in facts], rank), what))
@@ -321,7 +325,8 @@ def _set_up(
     handles = b""
     try:
         comm = Communicator(group_name=name, rank=rank, world_size=world_size, device=device, max_bytes=max_bytes,
-                            timeout_s=timeout_s, blocks=blocks, forced_algo=forced, store=exchange)  # fmt: skip
+                            timeout_s=timeout_s, blocks=blocks, forced_algo=forced,
+                            capability_major=capability_major, store=exchange)  # fmt: skip
         handles = comm._ipc_handles()
     except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
         local = str(e)

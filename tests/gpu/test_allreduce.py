@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 KB, MB = 1 << 10, 1 << 20
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ALGOS = (None, "1stage", "2stage")
+ALGOS = (None, "1stage", "2stage", "push-oneshot", "push-twoshot")
 MAX_BYTES = 8 * MB
 # 16 B up to the limit, odd multiples of 16 B included (shards with remainders for 2stage).
 SIZES = (16, 48, 16 * 33, 16 * 1001, 64 * KB, 256 * KB + 16 * 3, MB + 16 * 7, 4 * MB - 16, MAX_BYTES)
@@ -55,6 +55,10 @@ def _exact_against_nccl(rank: int, world_size: int) -> None:
                 for algo in ALGOS:
                     x = integer_valued(nbytes // dtype.itemsize, dtype)
                     assert comm.eligible(x)
+                    if comm.allreduce.policy.pick(nbytes, "eager", algo) is None:  # past the one-shot's room
+                        with pytest.raises(ValueError, match="forced kernel"):
+                            comm.all_reduce(x, algo=algo)
+                        continue
                     _check_exact(comm, x, algo)
         # Non-integer data: no exact reference, but the ranks must agree bit for bit.
         for algo in ALGOS:
@@ -75,7 +79,8 @@ def _repeated_calls(rank: int, world_size: int) -> None:
     comm = graphar.init(max_bytes=MAX_BYTES)
     try:
         # Grid size, algorithm and dtype change from call to call; every barrier slot phase is hit.
-        cases = [(16, "1stage"), (32 * KB, "2stage"), (MB + 16, None), (MAX_BYTES, "2stage"), (4 * KB, "1stage")]
+        cases = [(16, "1stage"), (32 * KB, "2stage"), (MB + 16, None), (MAX_BYTES, "2stage"), (4 * KB, "1stage"),
+                 (48, "push-oneshot"), (MB + 16 * 5, "push-twoshot"), (64 * KB, "push-oneshot")]
         inputs = [integer_valued(n // 2, torch.bfloat16) for n, _ in cases]
         refs = [_nccl_sum(x) for x in inputs]
         mismatches = []
@@ -97,12 +102,12 @@ def _two_streams_back_to_back(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
-        xs = [integer_valued(64 * KB, torch.float32) for _ in range(200)]
+        xs = [integer_valued(64 * KB, torch.float32) for _ in range(300)]
         ys = []
         torch.cuda.synchronize()
         for i, x in enumerate(xs):  # no ordering between a and b from the caller
             with torch.cuda.stream(a if i % 2 else b):
-                ys.append(comm.all_reduce(x))
+                ys.append(comm.all_reduce(x, algo=(None, "push-oneshot", "push-twoshot")[i % 3]))
         torch.cuda.synchronize()
         for x, y in zip(xs, ys):
             assert torch.equal(y, _nccl_sum(x))
@@ -157,7 +162,7 @@ def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
                 comm.all_reduce(x)
             if x.is_cuda:  # the op serves ineligible inputs through NCCL
                 assert torch.equal(torch.ops.graphar.all_reduce(x, name), _nccl_sum(x.contiguous())), what
-        with pytest.raises(ValueError, match="1stage"):
+        with pytest.raises(ValueError, match="push-oneshot"):
             comm.all_reduce(integer_valued(64, torch.float32), algo="3stage")
     finally:
         comm.close()

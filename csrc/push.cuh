@@ -1,0 +1,305 @@
+// graphar's push all-reduce kernels: no barrier. Each rank stores its input, read in place from any
+// pointer, straight into its slots in every peer's receive region (CUDA IPC), and learns that a
+// peer's data has arrived from the data itself.
+//
+// Arrival. Every 32-bit word of an unwritten slot holds kEmpty (0xFFFFFFFF). A pack has arrived when
+// none of its four words is kEmpty: an aligned 32-bit store is seen whole, a 16-byte store may be
+// seen in parts. Real data can carry that pattern: it is a NaN in float32 (sign, exponent and
+// mantissa all ones) and two NaNs (0xFFFF each) in float16 and bfloat16. Senders replace such a word
+// by kStandIn (0x7FFFFFFF), a NaN in every lane of every dtype too, and the sum does not change:
+// every output element is an fp32 sum of ws >= 2 values, and an fp32 add with a NaN operand gives
+// the canonical NaN whatever the operand's payload. -0.0, +-Inf and every other pattern travel
+// unchanged. A rank applies the same replacement to its own data, so every rank sums the same bits
+// in the same order (rank 0..ws-1): the ranks agree bitwise.
+//
+// Epochs. The receive region has two epochs that calls alternate between; whoever reads a slot
+// writes kEmpty back right after. A peer writes epoch e again two calls later, which it can only
+// reach with this rank's data of the call in between, stored after this call ended: the reset
+// always lands first. The epoch count is in the rank's Signal (push_epoch), advanced by the kernel,
+// so eager calls and CUDA-graph replays share one sequence; as with the barrier, every rank must
+// issue the group's calls in one order.
+//
+// PDL. Launched with programmatic stream serialization, a kernel may start while the kernel before
+// it on the stream still runs. griddepcontrol.wait holds every thread until that kernel has
+// completed and its writes are visible (the input; the previous call's epoch and resets), and
+// nothing is read or written before it. launch_dependents then lets the next kernel's launch start,
+// to meet the same wait. Both are no-ops in a launch without the attribute.
+#pragma once
+
+#include "barrier.cuh"
+#include "pack.cuh"
+
+namespace graphar {
+
+constexpr int kPushThreads = 256;
+constexpr uint32_t kEmpty = 0xFFFFFFFFu;
+constexpr uint32_t kStandIn = 0x7FFFFFFFu;
+
+struct PushParams {
+  BarrierParams barrier;  // the Signals (epochs) and the error record; no barrier is met
+  RankData regions;       // every rank's receive region: two epochs of epoch_packs packs
+  const void* in;
+  void* out;
+  int packs;        // message size in 16-byte packs
+  int epoch_packs;  // packs per epoch of a receive region
+};
+
+// Packs in flight per thread: loads issued together hide the memory latency of large messages.
+template <int kRanks>
+struct PushBatch {
+  static constexpr int value = kRanks == 2 ? 4 : 2;
+};
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+__device__ __forceinline__ uint32_t sendable(uint32_t w) { return w == kEmpty ? kStandIn : w; }
+__device__ __forceinline__ uint4 sendable(const uint4& v) {
+  return make_uint4(sendable(v.x), sendable(v.y), sendable(v.z), sendable(v.w));
+}
+__device__ __forceinline__ bool arrived(const uint4& v) {
+  return (v.x != kEmpty) & (v.y != kEmpty) & (v.z != kEmpty) & (v.w != kEmpty);
+}
+
+// Volatile (relaxed, system scope) slot accesses: the data is its own flag, so no access orders
+// another; volatile keeps a poll from being served by a stale cached copy.
+__device__ __forceinline__ void st_slot(uint4* addr, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_slot(const uint4* addr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void reset_slot(uint4* addr) { st_slot(addr, make_uint4(kEmpty, kEmpty, kEmpty, kEmpty)); }
+
+// Reloads the slot until its pack has arrived (v: the first load); false on timeout.
+__device__ __forceinline__ bool await_slot(const uint4* slot, uint4& v, const BarrierParams& p, Where where,
+                                           int peer) {
+  Deadline deadline;
+  while (!arrived(v)) {
+    if (!deadline.keep_waiting(p, where, peer)) return false;
+    v = ld_slot(slot);
+  }
+  return true;
+}
+
+// a[i] without a runtime index into a register array (which would move it to local memory).
+template <int kRanks, typename P>
+__device__ __forceinline__ P nth(const P (&a)[kRanks], int i) {
+  P x = a[0];
+#pragma unroll
+  for (int r = 1; r < kRanks; r++) x = i == r ? a[r] : x;
+  return x;
+}
+
+// Each rank's receive region at this call's epoch.
+template <int kRanks>
+__device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoch, uint4* (&out)[kRanks]) {
+  const int64_t offset = static_cast<int64_t>(epoch & 1) * p.epoch_packs;
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) out[r] = static_cast<uint4*>(const_cast<void*>(p.regions.ptrs[r])) + offset;
+}
+
+// The call's epoch, read once per block before any thread of it works.
+__device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) epoch = p.self->push_epoch[blockIdx.x];
+  __syncthreads();
+  return epoch;
+}
+
+// Advances every block's copy, including those of blocks this launch did not have; the next call
+// reads them after its griddepcontrol.wait (or stream order), so after this kernel completed.
+__device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epoch) {
+  if (threadIdx.x != 0) return;
+  p.self->push_epoch[blockIdx.x] = epoch + 1;
+  if (blockIdx.x == 0) {
+    for (int b = gridDim.x; b < kMaxBlocks; b++) p.self->push_epoch[b] = epoch + 1;
+  }
+}
+
+// ---- one shot: every rank receives every rank's whole input and sums it ----------------------------
+//
+// Epoch region: rank r's slot at r * packs.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const BarrierParams& bp = p.barrier;
+  const uint32_t epoch = enter_epoch(bp);
+  constexpr int kBatch = PushBatch<kRanks>::value;
+  uint4* region[kRanks];
+  epoch_regions<kRanks>(p, epoch, region);
+  const uint4* in = static_cast<const uint4*>(p.in);
+  uint4* out = static_cast<uint4*>(p.out);
+  const int first = blockIdx.x * blockDim.x + threadIdx.x;
+  const int stride = gridDim.x * blockDim.x;
+
+  for (int base = first; base < p.packs; base += kBatch * stride) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      if (base + b * stride < p.packs) v[b] = sendable(in[base + b * stride]);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank && idx < p.packs) st_slot(region[r] + bp.rank * p.packs + idx, v[b]);
+      }
+    }
+  }
+
+  uint4* mine = nth<kRanks>(region, bp.rank);
+  for (int base = first; base < p.packs; base += kBatch * stride) {
+    uint4 got[kBatch][kRanks];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (idx < p.packs) got[b][r] = r == bp.rank ? sendable(in[idx]) : ld_slot(mine + r * p.packs + idx);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+      if (idx >= p.packs) continue;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank && !await_slot(mine + r * p.packs + idx, got[b][r], bp, kPushOneShot, r)) return;
+      }
+      out[idx] = sum_in_order<T, kRanks>(got[b]);
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank) reset_slot(mine + r * p.packs + idx);
+      }
+    }
+  }
+  leave_epoch(bp, epoch);
+}
+
+// ---- two shot: reduce-scatter by push, then all-gather by push --------------------------------------
+//
+// Shard s is packs [s * part, s * part + size): part = packs / ws, the last shard takes the
+// remainder (largest). Epoch region: scatter slots (rank r's share of this rank's shard at
+// r * largest), then gather slots (the sum of shard s at (ws + s) * largest). Each shard is summed
+// once, by its owner, so every rank gathers the same bits.
+struct Shards {
+  int part, largest;
+  __device__ __forceinline__ Shards(int packs, int ranks)
+      : part(packs / ranks), largest(packs - (ranks - 1) * (packs / ranks)) {}
+  __device__ __forceinline__ int owner(int idx, int ranks) const {
+    return part == 0 ? ranks - 1 : min(idx / part, ranks - 1);
+  }
+};
+
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const BarrierParams& bp = p.barrier;
+  const uint32_t epoch = enter_epoch(bp);
+  constexpr int kBatch = PushBatch<kRanks>::value;
+  uint4* region[kRanks];
+  epoch_regions<kRanks>(p, epoch, region);
+  uint4* mine = nth<kRanks>(region, bp.rank);
+  const uint4* in = static_cast<const uint4*>(p.in);
+  uint4* out = static_cast<uint4*>(p.out);
+  const int first = blockIdx.x * blockDim.x + threadIdx.x;
+  const int stride = gridDim.x * blockDim.x;
+  const Shards sh(p.packs, kRanks);
+  const int start = bp.rank * sh.part;
+  const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
+
+  // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
+  for (int base = first; base < p.packs; base += kBatch * stride) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      if (base + b * stride < p.packs) v[b] = sendable(in[base + b * stride]);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+      const int o = sh.owner(idx, kRanks);
+      if (idx < p.packs && o != bp.rank) {
+        st_slot(nth<kRanks>(region, o) + bp.rank * sh.largest + idx - o * sh.part, v[b]);
+      }
+    }
+  }
+
+  // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
+  for (int base = first; base < size; base += kBatch * stride) {
+    uint4 got[kBatch][kRanks];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int i = base + b * stride;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (i < size) got[b][r] = r == bp.rank ? sendable(in[start + i]) : ld_slot(mine + r * sh.largest + i);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int i = base + b * stride;
+      if (i >= size) continue;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank && !await_slot(mine + r * sh.largest + i, got[b][r], bp, kPushScatter, r)) return;
+      }
+      const uint4 sum = sendable(sum_in_order<T, kRanks>(got[b]));  // a sum is never kEmpty; kept uniform
+      out[start + i] = sum;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r == bp.rank) continue;
+        st_slot(region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
+        reset_slot(mine + r * sh.largest + i);
+      }
+    }
+  }
+
+  // 3. Gather the other shards' sums.
+  for (int base = first; base < p.packs; base += kBatch * stride) {
+    uint4 got[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+      const int o = sh.owner(idx, kRanks);
+      if (idx < p.packs && o != bp.rank) got[b] = ld_slot(mine + (kRanks + o) * sh.largest + idx - o * sh.part);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int idx = base + b * stride;
+      const int o = sh.owner(idx, kRanks);
+      if (idx >= p.packs || o == bp.rank) continue;
+      uint4* slot = mine + (kRanks + o) * sh.largest + idx - o * sh.part;
+      if (!await_slot(slot, got[b], bp, kPushGather, o)) return;
+      out[idx] = got[b];
+      reset_slot(slot);
+    }
+  }
+  leave_epoch(bp, epoch);
+}
+
+// Packs an epoch needs: the one-shot's ws slots of the message, the two-shot's 2 * ws of its largest shard.
+__host__ __device__ constexpr int64_t push_epoch_packs_needed(bool one_shot, int64_t packs, int ranks) {
+  return one_shot ? ranks * packs : 2 * ranks * (packs - (ranks - 1) * (packs / ranks));
+}
+
+}  // namespace graphar

@@ -1,0 +1,92 @@
+"""Which all-reduce kernel serves a call: a table measured with `python -m graphar bench allreduce`.
+
+The table is keyed by (compute capability major, world size) and capture mode, and lists rows
+(largest size in bytes, kernel) in ascending order; the last row's kernel serves every larger size.
+Capture modes:
+- "eager": no capture;
+- "graph": a capture graphar does not own (`torch.cuda.graph`, Inductor's cudagraph trees);
+- "graphar.graph": graphar's own capture, where the v1 kernels read their inputs in place too.
+
+Every input of a pick (architecture, world size, size, capture mode, the kernels' limits, the forced
+kernel) is equal on every rank, so every rank picks alike.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from graphar.comm.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE
+
+EAGER, GRAPH, GRAPHAR_GRAPH = "eager", "graph", "graphar.graph"
+MODES = (EAGER, GRAPH, GRAPHAR_GRAPH)
+KB = 1 << 10
+_OPEN = 1 << 62  # the last row's bound
+
+Rows = tuple[tuple[int, str], ...]
+
+# Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
+# every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured
+# them on the GPUs the row is for; until then they run only when forced (GRAPHAR_ALLREDUCE_ALGO).
+_V1_TWO_RANKS: Rows = ((_OPEN, ONE_STAGE),)
+TABLE: dict[tuple[int, int], dict[str, Rows]] = {
+    (9, 2): dict.fromkeys(MODES, _V1_TWO_RANKS),
+}
+# Elsewhere (no measurement yet): 1stage reads ws x the message, so above 2 ranks it gives way to
+# 2stage at sizes from the v1 design's measurements on 4 and 8 GPUs.
+_UNMEASURED: dict[int, Rows] = {
+    2: _V1_TWO_RANKS,
+    4: ((512 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
+    6: ((256 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
+    8: ((256 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
+}
+
+
+class Limits(NamedTuple):
+    """The largest message (bytes) each kernel takes on a communicator."""
+
+    max_bytes: int  # every kernel
+    push_one_shot: int
+
+
+def rows(capability_major: int, world_size: int, mode: str) -> Rows:
+    """The table's rows for a GPU architecture, world size and capture mode."""
+    measured = TABLE.get((capability_major, world_size))
+    return measured[mode] if measured is not None else _UNMEASURED[world_size]
+
+
+def fits(algo: str, nbytes: int, limits: Limits) -> bool:
+    """Whether `algo` can take a message of `nbytes` (a positive multiple of 16)."""
+    return nbytes <= (limits.push_one_shot if algo == PUSH_ONE_SHOT else limits.max_bytes)
+
+
+class Policy:
+    """The kernel per (size, capture mode) for one communicator; picks are cached per size."""
+
+    def __init__(self, capability_major: int, world_size: int, limits: Limits, forced: str | None = None) -> None:
+        if forced is not None and forced not in ALGO_CODES:
+            raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {forced!r}")
+        self.limits = limits
+        self.forced = forced
+        self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
+        self._cache: dict[int, tuple[str | None, ...]] = {}
+
+    def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
+        """The kernel for one call (`algo` forces one); None when the forced kernel cannot take it."""
+        if algo is not None or self.forced is not None:
+            chosen = algo if algo is not None else self.forced
+            if chosen not in ALGO_CODES:
+                raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
+            return chosen if fits(chosen, nbytes, self.limits) else None
+        picks = self._cache.get(nbytes)
+        if picks is None:
+            picks = self._cache[nbytes] = tuple(self._from_table(nbytes, m) for m in MODES)
+        return picks[MODES.index(mode)]
+
+    def depends_on_capture(self, nbytes: int) -> bool:
+        """Whether eager calls and calls in a foreign capture get different kernels at this size."""
+        return self.forced is None and self.pick(nbytes, EAGER) != self.pick(nbytes, GRAPH)
+
+    def _from_table(self, nbytes: int, mode: str) -> str:
+        algo = next(a for bound, a in self._rows[mode] if nbytes <= bound)
+        # A measured one-shot row past the one-shot's room (more ranks than the row assumed) goes two-shot.
+        return PUSH_TWO_SHOT if algo == PUSH_ONE_SHOT and not fits(algo, nbytes, self.limits) else algo

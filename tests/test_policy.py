@@ -1,0 +1,135 @@
+"""The all-reduce's kernel choice (graphar.comm.policy) and the eager path that applies it, on the CPU.
+
+The path runs against a fake communicator whose "device" is the CPU (-1), so that plain tensors are
+eligible and the arguments that would reach the library can be read back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from graphar import graphs
+from graphar.comm import abi, policy
+from graphar.comm import allreduce as ar
+
+KB, MB = 1 << 10, 1 << 20
+LIMITS = policy.Limits(max_bytes=8 * MB, push_one_shot=2 * MB)
+
+
+def test_measured_rows_and_the_unmeasured_rule() -> None:
+    h200 = policy.Policy(9, 2, LIMITS)
+    assert {h200.pick(n, mode) for n in (16, 256 * KB, 8 * MB) for mode in policy.MODES} == {"1stage"}
+    for ws, switch in ((4, 512 * KB), (6, 256 * KB), (8, 256 * KB)):
+        p = policy.Policy(9, ws, LIMITS)
+        assert p.pick(switch - 16, policy.EAGER) == "1stage" and p.pick(switch, policy.EAGER) == "2stage"
+    assert policy.Policy(8, 2, LIMITS).pick(8 * MB, policy.GRAPH) == "1stage"
+
+
+def test_rows_ascend_and_name_known_kernels() -> None:
+    for modes in policy.TABLE.values():
+        assert set(modes) == set(policy.MODES)
+        for rows in modes.values():
+            bounds = [bound for bound, _ in rows]
+            assert bounds == sorted(bounds) and all(algo in abi.ALGO_CODES for _, algo in rows)
+
+
+def test_forced_kernel_within_its_limit_else_none() -> None:
+    forced = policy.Policy(9, 8, LIMITS, forced="push-oneshot")
+    assert forced.pick(2 * MB, policy.EAGER) == "push-oneshot"
+    assert forced.pick(2 * MB + 16, policy.EAGER) is None  # NCCL serves it
+    assert forced.pick(16, policy.EAGER, algo="2stage") == "2stage"  # a call's own choice wins
+    assert not forced.depends_on_capture(16)
+    with pytest.raises(ValueError, match="push-twoshot"):
+        policy.Policy(9, 2, LIMITS, forced="oneshot")
+    with pytest.raises(ValueError, match="push-twoshot"):
+        forced.pick(16, policy.EAGER, algo="3stage")
+
+
+def test_a_one_shot_row_past_the_one_shot_room_goes_two_shot(monkeypatch) -> None:
+    rows = ((policy._OPEN, "push-oneshot"),)
+    monkeypatch.setitem(policy.TABLE, (9, 8), dict.fromkeys(policy.MODES, rows))
+    p = policy.Policy(9, 8, LIMITS)
+    assert p.pick(2 * MB, policy.EAGER) == "push-oneshot" and p.pick(2 * MB + 16, policy.EAGER) == "push-twoshot"
+
+
+def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None:
+    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy._OPEN, "1stage")),
+            policy.GRAPH: ((policy._OPEN, "push-oneshot"),),
+            policy.GRAPHAR_GRAPH: ((policy._OPEN, "1stage"),)}  # fmt: skip
+    monkeypatch.setitem(policy.TABLE, (9, 2), rows)
+    p = policy.Policy(9, 2, LIMITS)
+    assert not p.depends_on_capture(64 * KB) and p.depends_on_capture(64 * KB + 16)
+
+
+# ---- the eager path against a fake communicator ---------------------------------------------------
+
+
+class _CpuComm:
+    group_name, world_size, device, max_bytes = "g", 2, -1, MB
+
+    def __init__(self) -> None:
+        self.launched: list[dict[str, int]] = []
+
+    def check(self) -> None:
+        pass
+
+    def launch_all_reduce(self, args: abi.AllReduceArgs) -> None:
+        self.launched.append({name: getattr(args, name) for name, _ in args._fields_})
+
+    def pointer_info(self, ptr: int) -> tuple[int, bool]:
+        return ptr, True
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.recorded: list[Any] = []
+
+    def record(self, owner: Any, call: Any) -> None:
+        self.recorded.append(call)
+
+
+@pytest.fixture
+def cpu_all_reduce(monkeypatch) -> tuple[ar.AllReduce, _CpuComm]:
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked about capture"))
+    rows = {policy.EAGER: ((policy._OPEN, "push-oneshot"),), policy.GRAPH: ((policy._OPEN, "push-oneshot"),),
+            policy.GRAPHAR_GRAPH: ((16 * KB, "push-oneshot"), (policy._OPEN, "1stage"))}  # fmt: skip
+    monkeypatch.setitem(policy.TABLE, (9, 2), rows)
+    comm = _CpuComm()
+    return ar.AllReduce(comm, policy.Policy(9, 2, policy.Limits(MB, MB))), comm
+
+
+def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_reduce) -> None:
+    allreduce, comm = cpu_all_reduce
+    allreduce.pdl = True
+    x = torch.randn(4, 1024, dtype=torch.bfloat16)
+    out = allreduce.try_all_reduce(x)
+    assert out is not None and out.shape == x.shape and out.is_contiguous() and out.data_ptr() != x.data_ptr()
+    assert comm.launched == [dict(input=x.data_ptr(), output=out.data_ptr(), nbytes=x.nbytes, stream=1234,
+                                  dtype=abi.DTYPE_CODES[torch.bfloat16], algo=abi.ALGO_CODES["push-oneshot"],
+                                  path=abi.EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
+    assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
+
+
+def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) -> None:
+    allreduce, comm = cpu_all_reduce
+    capture = _Capture()
+    monkeypatch.setattr(graphs, "current_capture", lambda: capture)
+    small, large = torch.randn(16 * KB // 4), torch.randn(64 * KB // 4)
+    allreduce.try_all_reduce(small)
+    allreduce.try_all_reduce(large)
+    assert [c["algo"] for c in comm.launched] == [abi.ALGO_CODES["push-oneshot"], abi.ALGO_CODES["1stage"]]
+    assert [c["path"] for c in comm.launched] == [abi.EAGER, abi.ZERO_COPY]
+    assert [c.tensor for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
+
+
+def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None:
+    allreduce, _ = cpu_all_reduce
+    allreduce.policy = policy.Policy(9, 8, policy.Limits(MB, 64 * KB), forced="push-oneshot")
+    x = torch.randn(128 * KB // 4)
+    assert allreduce.try_all_reduce(x) is None and not allreduce.eligible(x)
+    with pytest.raises(ValueError, match="forced kernel 'push-oneshot'"):
+        allreduce.all_reduce(x)

@@ -1,0 +1,120 @@
+"""Where the host time of one eager graphar all-reduce goes: each step of the call timed alone.
+
+Run on two GPUs (NCCL) or, where one GPU is all there is, two processes sharing it (the set-up of
+tools/one_gpu_check.py; host times are still real, kernel times are not). Usage, from the checkout:
+    PYTHONPATH=. python tools/eager_breakdown.py [--bytes 16384] [--algo push-oneshot]
+Prints one line per step: the median over loops of calls (2000, or 200 for the steps that launch a
+kernel), in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LOOPS = 7
+LAUNCHES = ("library call", "whole", "torch.ops")  # steps that launch a kernel: fewer calls per loop,
+# so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    times = []
+    for _ in range(LOOPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object]]:
+    from graphar import graphs
+    from graphar.comm import abi, policy
+    from graphar.comm.allreduce import ineligible_reason
+
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    ar = comm.allreduce
+    kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
+    stream = torch._C._cuda_getCurrentRawStream(comm.device)
+    args = abi.AllReduceArgs(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
+                             abi.ALGO_CODES[kernel], abi.EAGER, 0, ar.pdl)  # fmt: skip
+    return {
+        "comm.check()": comm.check,
+        "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
+            lambda: ineligible_reason(x, comm.device, comm.max_bytes),
+        "graphs.current_capture()": graphs.current_capture,
+        "policy: depends_on_capture + pick (cached)":
+            lambda: ar.policy.depends_on_capture(nbytes) or ar.policy.pick(nbytes, policy.EAGER, algo),
+        "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)":
+            torch.cuda.is_current_stream_capturing,
+        "torch.empty_like(x) (the output)": lambda: torch.empty_like(x),
+        "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(comm.device),
+        "x.data_ptr() + out.data_ptr()": lambda: (x.data_ptr(), out.data_ptr()),
+        "AllReduceArgs(...) (one struct)": lambda: abi.AllReduceArgs(
+            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1),
+        "library call: capture query, ordering event, launch": lambda: comm.launch_all_reduce(args),
+        "whole AllReduce.try_all_reduce": lambda: ar.try_all_reduce(x, algo),
+        "torch.ops.graphar.all_reduce (the op as compiled graphs call it)":
+            lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
+    }  # fmt: skip
+
+
+def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    one_gpu = torch.cuda.device_count() < world
+    torch.cuda.set_device(0 if one_gpu else rank)
+    backend = "gloo" if one_gpu else "nccl"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    import graphar
+
+    if one_gpu:
+        from one_gpu_check import _init_relaxed
+
+        comm = _init_relaxed()
+    else:
+        comm = graphar.init()
+    if algo is not None:
+        comm.allreduce.policy.forced = algo
+    try:
+        for name, fn in _steps(comm, nbytes, algo).items():
+            dist.barrier()  # both ranks time the same step together: the kernels need their peer
+            us = _per_call_us(fn, 200 if name.startswith(LAUNCHES) else 2000)
+            if rank == 0:
+                print(f"{us:8.2f} us  {name}", flush=True)
+        torch.cuda.synchronize()
+    finally:
+        comm.close()
+    from graphar._launch import end_worker
+
+    end_worker()
+
+
+def main() -> int:
+    from graphar._launch import free_port
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bytes", type=int, default=16 * 1024)
+    p.add_argument("--algo", default=None, help="force a kernel (default: the policy's)")
+    args = p.parse_args()
+    print(f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
+          f"{torch.cuda.get_device_name()}; torch {torch.__version__}")  # fmt: skip
+    mp.spawn(_worker, args=(2, free_port(), args.bytes, args.algo), nprocs=2, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
