@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-_state = threading.local()
+class _State(threading.local):
+    capture: Capture | None = None  # a class default: reading it costs no AttributeError when unset
+
+
+_state = _State()
 
 
 class Capture:
@@ -32,7 +36,7 @@ class Capture:
 
 def current_capture() -> Capture | None:
     """The graphar capture running on this thread, if any."""
-    return getattr(_state, "capture", None)
+    return _state.capture
 
 
 @contextmanager

@@ -65,9 +65,10 @@ def test_error_record_layout() -> None:
 
 def test_all_reduce_args_layout() -> None:
     body = re.search(r"typedef struct graphar_all_reduce_args \{([^}]*)\}", _text("graphar_cuda.h")).group(1)
-    ctype = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
-    fields = [(name, ctype[t]) for t, name in re.findall(r"(uint64_t|int32_t)\s+(\w+);", body)]
-    assert fields == list(abi.AllReduceArgs._fields_)
+    code = {"uint64_t": "Q", "int32_t": "i"}
+    fields = [(name, code[t]) for t, name in re.findall(r"(uint64_t|int32_t)\s+(\w+);", body)]
+    assert fields == list(abi.ALL_REDUCE_ARGS_FIELDS)
+    assert abi.ALL_REDUCE_ARGS.size == 4 * 8 + 6 * 4  # no padding on either side
 
 
 def test_ipc_handle_size() -> None:

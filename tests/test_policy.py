@@ -76,8 +76,9 @@ class _CpuComm:
     def check(self) -> None:
         pass
 
-    def launch_all_reduce(self, args: abi.AllReduceArgs) -> None:
-        self.launched.append({name: getattr(args, name) for name, _ in args._fields_})
+    def launch_all_reduce(self, args: bytes) -> None:
+        names = [name for name, _ in abi.ALL_REDUCE_ARGS_FIELDS]
+        self.launched.append(dict(zip(names, abi.ALL_REDUCE_ARGS.unpack(args))))
 
     def pointer_info(self, ptr: int) -> tuple[int, bool]:
         return ptr, True

@@ -50,8 +50,8 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     ar = comm.allreduce
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
     stream = torch._C._cuda_getCurrentRawStream(comm.device)
-    args = abi.AllReduceArgs(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
-                             abi.ALGO_CODES[kernel], abi.EAGER, 0, ar.pdl)  # fmt: skip
+    args = abi.ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
+                                    abi.ALGO_CODES[kernel], abi.EAGER, 0, ar.pdl, 0)  # fmt: skip
     return {
         "comm.check()": comm.check,
         "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
@@ -61,11 +61,13 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
             lambda: ar.policy.depends_on_capture(nbytes) or ar.policy.pick(nbytes, policy.EAGER, algo),
         "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)":
             torch.cuda.is_current_stream_capturing,
-        "torch.empty_like(x) (the output)": lambda: torch.empty_like(x),
+        "torch.empty_like(x, memory_format=torch.contiguous_format) (the output)":
+            lambda: torch.empty_like(x, memory_format=torch.contiguous_format),
+        "(for comparison) torch.empty_like(x)": lambda: torch.empty_like(x),
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(comm.device),
         "x.data_ptr() + out.data_ptr()": lambda: (x.data_ptr(), out.data_ptr()),
-        "AllReduceArgs(...) (one struct)": lambda: abi.AllReduceArgs(
-            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1),
+        "ALL_REDUCE_ARGS.pack(...) (one struct)": lambda: abi.ALL_REDUCE_ARGS.pack(
+            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1, 0),
         "library call: capture query, ordering event, launch": lambda: comm.launch_all_reduce(args),
         "whole AllReduce.try_all_reduce": lambda: ar.try_all_reduce(x, algo),
         "torch.ops.graphar.all_reduce (the op as compiled graphs call it)":

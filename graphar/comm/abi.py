@@ -7,6 +7,7 @@ headers and holds these values equal to them, so a change on one side alone fail
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import torch
 
@@ -36,11 +37,8 @@ class ErrorRecord(ctypes.Structure):
     _fields_ = [("failed", ctypes.c_uint32), ("where", ctypes.c_uint32), ("peer", ctypes.c_uint32),
                 ("block", ctypes.c_uint32)]  # fmt: skip
 
-
-class AllReduceArgs(ctypes.Structure):
-    """struct graphar_all_reduce_args: one all-reduce, passed to the library by address."""
-
-    _fields_ = [("input", ctypes.c_uint64), ("output", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
-                ("stream", ctypes.c_uint64), ("dtype", ctypes.c_int32), ("algo", ctypes.c_int32),
-                ("path", ctypes.c_int32), ("slot", ctypes.c_int32), ("pdl", ctypes.c_int32),
-                ("reserved", ctypes.c_int32)]  # fmt: skip
+# struct graphar_all_reduce_args, field by field (Q: uint64_t, i: int32_t). A call packs its
+# arguments with ALL_REDUCE_ARGS.pack(...) and passes the bytes: cheaper than a ctypes Structure.
+ALL_REDUCE_ARGS_FIELDS = (("input", "Q"), ("output", "Q"), ("nbytes", "Q"), ("stream", "Q"), ("dtype", "i"),
+                          ("algo", "i"), ("path", "i"), ("slot", "i"), ("pdl", "i"), ("reserved", "i"))  # fmt: skip
+ALL_REDUCE_ARGS = struct.Struct("=" + "".join(code for _, code in ALL_REDUCE_ARGS_FIELDS))

@@ -24,7 +24,7 @@ import torch
 
 from graphar import _cuda, graphs, settings
 from graphar.comm import policy
-from graphar.comm.abi import ALGO_CODES, DTYPE_CODES, EAGER, PUSH_ALGOS, STAGED, ZERO_COPY, AllReduceArgs
+from graphar.comm.abi import ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, PUSH_ALGOS, STAGED, ZERO_COPY
 from graphar.errors import GrapharCommError
 
 # Blocks per launch by compute capability major. 36 is the v1 grid search (Ampere and older); on
@@ -70,7 +70,7 @@ class CommCalls(Protocol):
     def check(self) -> None: ...
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
-    def launch_all_reduce(self, args: AllReduceArgs) -> None: ...
+    def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
     def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
@@ -152,14 +152,14 @@ class AllReduce:
         chosen = self.policy.pick(nbytes, mode, algo)
         if chosen is None:
             return None
-        out = torch.empty_like(x)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
         path, slot = EAGER, 0  # the library asks the stream whether it is capturing
         if capture is not None and chosen not in PUSH_ALGOS:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce(AllReduceArgs(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, algo_code,
-                                             path, slot, self.pdl))  # fmt: skip
+        comm.launch_all_reduce(ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code,
+                                                    algo_code, path, slot, self.pdl, 0))  # fmt: skip
         self.calls += 1
         return out
 

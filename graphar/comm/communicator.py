@@ -117,9 +117,10 @@ class Communicator:
 
     # ---- typed calls into the CUDA library (graphar_cuda.h states each one's contract) ------------
 
-    def launch_all_reduce(self, args: abi.AllReduceArgs) -> None:
+    def launch_all_reduce(self, args: bytes) -> None:
+        """Launch one all-reduce; `args` is graphar.comm.abi.ALL_REDUCE_ARGS, packed."""
         # Every eager all-reduce comes here: the bound function, its arguments in one struct.
-        if self._launch(self._handle, ctypes.byref(args)) != 0:
+        if self._launch(self._handle, args) != 0:
             self._raise("all_reduce")
 
     def order(self, stream: int) -> None:
