@@ -6,12 +6,15 @@ eligible and the arguments that would reach the library can be read back.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from graphar import graphs
+from graphar.benchmarks import allreduce as allreduce_bench
+from graphar.benchmarks import common
 from graphar.comm import abi, policy
 from graphar.comm import allreduce as ar
 
@@ -49,16 +52,16 @@ def test_forced_kernel_within_its_limit_else_none() -> None:
 
 
 def test_a_one_shot_row_past_the_one_shot_room_goes_two_shot(monkeypatch) -> None:
-    rows = ((policy._OPEN, "push-oneshot"),)
+    rows = ((policy.OPEN, "push-oneshot"),)
     monkeypatch.setitem(policy.TABLE, (9, 8), dict.fromkeys(policy.MODES, rows))
     p = policy.Policy(9, 8, LIMITS)
     assert p.pick(2 * MB, policy.EAGER) == "push-oneshot" and p.pick(2 * MB + 16, policy.EAGER) == "push-twoshot"
 
 
 def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None:
-    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy._OPEN, "1stage")),
-            policy.GRAPH: ((policy._OPEN, "push-oneshot"),),
-            policy.GRAPHAR_GRAPH: ((policy._OPEN, "1stage"),)}  # fmt: skip
+    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
+            policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
+            policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),)}  # fmt: skip
     monkeypatch.setitem(policy.TABLE, (9, 2), rows)
     p = policy.Policy(9, 2, LIMITS)
     assert not p.depends_on_capture(64 * KB) and p.depends_on_capture(64 * KB + 16)
@@ -96,8 +99,8 @@ class _Capture:
 def cpu_all_reduce(monkeypatch) -> tuple[ar.AllReduce, _CpuComm]:
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked about capture"))
-    rows = {policy.EAGER: ((policy._OPEN, "push-oneshot"),), policy.GRAPH: ((policy._OPEN, "push-oneshot"),),
-            policy.GRAPHAR_GRAPH: ((16 * KB, "push-oneshot"), (policy._OPEN, "1stage"))}  # fmt: skip
+    rows = {policy.EAGER: ((policy.OPEN, "push-oneshot"),), policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
+            policy.GRAPHAR_GRAPH: ((16 * KB, "push-oneshot"), (policy.OPEN, "1stage"))}  # fmt: skip
     monkeypatch.setitem(policy.TABLE, (9, 2), rows)
     comm = _CpuComm()
     return ar.AllReduce(comm, policy.Policy(9, 2, policy.Limits(MB, MB))), comm
@@ -134,3 +137,39 @@ def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None
     assert allreduce.try_all_reduce(x) is None and not allreduce.eligible(x)
     with pytest.raises(ValueError, match="forced kernel 'push-oneshot'"):
         allreduce.all_reduce(x)
+
+
+# ---- the table and the benchmark that measured it -------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "allreduce-h200-ws2.md"
+FASTEST = "## fastest graphar kernel per capture mode"
+
+
+def _winners(text: str) -> dict[str, list[tuple[int, str]]]:
+    """The committed report's fastest-kernel section, as {capture mode: [(bytes, kernel)]}."""
+    lines = [line for line in text.split(FASTEST, 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("|")]
+    captures = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+    winners: dict[str, list[tuple[int, str]]] = {c: [] for c in captures}
+    for line in lines[2:]:
+        size, *kernels = (c.strip() for c in line.strip("|").split("|"))
+        for capture, kernel in zip(captures, kernels):
+            if kernel != "-":
+                winners[capture].append((common.parse_bytes(size.replace(" ", "")), kernel))
+    return winners
+
+
+def test_policy_rows_from_winners() -> None:
+    winners = [(16 * KB, "push-oneshot"), (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (MB, "push-twoshot")]
+    assert allreduce_bench.policy_rows(winners) == (
+        (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (policy.OPEN, "push-twoshot"))  # fmt: skip
+
+
+def test_h200_rows_are_the_committed_benchmark_s() -> None:
+    text = RESULTS.read_text()
+    if FASTEST not in text:  # measured before the push kernels: 1stage won every size and mode
+        assert policy.TABLE[(9, 2)] == dict.fromkeys(policy.MODES, ((policy.OPEN, "1stage"),))
+        return
+    winners = _winners(text)
+    assert set(winners) == set(policy.MODES)
+    for mode, rows in winners.items():
+        assert policy.TABLE[(9, 2)][mode] == allreduce_bench.policy_rows(rows), mode

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from graphar.benchmarks import common, plot
+from graphar.comm import policy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("graph", "eager", "graph-mm")
@@ -34,23 +35,41 @@ N_BUFFERS = 4  # inputs rotate among these so that L2 does not flatter back-to-b
 MM_SHAPE = (512, 4096, 4096)  # [m, k] x [k, n] bf16: a few tens of microseconds on an H200
 
 NCCL, ONE_SHOT, TWO_SHOT = "NCCL", "symm one_shot", "symm two_shot"
-G_1STAGE, G_2STAGE, G_AUTO, G_ZERO = "graphar 1stage", "graphar 2stage", "graphar auto", "graphar zero-copy"
 MM_ONLY = "matmul only"
-GRAPHAR_ALGOS = {G_1STAGE: "1stage", G_2STAGE: "2stage", G_AUTO: None, G_ZERO: None}
+G_AUTO, G_AUTO_ZERO = "graphar auto", "graphar auto zero-copy"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What a graphar column runs: a kernel (None: the policy's pick), how graph modes capture it."""
+
+    algo: str | None
+    zero_copy: bool = False  # captured under graphar.graphs.graph (the v1 kernels read inputs in place)
+    pdl: bool = True  # push kernels: programmatic dependent launch
+
+
+GRAPHAR_KERNELS = {
+    "graphar 1stage": Kernel("1stage"),
+    "graphar 2stage": Kernel("2stage"),
+    "graphar 1stage zero-copy": Kernel("1stage", zero_copy=True),
+    "graphar 2stage zero-copy": Kernel("2stage", zero_copy=True),
+    "graphar push-oneshot": Kernel("push-oneshot"),
+    "graphar push-twoshot": Kernel("push-twoshot"),
+    "graphar push-oneshot no-PDL": Kernel("push-oneshot", pdl=False),
+    "graphar push-twoshot no-PDL": Kernel("push-twoshot", pdl=False),
+    G_AUTO: Kernel(None),
+    G_AUTO_ZERO: Kernel(None, zero_copy=True),
+}
 
 
 def column_names(mode: str) -> list[str]:
-    names = [NCCL, ONE_SHOT, TWO_SHOT, G_1STAGE, G_2STAGE, G_AUTO]
-    if mode != "eager":
-        names.append(G_ZERO)
-    if mode == "graph-mm":
-        names.insert(0, MM_ONLY)
-    return names
+    graphar = [name for name, k in GRAPHAR_KERNELS.items() if mode != "eager" or not k.zero_copy]
+    return ([MM_ONLY] if mode == "graph-mm" else []) + [NCCL, ONE_SHOT, TWO_SHOT] + graphar
 
 
 def ratio_pair(mode: str) -> tuple[str, str]:
-    """The graphar column a row compares with NCCL: the best path each setting allows."""
-    return (G_AUTO if mode == "eager" else G_ZERO), NCCL
+    """The graphar column a row compares with NCCL: the policy's pick, in each mode's best capture."""
+    return (G_AUTO if mode == "eager" else G_AUTO_ZERO), NCCL
 
 
 @dataclass(frozen=True)
@@ -159,13 +178,22 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
     except Exception as e:
         comm, reason = None, f"graphar unavailable: {type(e).__name__}: {e}"
     if comm is None:
-        c.unavailable.update(dict.fromkeys(GRAPHAR_ALGOS, reason))
+        c.unavailable.update(dict.fromkeys(GRAPHAR_KERNELS, reason))
         return
-    for name, algo in GRAPHAR_ALGOS.items():
+
+    def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        default, comm.allreduce.pdl = comm.allreduce.pdl, kernel.pdl  # read at launch: in graphs, at capture
+        try:
+            return comm.all_reduce(x, algo=kernel.algo)
+        finally:
+            comm.allreduce.pdl = default
+
+    for name, kernel in GRAPHAR_KERNELS.items():
         c.columns[name] = Column(
-            op=lambda x, out, algo=algo: comm.all_reduce(x, algo=algo),
-            eligible=comm.eligible,
-            context=graphar.graphs.graph if name == G_ZERO else torch.cuda.graph,
+            op=lambda x, out, kernel=kernel: run(x, kernel),
+            eligible=lambda x, kernel=kernel: comm.eligible(x) and comm.allreduce.policy.pick(
+                x.nbytes, "eager", kernel.algo) is not None,
+            context=graphar.graphs.graph if kernel.zero_copy else torch.cuda.graph,
             graphar=True,
         )
 
@@ -292,7 +320,53 @@ def tables(results: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, st
             row = {name: results[(mode, nbytes, name)] for name in names}
             rows.append([common.format_bytes(nbytes)] + [row[n] for n in names] + [ratio(row, mode)])
         sections.append((mode_heading(mode, s), common.markdown_table(["size"] + names + [f"{num} / {den}"], rows)))
-    return sections
+    best = fastest_table(results, s)
+    return sections + ([best] if best is not None else [])
+
+
+# The policy's capture modes (graphar.comm.policy), each with the benchmark mode and the columns that
+# measure its kernels: PDL on (the default), v1 zero-copy only where graphar owns the capture.
+def policy_columns() -> dict[str, tuple[str, list[str]]]:
+    picked = {n: k for n, k in GRAPHAR_KERNELS.items() if k.algo is not None and k.pdl}
+    plain = [n for n, k in picked.items() if not k.zero_copy]
+    owned = [n for n, k in picked.items() if k.zero_copy or k.algo.startswith("push")]
+    return {"eager": ("eager", plain), "graph": ("graph", plain), "graphar.graph": ("graph", owned)}
+
+
+def fastest(results: dict[tuple, common.Cell], s: Settings) -> dict[str, list[tuple[int, str]]]:
+    """The fastest graphar kernel per size, for each capture mode the run measured."""
+    winners = {}
+    for capture, (mode, names) in policy_columns().items():
+        if mode not in s.modes:
+            continue
+        rows = []
+        for nbytes in s.sizes:
+            timed = [(results[(mode, nbytes, n)], n) for n in names if isinstance(results[(mode, nbytes, n)], float)]
+            if timed:
+                rows.append((nbytes, GRAPHAR_KERNELS[min(timed)[1]].algo))
+        winners[capture] = rows
+    return winners
+
+
+def policy_rows(winners: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """graphar.comm.policy rows from per-size winners: each kernel up to the last size it won before
+    another took over; the last kernel serves every larger size."""
+    rows: list[tuple[int, str]] = []
+    for (nbytes, algo), following in zip(winners, winners[1:] + [(None, None)]):
+        if following[1] != algo:
+            rows.append((nbytes if following[0] is not None else policy.OPEN, algo))
+    return tuple(rows)
+
+
+def fastest_table(results: dict[tuple, common.Cell], s: Settings) -> tuple[str, str] | None:
+    winners = fastest(results, s)
+    if not winners:
+        return None
+    captures = list(winners)
+    by_size = {capture: dict(rows) for capture, rows in winners.items()}
+    rows = [[common.format_bytes(n)] + [by_size[c].get(n, "-") for c in captures] for n in s.sizes]
+    heading = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
+    return heading, common.markdown_table(["size"] + captures, rows)
 
 
 def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
@@ -301,8 +375,11 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"{s.dtype}; max over ranks; graph modes: median of {s.replays} replays; eager: median of 3 loops.",
         f"graphar is initialised with max_bytes={GRAPHAR_MAX_BYTES >> 20} MB (its default limit is 8 MB) "
         "so that the whole range is covered; '-' marks a size graphar refuses.",
-        "graphar 1stage / 2stage / auto in graph modes run under a plain torch.cuda.graph (the copy-in path); "
-        "'graphar zero-copy' is auto under graphar.graphs.graph (pointers backfilled after capture).",
+        "graphar columns in graph modes run under a plain torch.cuda.graph; 'zero-copy' ones under "
+        "graphar.graphs.graph (v1 kernels read the inputs in place, pointers backfilled after capture). "
+        "The push kernels read their inputs in place under any capture and in eager calls.",
+        "'auto' is graphar.comm.policy's pick; no-PDL: the push kernel launched without programmatic "
+        "dependent launch.",
         "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
         "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
         f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "

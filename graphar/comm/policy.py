@@ -20,14 +20,14 @@ from graphar.comm.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT
 EAGER, GRAPH, GRAPHAR_GRAPH = "eager", "graph", "graphar.graph"
 MODES = (EAGER, GRAPH, GRAPHAR_GRAPH)
 KB = 1 << 10
-_OPEN = 1 << 62  # the last row's bound
+OPEN = 1 << 62  # the last row's bound: every larger size
 
 Rows = tuple[tuple[int, str], ...]
 
 # Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
 # every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured
 # them on the GPUs the row is for; until then they run only when forced (GRAPHAR_ALLREDUCE_ALGO).
-_V1_TWO_RANKS: Rows = ((_OPEN, ONE_STAGE),)
+_V1_TWO_RANKS: Rows = ((OPEN, ONE_STAGE),)
 TABLE: dict[tuple[int, int], dict[str, Rows]] = {
     (9, 2): dict.fromkeys(MODES, _V1_TWO_RANKS),
 }
@@ -35,9 +35,9 @@ TABLE: dict[tuple[int, int], dict[str, Rows]] = {
 # 2stage at sizes from the v1 design's measurements on 4 and 8 GPUs.
 _UNMEASURED: dict[int, Rows] = {
     2: _V1_TWO_RANKS,
-    4: ((512 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
-    6: ((256 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
-    8: ((256 * KB - 16, ONE_STAGE), (_OPEN, TWO_STAGE)),
+    4: ((512 * KB - 16, ONE_STAGE), (OPEN, TWO_STAGE)),
+    6: ((256 * KB - 16, ONE_STAGE), (OPEN, TWO_STAGE)),
+    8: ((256 * KB - 16, ONE_STAGE), (OPEN, TWO_STAGE)),
 }
 
 
