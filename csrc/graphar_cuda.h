@@ -66,6 +66,26 @@ typedef struct graphar_all_reduce_args {
   int32_t reserved;
 } graphar_all_reduce_args;
 int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args);
+// The push one-shot all-reduce of rows of row_bytes, then per row: h = sum + residual, and
+// RMSNorm(h) * weight (weight_first: the weight multiplies before the cast back to dtype, as
+// F.rms_norm; else after, as HF's LlamaRMSNorm). residual and weight may be 0 (none); every tensor
+// has dtype, and weight one row. Writes output (the normalised rows) and residual_output (h).
+typedef struct graphar_all_reduce_norm_args {
+  uint64_t input;
+  uint64_t residual;
+  uint64_t weight;
+  uint64_t output;
+  uint64_t residual_output;
+  uint64_t nbytes;     // a multiple of row_bytes, within the push one-shot's limit
+  uint64_t row_bytes;  // a multiple of 16, at most graphar_norm_max_row_bytes()
+  uint64_t stream;
+  float eps;
+  int32_t dtype;
+  int32_t weight_first;
+  int32_t pdl;
+} graphar_all_reduce_norm_args;
+int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
+uint64_t graphar_norm_max_row_bytes(void);
 // The largest message of each push kernel (bytes).
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
 // Eager only: make `stream` wait for the communicator's previous eager op when that ran on

@@ -7,6 +7,7 @@
 #include "all_reduce.cuh"
 #include "all_to_all.cuh"
 #include "comm.cuh"
+#include "push_norm.cuh"
 
 using namespace graphar;
 
@@ -31,6 +32,26 @@ const void* kernel_of(int ranks, int algo) {
     case 4: return kernel_of<T, 4>(algo);
     case 6: return kernel_of<T, 6>(algo);
     case 8: return kernel_of<T, 8>(algo);
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+const void* norm_kernel_of(int ranks) {
+  switch (ranks) {
+    case 2: return reinterpret_cast<const void*>(push_one_shot_norm<T, 2>);
+    case 4: return reinterpret_cast<const void*>(push_one_shot_norm<T, 4>);
+    case 6: return reinterpret_cast<const void*>(push_one_shot_norm<T, 6>);
+    case 8: return reinterpret_cast<const void*>(push_one_shot_norm<T, 8>);
+    default: return nullptr;
+  }
+}
+
+const void* norm_kernel_for(int dtype, int ranks) {
+  switch (dtype) {
+    case GRAPHAR_FLOAT32: return norm_kernel_of<float>(ranks);
+    case GRAPHAR_FLOAT16: return norm_kernel_of<__half>(ranks);
+    case GRAPHAR_BFLOAT16: return norm_kernel_of<__nv_bfloat16>(ranks);
     default: return nullptr;
   }
 }
@@ -151,14 +172,19 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   return launch(c, eager, kernel, &p, blocks, kThreads, stream, false);
 }
 
-int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
+PushParams push_params(const Comm* c, uint64_t input, uint64_t output, uint64_t nbytes) {
   PushParams p{};
   p.barrier = barrier_params(c);
   p.regions = c->regions;
-  p.in = reinterpret_cast<const void*>(a.input);
-  p.out = reinterpret_cast<void*>(a.output);
-  p.packs = static_cast<int>(a.nbytes / 16);
+  p.in = reinterpret_cast<const void*>(input);
+  p.out = reinterpret_cast<void*>(output);
+  p.packs = static_cast<int>(nbytes / 16);
   p.epoch_packs = static_cast<int>(c->epoch_packs);
+  return p;
+}
+
+int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
+  PushParams p = push_params(c, a.input, a.output, a.nbytes);
   const int blocks = std::min(c->block_limit, (p.packs + kPushThreads - 1) / kPushThreads);
   return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0 && c->pdl);
 }
@@ -181,6 +207,45 @@ int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args) {
     if (int rc = capturing(stream, &captured)) return rc;
   }
   return is_push(a.algo) ? launch_push(c, a, kernel, !captured, stream) : launch_v1(c, a, kernel, !captured, stream);
+}
+
+uint64_t graphar_norm_max_row_bytes(void) { return static_cast<uint64_t>(kNormThreads) * kNormPacksPerThread * 16; }
+
+int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args) {
+  Comm* c = as_comm(comm);
+  const graphar_all_reduce_norm_args& a = *args;
+  const void* kernel = norm_kernel_for(a.dtype, c->ranks);
+  if (kernel == nullptr) return fail(GRAPHAR_EINVAL, "no fused kernel for dtype %d", a.dtype);
+  if (!c->opened) return fail(GRAPHAR_EINVAL, "launch before the peers' buffers were opened");
+  if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.row_bytes > graphar_norm_max_row_bytes() || a.nbytes == 0 ||
+      a.nbytes % a.row_bytes != 0 || a.nbytes > c->max_bytes) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes in rows of %llu: rows must be multiples of 16 bytes up to %llu",
+                static_cast<unsigned long long>(a.nbytes), static_cast<unsigned long long>(a.row_bytes),
+                static_cast<unsigned long long>(graphar_norm_max_row_bytes()));
+  }
+  if ((a.input | a.residual | a.weight | a.output | a.residual_output) % 16 != 0) {
+    return fail(GRAPHAR_EINVAL, "every tensor must be 16-byte aligned");
+  }
+  const int64_t packs = static_cast<int64_t>(a.nbytes / 16);
+  if (push_epoch_packs_needed(true, packs, c->ranks) > c->epoch_packs) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes exceed the push region (graphar_comm_push_limits)",
+                static_cast<unsigned long long>(a.nbytes));
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  NormParams p{};
+  p.push = push_params(c, a.input, a.output, a.nbytes);
+  p.residual = reinterpret_cast<const void*>(a.residual);
+  p.weight = reinterpret_cast<const void*>(a.weight);
+  p.residual_out = reinterpret_cast<void*>(a.residual_output);
+  p.row_packs = static_cast<int>(a.row_bytes / 16);
+  p.weight_first = a.weight_first;
+  p.eps = a.eps;
+  const int rows = static_cast<int>(a.nbytes / a.row_bytes);
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  bool captured = false;
+  if (int rc = capturing(stream, &captured)) return rc;
+  return launch(c, !captured, kernel, &p, std::min(c->block_limit, rows), kNormThreads, stream, a.pdl != 0 && c->pdl);
 }
 
 int graphar_comm_order(void* comm, uint64_t stream_handle) {

@@ -57,6 +57,8 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_error_record": (c_int, [c_void_p, POINTER(c_void_p)]),
     "graphar_comm_all_reduce": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_push_limits": (c_int, [c_void_p, POINTER(c_uint64), POINTER(c_uint64)]),
+    "graphar_comm_all_reduce_norm": (c_int, [c_void_p, c_void_p]),
+    "graphar_norm_max_row_bytes": (c_uint64, []),
     "graphar_comm_order": (c_int, [c_void_p, c_uint64]),
     "graphar_comm_exchange_alloc": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_uint64), c_void_p]),
     "graphar_comm_exchange_open": (c_int, [c_void_p, c_uint64, c_void_p]),
@@ -71,6 +73,8 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_destroy": (c_int, [c_void_p]),
 }
 IPC_HANDLE_BYTES = 64
+# kNormThreads * kNormPacksPerThread * 16 of csrc/push_norm.cuh: the fused norm kernel's longest row.
+NORM_MAX_ROW_BYTES = 512 * 8 * 16
 
 
 class GrapharUnavailable(RuntimeError):

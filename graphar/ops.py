@@ -7,7 +7,8 @@
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
 - `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one;
 - `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
-  RMS-normalised; returns (normed, the sum plus the residual). Unfused math for now.
+  RMS-normalised; returns (normed, the sum plus the residual): one fused kernel up to the policy's
+  size, else the all-reduce and the norm apart.
 
 Every op takes its group by name (as `_c10d_functional` does), returns new contiguous memory whatever
 the inputs' strides, and has a fake that returns exactly the real op's sizes, strides and dtype:
@@ -130,7 +131,13 @@ def all_reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(sum of `x` over the group + `residual`) * `weight`; returns (normed, sum + residual).
     `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim;
-    `weight_first`: see `unfused_add_rms_norm`."""
+    `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
+    shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
+    comm = communicator(group_name)
+    if comm is not None:
+        fused = comm.allreduce.try_all_reduce_norm(x.contiguous(), residual, weight, eps, weight_first)
+        if fused is not None:
+            return fused
     return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)
 
 

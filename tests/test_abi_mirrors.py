@@ -9,6 +9,7 @@ import ctypes
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from graphar import _cuda, settings
@@ -63,12 +64,25 @@ def test_error_record_layout() -> None:
     assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
 
 
-def test_all_reduce_args_layout() -> None:
-    body = re.search(r"typedef struct graphar_all_reduce_args \{([^}]*)\}", _text("graphar_cuda.h")).group(1)
-    code = {"uint64_t": "Q", "int32_t": "i"}
-    fields = [(name, code[t]) for t, name in re.findall(r"(uint64_t|int32_t)\s+(\w+);", body)]
-    assert fields == list(abi.ALL_REDUCE_ARGS_FIELDS)
-    assert abi.ALL_REDUCE_ARGS.size == 4 * 8 + 6 * 4  # no padding on either side
+@pytest.mark.parametrize("name, fields, packed", [
+    ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
+    ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
+])  # fmt: skip
+def test_argument_structs(name: str, fields: tuple, packed) -> None:
+    body = re.search(rf"typedef struct {name} \{{([^}}]*)\}}", _text("graphar_cuda.h")).group(1)
+    code = {"uint64_t": "Q", "int32_t": "i", "float": "f"}
+    declared = [(field, code[t]) for t, field in re.findall(r"(uint64_t|int32_t|float)\s+(\w+);", body)]
+    assert declared == list(fields)
+    # Packed without padding ("="), as the C compiler lays it out: 8-byte fields first, then 4-byte ones.
+    sizes = [8 if c == "Q" else 4 for _, c in fields]
+    assert sizes == sorted(sizes, reverse=True) and packed.size == sum(sizes) and packed.size % 8 == 0
+
+
+def test_norm_row_limit() -> None:
+    text = _text("push_norm.cuh")
+    (threads,) = re.findall(r"constexpr int kNormThreads = (\d+);", text)
+    (per_thread,) = re.findall(r"constexpr int kNormPacksPerThread = (\d+);", text)
+    assert int(threads) * int(per_thread) * 16 == _cuda.NORM_MAX_ROW_BYTES
 
 
 def test_ipc_handle_size() -> None:

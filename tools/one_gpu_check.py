@@ -77,6 +77,28 @@ def _check_special_values(comm, rank: int) -> None:
             assert torch.equal(everyone[0].view(ints), everyone[1].view(ints)), f"{algo}: ranks differ"
 
 
+def _check_fused_norm(comm, rank: int) -> None:
+    """The fused all-reduce + residual add + RMSNorm: the sum exact, the norm within one ulp of the
+    unfused ops, the ranks bitwise equal."""
+    from graphar.ops import unfused_add_rms_norm
+
+    for dtype, hidden, rows in ((torch.bfloat16, 4096, 8), (torch.float32, 1024, 3), (torch.float16, 5120, 1)):
+        x = _integers(rows * hidden, dtype, seed=rank).view(rows, hidden)
+        residual = _integers(rows * hidden, dtype, seed=77).view(rows, hidden)
+        weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(5)) + 0.5).to(dtype).cuda()
+        for weight_first in (False, True):
+            fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, weight_first)
+            assert fused is not None, f"fused norm refused {dtype} {rows}x{hidden}"
+            want_normed, want_summed = unfused_add_rms_norm(_reference_sum(x), residual, weight, 1e-6, weight_first)
+            assert torch.equal(fused[1], want_summed), f"fused norm: sum + residual {dtype}"
+            err = ((fused[0].float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-3)).max()
+            assert err <= {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype], f"{dtype}: {err}"
+            mine = fused[0].float().cpu()  # exact, and a dtype gloo gathers
+            everyone = [torch.empty_like(mine) for _ in range(WORLD)]
+            dist.all_gather(everyone, mine)
+            assert torch.equal(everyone[0], everyone[1]), "fused norm: ranks differ"
+
+
 def _check_graphs(comm, rank: int) -> None:
     import graphar
 
@@ -127,7 +149,7 @@ def _worker(rank: int, port: int) -> None:
 
     comm = _init_relaxed()
     try:
-        for check in (_check_all_reduce, _check_special_values, _check_graphs, _check_ulysses):
+        for check in (_check_all_reduce, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses):
             check(comm, rank)
             torch.cuda.synchronize()
             if rank == 0:

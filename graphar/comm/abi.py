@@ -42,3 +42,8 @@ class ErrorRecord(ctypes.Structure):
 ALL_REDUCE_ARGS_FIELDS = (("input", "Q"), ("output", "Q"), ("nbytes", "Q"), ("stream", "Q"), ("dtype", "i"),
                           ("algo", "i"), ("path", "i"), ("slot", "i"), ("pdl", "i"), ("reserved", "i"))  # fmt: skip
 ALL_REDUCE_ARGS = struct.Struct("=" + "".join(code for _, code in ALL_REDUCE_ARGS_FIELDS))
+# struct graphar_all_reduce_norm_args (f: float).
+NORM_ARGS_FIELDS = (("input", "Q"), ("residual", "Q"), ("weight", "Q"), ("output", "Q"), ("residual_output", "Q"),
+                    ("nbytes", "Q"), ("row_bytes", "Q"), ("stream", "Q"), ("eps", "f"), ("dtype", "i"),
+                    ("weight_first", "i"), ("pdl", "i"))  # fmt: skip
+NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))

@@ -24,7 +24,9 @@ import torch
 
 from graphar import _cuda, graphs, settings
 from graphar.comm import policy
-from graphar.comm.abi import ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, PUSH_ALGOS, STAGED, ZERO_COPY
+from graphar.comm.abi import (
+    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, NORM_ARGS, PUSH_ALGOS, STAGED, ZERO_COPY,
+)  # fmt: skip
 from graphar.errors import GrapharCommError
 
 # Blocks per launch by compute capability major. 36 is the v1 grid search (Ampere and older); on
@@ -71,6 +73,7 @@ class CommCalls(Protocol):
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
+    def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
     def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
@@ -162,6 +165,39 @@ class AllReduce:
                                                     algo_code, path, slot, self.pdl, 0))  # fmt: skip
         self.calls += 1
         return out
+
+    def try_all_reduce_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+        weight_first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(sum of x + residual) * weight, sum of x + residual) by the fused kernel, or None when
+        it cannot take them (the caller then runs the all-reduce and the norm apart).
+
+        The fused kernel takes rows (x's last dim) of 16-byte multiples up to the kernel's row limit,
+        messages up to the policy's fused limit, and residual and weight of x's dtype, contiguous and
+        aligned: x's shape and the row for the weight.
+        """
+        comm = self.comm
+        comm.check()
+        if ineligible_reason(x, comm.device, comm.max_bytes) is not None or x.dim() == 0:
+            return None
+        row_bytes = x.shape[-1] * x.element_size()
+        if row_bytes % 16 or row_bytes > _cuda.NORM_MAX_ROW_BYTES or x.nbytes > self.policy.fused_norm_max:
+            return None
+        for t, shape in ((residual, x.shape), (weight, x.shape[-1:])):
+            if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None
+                                  or t.dtype != x.dtype):  # fmt: skip
+                return None
+        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        stream = torch._C._cuda_getCurrentRawStream(comm.device)
+        comm.launch_all_reduce_norm(NORM_ARGS.pack(
+            x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
+            normed.data_ptr(), summed.data_ptr(), x.nbytes, row_bytes, stream, eps, DTYPE_CODES[x.dtype],
+            int(weight_first), self.pdl,
+        ))  # fmt: skip
+        self.calls += 1
+        return normed, summed
 
     def _refusal(self, x: torch.Tensor, algo: str | None) -> str | None:
         reason = ineligible_reason(x, self.comm.device, self.comm.max_bytes)

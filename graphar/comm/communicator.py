@@ -123,6 +123,10 @@ class Communicator:
         if self._launch(self._handle, args) != 0:
             self._raise("all_reduce")
 
+    def launch_all_reduce_norm(self, args: bytes) -> None:
+        """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.comm.abi.NORM_ARGS, packed."""
+        self._call("all_reduce_add_rms_norm", "graphar_comm_all_reduce_norm", args)
+
     def order(self, stream: int) -> None:
         """Eager: make `stream` wait for this communicator's previous op when it ran on another stream."""
         self._call("all_to_all", "graphar_comm_order", stream)

@@ -1,0 +1,149 @@
+// The push one-shot all-reduce fused with what follows it in a tensor-parallel transformer block: the
+// residual add and RMSNorm. Each block owns whole rows (the last dim): it pushes their packs, sums
+// them as push_one_shot does (same slots, epochs and arrival test, push.cuh), adds the residual,
+// reduces the row's mean square in fp32 and writes both the normalised row and the new residual.
+//
+// Rounding follows the unfused graph: the all-reduce's sum is rounded to T, the residual add is a T
+// add (fp32, rounded), the norm is fp32 and the weight multiplies either the result cast to T (HF's
+// LlamaRMSNorm: weight * normed.to(T)) or, with weight_first, the fp32 result before the cast
+// (F.rms_norm). Only the mean square's summation order differs from PyTorch's.
+#pragma once
+
+#include "push.cuh"
+
+namespace graphar {
+
+constexpr int kNormThreads = 512;
+constexpr int kNormPacksPerThread = 8;  // rows of up to 4096 packs: hidden 32768 (16-bit) or 16384 (fp32)
+
+struct NormParams {
+  PushParams push;        // in: x, out: the normalised rows; packs: the whole message
+  const void* residual;   // null: no residual add
+  const void* weight;     // null: no weight (one pack per 16 bytes of a row)
+  void* residual_out;     // the sum plus the residual
+  int row_packs;
+  int weight_first;
+  float eps;
+};
+
+// a + b per lane, rounded to T as a T add rounds.
+template <typename T>
+__device__ __forceinline__ uint4 add_packs(const uint4& a, const uint4& b) {
+  Pack<T> x = unpack<T>(a);
+  const Pack<T> y = unpack<T>(b);
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kLanes; j++) x.v[j] += y.v[j];
+  return repack<T>(x);
+}
+
+template <typename T>
+__device__ __forceinline__ float sum_of_squares(const uint4& a) {
+  const Pack<T> x = unpack<T>(a);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kLanes; j++) s += x.v[j] * x.v[j];
+  return s;
+}
+
+// h * scale, times the weight in the order the matched graph uses.
+template <typename T>
+__device__ __forceinline__ uint4 normalise(const uint4& h, float scale, const uint4* w, bool weight_first) {
+  Pack<T> n = unpack<T>(h);
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kLanes; j++) n.v[j] *= scale;
+  if (w == nullptr) return repack<T>(n);
+  const Pack<T> wt = unpack<T>(*w);
+  if (weight_first) {
+#pragma unroll
+    for (int j = 0; j < Pack<T>::kLanes; j++) n.v[j] *= wt.v[j];
+    return repack<T>(n);
+  }
+  Pack<T> rounded = unpack<T>(repack<T>(n));  // normed.to(T), then a T multiply
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kLanes; j++) rounded.v[j] *= wt.v[j];
+  return repack<T>(rounded);
+}
+
+// The block's sum of v, in every thread; the order is fixed, so every rank gets the same bits.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[kNormThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int w = 0; w < blockDim.x / 32; w++) s += partial[w];
+  __syncthreads();  // partial is reused by the next row
+  return s;
+}
+
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const PushParams& q = p.push;
+  const BarrierParams& bp = q.barrier;
+  const uint32_t epoch = enter_epoch(bp);
+  uint4* region[kRanks];
+  epoch_regions<kRanks>(q, epoch, region);
+  uint4* mine = nth<kRanks>(region, bp.rank);
+  const uint4* in = static_cast<const uint4*>(q.in);
+  const uint4* residual = static_cast<const uint4*>(p.residual);
+  const uint4* weight = static_cast<const uint4*>(p.weight);
+  uint4* out = static_cast<uint4*>(q.out);
+  uint4* residual_out = static_cast<uint4*>(p.residual_out);
+  const int rows = q.packs / p.row_packs;
+
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int i = threadIdx.x; i < p.row_packs; i += blockDim.x) {
+      const int idx = row * p.row_packs + i;
+      const uint4 v = sendable(in[idx]);
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank) st_slot(region[r] + bp.rank * q.packs + idx, v);
+      }
+    }
+  }
+
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    uint4 h[kNormPacksPerThread];
+    float squares = 0.f;
+    bool timed_out = false;
+#pragma unroll
+    for (int k = 0; k < kNormPacksPerThread; k++) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i >= p.row_packs || timed_out) continue;
+      const int idx = row * p.row_packs + i;
+      uint4 got[kRanks];
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) got[r] = r == bp.rank ? sendable(in[idx]) : ld_slot(mine + r * q.packs + idx);
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank && !timed_out) timed_out = !await_slot(mine + r * q.packs + idx, got[r], bp, kPushOneShot, r);
+      }
+      if (timed_out) continue;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank) reset_slot(mine + r * q.packs + idx);
+      }
+      const uint4 sum = sum_in_order<T, kRanks>(got);  // the all-reduce's output, rounded to T
+      h[k] = residual != nullptr ? add_packs<T>(sum, residual[idx]) : sum;
+      squares += sum_of_squares<T>(h[k]);
+    }
+    // Every thread reaches the block's barriers, timed out or not; then all leave together.
+    if (__syncthreads_or(timed_out)) return;
+    const float mean = block_sum(squares) / static_cast<float>(p.row_packs * Pack<T>::kLanes);
+    const float scale = rsqrtf(mean + p.eps);
+#pragma unroll
+    for (int k = 0; k < kNormPacksPerThread; k++) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i >= p.row_packs) continue;
+      const int idx = row * p.row_packs + i;
+      residual_out[idx] = h[k];
+      out[idx] = normalise<T>(h[k], scale, weight != nullptr ? weight + i : nullptr, p.weight_first != 0);
+    }
+  }
+  leave_epoch(bp, epoch);
+}
+
+}  // namespace graphar

@@ -1,0 +1,140 @@
+"""The fused all-reduce + residual add + RMSNorm kernel on real GPUs: against the unfused ops (the
+sum and the residual exact, the norm within a stated bound), ranks bitwise equal, three capture modes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, run_workers
+
+import graphar
+from graphar.ops import unfused_add_rms_norm
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-6
+# The norm's only difference from PyTorch is the summation order of the mean square (fp32) and rsqrt's
+# rounding: at most one unit in the last place of the output dtype, relative to the value.
+ULP = {torch.float32: 2.0**-22, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def _reference(x, residual, weight, weight_first):
+    summed = x.clone()
+    dist.all_reduce(summed)
+    return unfused_add_rms_norm(summed, residual, weight, EPS, weight_first)
+
+
+def _assert_close_to(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
+    assert err <= ULP[got.dtype], f"{what}: relative error {err:.3g} over one ulp ({ULP[got.dtype]:.3g})"
+    return err
+
+
+def _fused_against_unfused(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        worst = 0.0
+        cases = itertools.product((torch.float32, torch.float16, torch.bfloat16), (8, 4096, 5120, 16384),
+                                  (1, 8, 37), (True, False), (True, False), (True, False))  # fmt: skip
+        for dtype, hidden, rows, with_residual, with_weight, weight_first in cases:
+            if hidden * dtype.itemsize * rows > comm.allreduce.policy.fused_norm_max:
+                continue
+            x = integer_valued(rows * hidden, dtype, -3, 3).view(rows, hidden)
+            residual = integer_valued(rows * hidden, dtype).view(rows, hidden) if with_residual else None
+            weight = (torch.rand(hidden, device="cuda") + 0.5).to(dtype) if with_weight else None
+            for replicated in (residual, weight):  # the residual stream and the weight are equal on every rank
+                if replicated is not None:
+                    dist.broadcast(replicated, 0)
+            what = f"{dtype} {rows}x{hidden} residual={with_residual} weight={with_weight} first={weight_first}"
+            torch.full((2 * x.numel(),), float("nan"), device="cuda", dtype=dtype)  # poison what the outputs get
+            fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, weight_first)
+            assert fused is not None, f"{what}: the fused kernel refused"
+            normed, summed = fused
+            want_normed, want_summed = _reference(x, residual, weight, weight_first)
+            assert torch.equal(summed, want_summed), f"{what}: sum + residual differs"
+            worst = max(worst, _assert_close_to(normed, want_normed, what))
+            assert_equal_across_ranks(torch.cat([normed.flatten(), summed.flatten()]), what)
+        if rank == 0:
+            print(f"fused norm: worst relative error against unfused {worst:.3g}")
+        # Shapes the kernel cannot take fall back to the unfused ops through the op.
+        x = integer_valued(3 * 12, torch.bfloat16).view(3, 12)  # 24-byte rows
+        assert comm.allreduce.try_all_reduce_norm(x, None, None, EPS, False) is None
+        got = torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, EPS, comm.group_name)
+        want = _reference(x, None, None, False)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fused_norm_against_unfused(world_size: int) -> None:
+    run_workers(_fused_against_unfused, world_size)
+
+
+class _HfBlock(torch.nn.Module):
+    """Row-parallel output projection, the residual add and HF's LlamaRMSNorm, as HF writes them."""
+
+    def __init__(self, rank: int, hidden: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(rank)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16)
+        self.proj.weight.data = torch.randn(hidden, hidden, generator=gen).div(hidden**0.5).to(torch.bfloat16)
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16) * 1.5)
+        self.variance_epsilon = EPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.proj(x)
+        dist.all_reduce(y)
+        hidden_states = y + residual
+        input_dtype = hidden_states.dtype
+        v = hidden_states.to(torch.float32)
+        variance = v.pow(2).mean(-1, keepdim=True)
+        v = v * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * v.to(input_dtype), hidden_states
+
+
+def _capture_modes(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        hidden = 4096
+        x = integer_valued(8 * hidden, torch.bfloat16, -2, 2).view(8, hidden)
+        residual = integer_valued(8 * hidden, torch.bfloat16).view(8, hidden)
+        dist.broadcast(residual, 0)
+        weight = torch.full((hidden,), 1.5, device="cuda", dtype=torch.bfloat16)
+        for capture in (torch.cuda.graph, graphar.graph):
+            graph = torch.cuda.CUDAGraph()
+            with capture(graph):
+                normed, summed = torch.ops.graphar.all_reduce_add_rms_norm(x, residual, weight, EPS, comm.group_name)
+            for _ in range(3):
+                x.copy_(integer_valued(x.numel(), x.dtype, -2, 2).view_as(x))
+                normed.fill_(float("nan"))
+                graph.replay()
+                want_normed, want_summed = _reference(x, residual, weight, False)
+                assert torch.equal(summed, want_summed), capture.__name__
+                _assert_close_to(normed, want_normed, capture.__name__)
+        block = _HfBlock(rank, 1024).cuda()
+        # torch.compile takes mode= or options=, not both: graphar reads the mode from its options.
+        compiled = torch.compile(block, backend="graphar", options={"mode": "reduce-overhead", "fuse_norm": True})
+        calls = comm.allreduce.calls
+        with torch.no_grad():
+            for _ in range(4):
+                inp = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+                dist.broadcast(res, 0)
+                got = compiled(inp, res)
+                want = block(inp, res)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+                assert_equal_across_ranks(got[0], "reduce-overhead fused block")
+        assert comm.allreduce.calls > calls
+        assert torch._dynamo.utils.counters["graphar"]["fuse_norm"] >= 1, "no fusion in the graph"
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_fused_norm_in_three_capture_modes(world_size: int) -> None:
+    run_workers(_capture_modes, world_size)
