@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from graphar.benchmarks import allreduce, common, decode, ulysses
+from graphar.benchmarks import allreduce, common, decode, norm, ulysses
 
-BENCHMARKS: dict[str, ModuleType] = {"allreduce": allreduce, "decode": decode, "ulysses": ulysses}
+BENCHMARKS: dict[str, ModuleType] = {"allreduce": allreduce, "decode": decode, "norm": norm, "ulysses": ulysses}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

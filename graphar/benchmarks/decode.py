@@ -8,7 +8,9 @@ all blocks plus the final norm, is captured in a CUDA graph:
   (a) backend="inductor": dist.all_reduce stays NCCL; captured with torch.cuda.graph;
   (b) backend="graphar" after graphar.init: captured with graphar.graphs.BatchGraphs
       (zero-copy all-reduces);
-  (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path).
+  (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path);
+  (d) backend="graphar" with options={"fuse_norm": True} (the all-reduce, residual add and RMSNorm
+      fused where the pattern holds): captured with graphar.graphs.BatchGraphs.
 The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
 current folder, or --out), with a bar chart of the time per step by variant beside it (.png).
 """
@@ -31,9 +33,9 @@ from torch import nn
 from graphar.benchmarks import common, plot
 
 DTYPE = torch.bfloat16
-INDUCTOR, ZERO_COPY, COPY_IN = "inductor + NCCL", "graphar zero-copy", "graphar copy-in"
-VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN)
-LABELS = {v: f"({'abc'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
+INDUCTOR, ZERO_COPY, COPY_IN, FUSED = "inductor + NCCL", "graphar zero-copy", "graphar copy-in", "graphar fused norm"
+VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN, FUSED)
+LABELS = {v: f"({'abcd'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
 # A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding
 # noise, far below what a wrong all-reduce produces.
 REL_TOLERANCE = 0.02
@@ -143,8 +145,8 @@ class Block(nn.Module):
         return x + mlp
 
 
-def compiled_step(blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str) -> Step:
-    compiled = [torch.compile(block, backend=backend, dynamic=False) for block in blocks]
+def compiled_step(blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str, **options: object) -> Step:
+    compiled = [torch.compile(block, backend=backend, dynamic=False, options=options or None) for block in blocks]
 
     def step(x: torch.Tensor) -> torch.Tensor:
         for block in compiled:
@@ -170,29 +172,32 @@ def plain_graph(step: Step, static_x: torch.Tensor) -> Step:
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def build_variants(step_nccl: Step, step_graphar: Step | None, s: Settings, reasons: dict[str, str]) -> dict:
-    """(variant, batch) -> a callable that runs one captured step; graphar's failures become reasons."""
+def build_variants(step_nccl: Step, graphar_steps: dict[str, Step], s: Settings, reasons: dict[str, str]) -> dict:
+    """(variant, batch) -> a callable that runs one captured step; graphar's failures become reasons.
+    graphar_steps: the graphar step of each graphar variant (none when graphar is unavailable)."""
     statics = {(v, b): torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE) for v in VARIANTS for b in s.batches}
     runs = {}
     for b in s.batches:  # dynamic=False: each batch size is a compilation of its own
         common.progress(f"compiling and capturing {LABELS[INDUCTOR]}, batch {b}...")
         runs[(INDUCTOR, b)] = plain_graph(step_nccl, statics[(INDUCTOR, b)])
-    if step_graphar is None:
-        return runs
-    try:
-        for b in s.batches:
-            common.progress(f"compiling and capturing {LABELS[COPY_IN]}, batch {b}...")
-            runs[(COPY_IN, b)] = plain_graph(step_graphar, statics[(COPY_IN, b)])
-    except Exception as e:
-        reasons[COPY_IN] = f"capture failed: {type(e).__name__}: {e}"
-    try:
-        from graphar.graphs import BatchGraphs
+    if COPY_IN in graphar_steps:
+        try:
+            for b in s.batches:
+                common.progress(f"compiling and capturing {LABELS[COPY_IN]}, batch {b}...")
+                runs[(COPY_IN, b)] = plain_graph(graphar_steps[COPY_IN], statics[(COPY_IN, b)])
+        except Exception as e:
+            reasons[COPY_IN] = f"capture failed: {type(e).__name__}: {e}"
+    for v in (ZERO_COPY, FUSED):
+        if v not in graphar_steps:
+            continue
+        try:
+            from graphar.graphs import BatchGraphs
 
-        common.progress(f"capturing {LABELS[ZERO_COPY]}, batches {s.batches}...")
-        batch_graphs = BatchGraphs(step_graphar, lambda b: (statics[(ZERO_COPY, b)],), s.batches)
-        runs.update({(ZERO_COPY, b): batch_graphs for b in s.batches})
-    except Exception as e:
-        reasons[ZERO_COPY] = f"BatchGraphs failed: {type(e).__name__}: {e}"
+            common.progress(f"capturing {LABELS[v]}, batches {s.batches}...")
+            batch_graphs = BatchGraphs(graphar_steps[v], lambda b, v=v: (statics[(v, b)],), s.batches)
+            runs.update({(v, b): batch_graphs for b in s.batches})
+        except Exception as e:
+            reasons[v] = f"BatchGraphs failed: {type(e).__name__}: {e}"
     return runs
 
 
@@ -203,15 +208,16 @@ def ranks_equal(t: torch.Tensor) -> bool:
 
 
 def checks(runs: dict, x: torch.Tensor, b: int) -> dict[str, common.Cell]:
-    """Outputs of one step from the same input: (a) vs (b) closeness, (b) vs (c) bits, ranks' bits."""
+    """Outputs of one step from the same input: (a) vs (b) and (d) closeness, (b) vs (c) bits, ranks' bits."""
     outs = {v: runs[(v, b)](x).clone() for v in VARIANTS if callable(runs.get((v, b)))}
     torch.cuda.synchronize()
     cells: dict[str, common.Cell] = {"ranks equal": "yes" if all(ranks_equal(o) for o in outs.values()) else "NO"}
-    if ZERO_COPY in outs:
-        ref = outs[INDUCTOR].float()
-        diff = (outs[ZERO_COPY].float() - ref).abs().max().item()
-        high = not diff <= REL_TOLERANCE * ref.abs().max().item()  # NaN counts as high
-        cells["max abs diff (a, b)"] = f"{diff:.3g}" + (" (HIGH)" if high else "")
+    ref = outs[INDUCTOR].float()
+    for v, column in ((ZERO_COPY, "max abs diff (a, b)"), (FUSED, "max abs diff (a, d)")):
+        if v in outs:
+            diff = (outs[v].float() - ref).abs().max().item()
+            high = not diff <= REL_TOLERANCE * ref.abs().max().item()  # NaN counts as high
+            cells[column] = f"{diff:.3g}" + (" (HIGH)" if high else "")
     if ZERO_COPY in outs and COPY_IN in outs:
         cells["(b) == (c) bits"] = "yes" if torch.equal(outs[ZERO_COPY], outs[COPY_IN]) else "NO"
     return cells
@@ -226,7 +232,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     blocks = nn.ModuleList(Block(shape, world_size, max(s.batches)) for _ in range(shape.layers))
     norm = norm_weight(shape.hidden)
     reasons: dict[str, str] = {}
-    step_graphar = None
+    graphar_steps: dict[str, Step] = {}
     try:
         import graphar  # registers backend="graphar"
 
@@ -235,11 +241,13 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         if graphar.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
             reasons["graphar"] = "graphar.init returned None (its log says why)"
         else:
-            step_graphar = compiled_step(blocks, norm, shape.eps, "graphar")
+            step = compiled_step(blocks, norm, shape.eps, "graphar")
+            graphar_steps = {ZERO_COPY: step, COPY_IN: step,
+                             FUSED: compiled_step(blocks, norm, shape.eps, "graphar", fuse_norm=True)}  # fmt: skip
     except Exception as e:
         reasons["graphar"] = f"unavailable: {type(e).__name__}: {e}"
     step_nccl = compiled_step(blocks, norm, shape.eps, "inductor")
-    runs = build_variants(step_nccl, step_graphar, s, reasons)
+    runs = build_variants(step_nccl, graphar_steps, s, reasons)
     reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
     common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
 
@@ -263,7 +271,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
 
 # ---- the report --------------------------------------------------------------------------------
 
-CHECK_COLUMNS = ("max abs diff (a, b)", "(b) == (c) bits", "ranks equal")
+CHECK_COLUMNS = ("max abs diff (a, b)", "max abs diff (a, d)", "(b) == (c) bits", "ranks equal")
 
 
 def speedup(a: common.Cell, b: common.Cell) -> str:
@@ -271,12 +279,12 @@ def speedup(a: common.Cell, b: common.Cell) -> str:
 
 
 def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
-    columns = ["batch"] + list(LABELS.values()) + ["(a) / (b)", "(a) / (c)"] + list(CHECK_COLUMNS)
+    columns = ["batch"] + list(LABELS.values()) + ["(a) / (b)", "(a) / (c)", "(a) / (d)"] + list(CHECK_COLUMNS)
     rows = []
     for b in s.batches:
         timed = [cells[(b, v)] for v in VARIANTS]
         checked = [cells.get((b, c), "-") for c in CHECK_COLUMNS]
-        rows.append([str(b)] + timed + [speedup(timed[0], timed[1]), speedup(timed[0], timed[2])] + checked)
+        rows.append([str(b)] + timed + [speedup(timed[0], t) for t in timed[1:]] + checked)
     return common.markdown_table(columns, rows)
 
 
@@ -317,6 +325,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {}
     for b in s.batches:
         cells.update({(b, v): rng.uniform(300, 600) for v in VARIANTS})
-        cells.update({(b, CHECK_COLUMNS[0]): "0.0156", (b, CHECK_COLUMNS[1]): "yes", (b, CHECK_COLUMNS[2]): "yes"})
+        cells.update({(b, CHECK_COLUMNS[0]): "0.0156", (b, CHECK_COLUMNS[1]): "0.0312"})
+        cells.update({(b, CHECK_COLUMNS[2]): "yes", (b, CHECK_COLUMNS[3]): "yes"})
     write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("decode", common.DRY_RUN_GPU, 2, out,
                                                                      common.dry_run_dir()))

@@ -1,0 +1,149 @@
+"""Fused all-reduce + residual add + RMSNorm against the all-reduce alone, at decode sizes.
+
+    python -m graphar bench norm [--tokens 1,8,...] [--hidden 4096] [--world-size N] [--quick] [--dry-run] [--out F]
+
+Per op, in a CUDA graph of back-to-back ops (graphar.graphs.graph), bf16, [tokens, hidden]:
+  NCCL + norm:        dist.all_reduce, then the residual add and RMSNorm compiled by Inductor;
+  all-reduce alone:   graphar's all-reduce (the policy's kernel), and the push one-shot;
+  unfused:            graphar's all-reduce, then the same compiled add + RMSNorm;
+  fused:              graphar::all_reduce_add_rms_norm, one kernel.
+The fused op's cost over the all-reduce alone is what fusing adds; over "unfused", what it saves.
+The table goes to stdout and to norm-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current
+folder, or --out), with a plot of time against tokens beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from graphar.benchmarks import common, plot
+
+DTYPE = torch.bfloat16
+EPS = 1e-6
+NCCL_NORM, AUTO, PUSH = "NCCL + norm", "graphar all-reduce", "graphar push-oneshot"
+UNFUSED, FUSED = "graphar unfused", "graphar fused"
+COLUMNS = (NCCL_NORM, AUTO, PUSH, UNFUSED, FUSED)
+TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    tokens: list[int]
+    hidden: int
+    ops: int
+    replays: int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64", help="comma-separated token counts (rows)")
+    p.add_argument("--hidden", type=int, default=4096)
+    common.add_arguments(p, quick_help="3 token counts, fewer ops and replays")
+
+
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
+    tokens = [1, 8, 64] if args.quick else sorted({int(t) for t in args.tokens.split(",") if t.strip()})
+    if not tokens or min(tokens) < 1 or args.hidden < 8 or args.hidden % 8:
+        p.error("tokens must be positive and hidden a positive multiple of 8")
+    return Settings(tokens=tokens, hidden=args.hidden, ops=20 if args.quick else 50, replays=5 if args.quick else 9)
+
+
+def add_rms_norm(summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """HF's residual add and LlamaRMSNorm."""
+    h = summed + residual
+    v = h.float()
+    return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype), h
+
+
+Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
+def contenders(comm) -> dict[str, Op]:
+    norm = torch.compile(add_rms_norm, dynamic=False)
+    group = comm.group_name
+
+    def nccl(x, residual, weight):
+        y = x.clone()
+        dist.all_reduce(y)
+        return norm(y, residual, weight)
+
+    return {
+        NCCL_NORM: nccl,
+        AUTO: lambda x, residual, weight: comm.all_reduce(x),
+        PUSH: lambda x, residual, weight: comm.all_reduce(x, algo="push-oneshot"),
+        UNFUSED: lambda x, residual, weight: norm(comm.all_reduce(x), residual, weight),
+        FUSED: lambda x, residual, weight: torch.ops.graphar.all_reduce_add_rms_norm(x, residual, weight, EPS, group),
+    }
+
+
+def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    import graphar
+    from graphar.graphs import graph as graphar_graph
+
+    comm = graphar.init()
+    if comm is None:
+        raise RuntimeError("graphar.init returned None (its log says why)")
+    ops = contenders(comm)
+    cells: dict[tuple, common.Cell] = {}
+    notes: dict[str, str] = {}
+    for tokens in s.tokens:
+        x = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE)
+        gen = torch.Generator(device="cuda").manual_seed(tokens)  # replicated: equal on every rank
+        residual = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE, generator=gen)
+        weight = torch.rand(s.hidden, device="cuda", dtype=DTYPE, generator=gen) + 0.5
+        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, False) is not None
+        for name, op in ops.items():
+            if name == FUSED and not fused:
+                cells[(tokens, name)] = "-"
+                notes[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
+                continue
+            graph = common.capture(lambda i, op=op: op(x, residual, weight), s.ops, context=graphar_graph)
+            cells[(tokens, name)] = common.time_gpu(graph.replay, repeats=s.replays, per=s.ops)
+        common.progress(f"done {tokens} tokens")
+    cells = common.max_over_ranks(cells)
+    if rank == 0:
+        gpu = common.gpu_name()
+        write(cells, s, world_size, notes, gpu, common.results_path("norm", gpu, world_size, out_path))
+
+
+def over(a: common.Cell, b: common.Cell) -> str:
+    return f"{a - b:+.1f}" if isinstance(a, float) and isinstance(b, float) else "-"
+
+
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+    rows = []
+    for t in s.tokens:
+        fused = cells[(t, FUSED)]
+        rows.append([str(t), common.format_bytes(t * s.hidden * DTYPE.itemsize), *(cells[(t, c)] for c in COLUMNS),
+                     over(fused, cells[(t, PUSH)]), over(fused, cells[(t, UNFUSED)])])  # fmt: skip
+    columns = ["tokens", "bytes", *COLUMNS, "fused - push-oneshot", "fused - unfused"]
+    info = common.header("norm, CUDA graphs", world_size, gpu)
+    notes = [
+        f"bf16 [tokens, {s.hidden}]; us per op: median of {s.replays} replays of a graphar.graph of {s.ops} "
+        "back-to-back ops, max over ranks.",
+        "norm: the residual add and HF's LlamaRMSNorm (weight * normed.to(bf16)), compiled by Inductor.",
+    ] + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+    title = "Fused all-reduce + residual add + RMSNorm (us)"
+    text = common.report(title, info, [("per op, us", common.markdown_table(columns, rows))], notes)
+    lines = [plot.Line(c, plot.points(s.tokens, [cells[(t, c)] for t in s.tokens]), colour_key=c, dash_key="graph")
+             for c in COLUMNS]  # fmt: skip
+    chart = plot.LineChart(f"bf16, hidden {s.hidden}, max over ranks", "tokens", "us per op", lines,
+                           [(t, str(t)) for t in s.tokens])  # fmt: skip
+    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}")
+
+
+def dry_run(s: Settings, out: Path | None) -> None:
+    """The formatting path on fake numbers: no GPU, no graphar needed."""
+    rng = random.Random(0)
+    cells: dict[tuple, common.Cell] = {}
+    for t in s.tokens:
+        base = 3 + t * 0.02
+        cells.update({(t, c): base * rng.uniform(0.9, 2.5) for c in COLUMNS})
+    path = common.results_path("norm", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
+    write(cells, s, 2, {}, common.DRY_RUN_GPU, path)
