@@ -132,66 +132,88 @@ __device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epo
   }
 }
 
+// What every push kernel starts with, in this order: wait for the kernel before it (PDL), let the
+// next one launch, read the call's epoch. Then the epoch's regions and the thread's place in the grid.
+template <int kRanks>
+struct PushCall {
+  uint32_t epoch;
+  uint4* region[kRanks];  // each rank's receive region at this epoch
+  uint4* mine;            // this rank's
+  const uint4* in;
+  uint4* out;
+  int first, stride;
+
+  __device__ __forceinline__ explicit PushCall(const PushParams& p) {
+    griddep_wait();
+    griddep_launch_dependents();
+    epoch = enter_epoch(p.barrier);
+    epoch_regions<kRanks>(p, epoch, region);
+    mine = nth<kRanks>(region, p.barrier.rank);
+    in = static_cast<const uint4*>(p.in);
+    out = static_cast<uint4*>(p.out);
+    first = blockIdx.x * blockDim.x + threadIdx.x;
+    stride = gridDim.x * blockDim.x;
+  }
+};
+
+// send(idx, v) for each of this thread's packs idx < packs of `in`, v made sendable; kBatch loads in
+// flight at a time.
+template <int kBatch, typename Send>
+__device__ __forceinline__ void push_packs(const uint4* in, int packs, int first, int stride, Send send) {
+  for (int base = first; base < packs; base += kBatch * stride) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      if (base + b * stride < packs) v[b] = sendable(in[base + b * stride]);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      if (base + b * stride < packs) send(base + b * stride, v[b]);
+    }
+  }
+}
+
 // ---- one shot: every rank receives every rank's whole input and sums it ----------------------------
 //
 // Epoch region: rank r's slot at r * packs.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
-  griddep_wait();
-  griddep_launch_dependents();
+  const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
-  const uint32_t epoch = enter_epoch(bp);
   constexpr int kBatch = PushBatch<kRanks>::value;
-  uint4* region[kRanks];
-  epoch_regions<kRanks>(p, epoch, region);
-  const uint4* in = static_cast<const uint4*>(p.in);
-  uint4* out = static_cast<uint4*>(p.out);
-  const int first = blockIdx.x * blockDim.x + threadIdx.x;
-  const int stride = gridDim.x * blockDim.x;
-
-  for (int base = first; base < p.packs; base += kBatch * stride) {
-    uint4 v[kBatch];
+  push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
 #pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      if (base + b * stride < p.packs) v[b] = sendable(in[base + b * stride]);
+    for (int r = 0; r < kRanks; r++) {
+      if (r != bp.rank) st_slot(c.region[r] + bp.rank * p.packs + idx, v);
     }
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && idx < p.packs) st_slot(region[r] + bp.rank * p.packs + idx, v[b]);
-      }
-    }
-  }
+  });
 
-  uint4* mine = nth<kRanks>(region, bp.rank);
-  for (int base = first; base < p.packs; base += kBatch * stride) {
+  for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
     uint4 got[kBatch][kRanks];
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
+      const int idx = base + b * c.stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (idx < p.packs) got[b][r] = r == bp.rank ? sendable(in[idx]) : ld_slot(mine + r * p.packs + idx);
+        if (idx < p.packs) got[b][r] = r == bp.rank ? sendable(c.in[idx]) : ld_slot(c.mine + r * p.packs + idx);
       }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
+      const int idx = base + b * c.stride;
       if (idx >= p.packs) continue;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !await_slot(mine + r * p.packs + idx, got[b][r], bp, kPushOneShot, r)) return;
+        if (r != bp.rank && !await_slot(c.mine + r * p.packs + idx, got[b][r], bp, kPushOneShot, r)) return;
       }
-      out[idx] = sum_in_order<T, kRanks>(got[b]);
+      c.out[idx] = sum_in_order<T, kRanks>(got[b]);
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank) reset_slot(mine + r * p.packs + idx);
+        if (r != bp.rank) reset_slot(c.mine + r * p.packs + idx);
       }
     }
   }
-  leave_epoch(bp, epoch);
+  leave_epoch(bp, c.epoch);
 }
 
 // ---- two shot: reduce-scatter by push, then all-gather by push --------------------------------------
@@ -211,90 +233,70 @@ struct Shards {
 
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
-  griddep_wait();
-  griddep_launch_dependents();
+  const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
-  const uint32_t epoch = enter_epoch(bp);
   constexpr int kBatch = PushBatch<kRanks>::value;
-  uint4* region[kRanks];
-  epoch_regions<kRanks>(p, epoch, region);
-  uint4* mine = nth<kRanks>(region, bp.rank);
-  const uint4* in = static_cast<const uint4*>(p.in);
-  uint4* out = static_cast<uint4*>(p.out);
-  const int first = blockIdx.x * blockDim.x + threadIdx.x;
-  const int stride = gridDim.x * blockDim.x;
   const Shards sh(p.packs, kRanks);
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
 
   // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
-  for (int base = first; base < p.packs; base += kBatch * stride) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      if (base + b * stride < p.packs) v[b] = sendable(in[base + b * stride]);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
-      const int o = sh.owner(idx, kRanks);
-      if (idx < p.packs && o != bp.rank) {
-        st_slot(nth<kRanks>(region, o) + bp.rank * sh.largest + idx - o * sh.part, v[b]);
-      }
-    }
-  }
+  push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
+    const int o = sh.owner(idx, kRanks);
+    if (o != bp.rank) st_slot(nth<kRanks>(c.region, o) + bp.rank * sh.largest + idx - o * sh.part, v);
+  });
 
   // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
-  for (int base = first; base < size; base += kBatch * stride) {
+  for (int base = c.first; base < size; base += kBatch * c.stride) {
     uint4 got[kBatch][kRanks];
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int i = base + b * stride;
+      const int i = base + b * c.stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (i < size) got[b][r] = r == bp.rank ? sendable(in[start + i]) : ld_slot(mine + r * sh.largest + i);
+        if (i < size) got[b][r] = r == bp.rank ? sendable(c.in[start + i]) : ld_slot(c.mine + r * sh.largest + i);
       }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int i = base + b * stride;
+      const int i = base + b * c.stride;
       if (i >= size) continue;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !await_slot(mine + r * sh.largest + i, got[b][r], bp, kPushScatter, r)) return;
+        if (r != bp.rank && !await_slot(c.mine + r * sh.largest + i, got[b][r], bp, kPushScatter, r)) return;
       }
       const uint4 sum = sendable(sum_in_order<T, kRanks>(got[b]));  // a sum is never kEmpty; kept uniform
-      out[start + i] = sum;
+      c.out[start + i] = sum;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
         if (r == bp.rank) continue;
-        st_slot(region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
-        reset_slot(mine + r * sh.largest + i);
+        st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
+        reset_slot(c.mine + r * sh.largest + i);
       }
     }
   }
 
   // 3. Gather the other shards' sums.
-  for (int base = first; base < p.packs; base += kBatch * stride) {
+  for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
     uint4 got[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
+      const int idx = base + b * c.stride;
       const int o = sh.owner(idx, kRanks);
-      if (idx < p.packs && o != bp.rank) got[b] = ld_slot(mine + (kRanks + o) * sh.largest + idx - o * sh.part);
+      if (idx < p.packs && o != bp.rank) got[b] = ld_slot(c.mine + (kRanks + o) * sh.largest + idx - o * sh.part);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * stride;
+      const int idx = base + b * c.stride;
       const int o = sh.owner(idx, kRanks);
       if (idx >= p.packs || o == bp.rank) continue;
-      uint4* slot = mine + (kRanks + o) * sh.largest + idx - o * sh.part;
+      uint4* slot = c.mine + (kRanks + o) * sh.largest + idx - o * sh.part;
       if (!await_slot(slot, got[b], bp, kPushGather, o)) return;
-      out[idx] = got[b];
+      c.out[idx] = got[b];
       reset_slot(slot);
     }
   }
-  leave_epoch(bp, epoch);
+  leave_epoch(bp, c.epoch);
 }
 
 // Packs an epoch needs: the one-shot's ws slots of the message, the two-shot's 2 * ws of its largest shard.

@@ -79,18 +79,15 @@ __device__ __forceinline__ float block_sum(float v) {
 
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams p) {
-  griddep_wait();
-  griddep_launch_dependents();
   const PushParams& q = p.push;
+  const PushCall<kRanks> c(q);
   const BarrierParams& bp = q.barrier;
-  const uint32_t epoch = enter_epoch(bp);
-  uint4* region[kRanks];
-  epoch_regions<kRanks>(q, epoch, region);
-  uint4* mine = nth<kRanks>(region, bp.rank);
-  const uint4* in = static_cast<const uint4*>(q.in);
+  uint4* const* region = c.region;
+  uint4* mine = c.mine;
+  const uint4* in = c.in;
+  uint4* out = c.out;
   const uint4* residual = static_cast<const uint4*>(p.residual);
   const uint4* weight = static_cast<const uint4*>(p.weight);
-  uint4* out = static_cast<uint4*>(q.out);
   uint4* residual_out = static_cast<uint4*>(p.residual_out);
   const int rows = q.packs / p.row_packs;
 
@@ -143,7 +140,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
       out[idx] = normalise<T>(h[k], scale, weight != nullptr ? weight + i : nullptr, p.weight_first != 0);
     }
   }
-  leave_epoch(bp, epoch);
+  leave_epoch(bp, c.epoch);
 }
 
 }  // namespace graphar
