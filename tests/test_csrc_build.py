@@ -44,8 +44,8 @@ def _kernel_stats(ptxas_log: str) -> dict[str, str]:
 def test_kernels_have_no_spills_or_local_memory(build) -> None:
     _, _, log = build
     stats = _kernel_stats(log)
-    kernels = {name: line for name, line in stats.items() if "one_stage" in name or "two_stage" in name}
-    assert len(kernels) == 24, sorted(kernels)  # ws 2, 4, 6, 8 x 3 dtypes x 2 algorithms
+    kernels = {name: line for name, line in stats.items() if re.search(r"(one|two)_(stage|shot)", name)}
+    assert len(kernels) == 60, sorted(kernels)  # ws 2, 4, 6, 8 x 3 dtypes x 5 (2 v1, 2 push, fused norm)
     for name, line in kernels.items():
         assert line.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, line)
 
@@ -72,6 +72,24 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
     # block syncs: 1stage before the fenced entry and the exit; 2stage before the fenced entry and
     # the middle, none for an exit barrier
     assert one.count("bar.sync") == 2 and two.count("bar.sync") == 2
+
+
+@needs_nvcc
+def test_push_ptx_waits_for_the_previous_kernel_first(build) -> None:
+    _, out, _ = build
+    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    for fragment in ("push_one_shotI13__nv_bfloat16Li2E", "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E"):
+        body = _ptx_function(ptx, fragment)
+        # PDL: griddepcontrol.wait before any global access (the input, the epoch, the slots), then the
+        # early launch of the next kernel; slots stored and polled whole with volatile 16-byte accesses
+        wait = body.index("griddepcontrol.wait")
+        first_access = min(body.index(op) for op in ("ld.global", "st.global", "ld.volatile", "st.volatile")
+                           if op in body)  # fmt: skip
+        assert wait < first_access < len(body), fragment
+        assert wait < body.index("griddepcontrol.launch_dependents"), fragment
+        for instruction in ("st.volatile.global.v4.u32", "ld.volatile.global.v4.u32", "%globaltimer"):
+            assert instruction in body, (fragment, instruction)
+        assert "trap" not in body and ".local" not in body and "ld.acquire" not in body, fragment
 
 
 @needs_nvcc
