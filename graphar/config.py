@@ -41,9 +41,12 @@ class Config:
     all_reduce: bool = True
     # Rewrite Q/K/V all_to_all_single triplets into one packed exchange.
     qkv_all_to_all: bool = True
-    # Fuse all-reduce + residual add + RMSNorm into one op. Off: until its fused kernel exists the op
-    # runs the same unfused math and is no faster.
+    # Fuse all-reduce + residual add + RMSNorm into one op (a fused kernel up to the policy's size).
+    # Off until the fused kernel is measured on 2 GPUs.
     fuse_norm: bool = False
+    # Pipeline each Ulysses attention (exchange, attention, exchange) over up to this many chunks of
+    # heads (graphar::ulysses_attention); 0 or 1: off. Off until measured on 2 GPUs.
+    attention_chunks: int = 0
     # Largest all-reduce (bytes) the pass rewrites; larger ones stay on their collective.
     max_all_reduce_bytes: int = field(default_factory=settings.MAX_ALLREDUCE_BYTES.get)
     # Group names the pass must leave on their original collective (groups are turned into names).
@@ -55,6 +58,9 @@ class Config:
         for name in ("all_reduce", "qkv_all_to_all", "fuse_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(f"option {name}={getattr(self, name)!r}: expected True or False")
+        chunks = self.attention_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+            raise SettingError(f"option attention_chunks={chunks!r}: expected an int >= 0 (0 or 1: off)")
         limit = self.max_all_reduce_bytes
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0 or limit % 16:
             raise SettingError(

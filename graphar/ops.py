@@ -1,4 +1,4 @@
-"""graphar's custom ops, all five in one place: functional, with fakes, never returning an alias.
+"""graphar's custom ops, all six in one place: functional, with fakes, never returning an alias.
 
 - `graphar::all_reduce(x, group_name)`: the sum over the group, through its communicator's custom
   kernels when there is one and the call is eligible, else the original functional collective;
@@ -6,6 +6,8 @@
   packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
 - `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one;
+- `graphar::ulysses_attention(q, k, v, group_name, is_causal, scale, chunks)`: the Q/K/V exchange,
+  attention and output exchange as one pipeline over chunks of heads (`graphar.comm.overlap`);
 - `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
   RMS-normalised; returns (normed, the sum plus the residual): one fused kernel up to the policy's
   size, else the all-reduce and the norm apart.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphar.comm import ulysses
+from graphar.comm import overlap, ulysses
 from graphar.comm.communicator import communicator
 
 c10d = torch.ops._c10d_functional
@@ -95,6 +97,21 @@ def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[to
 _define(
     "packed_all_to_all_single(Tensor[] xs, str group_name) -> Tensor[]", packed_all_to_all_single,
     lambda xs, group_name: [x.new_empty(shape) for x, shape in zip(xs, ulysses.packed_shapes(xs, group_name))],
+)
+
+
+def _ulysses_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
+    scale: float | None = None, chunks: int = 2,
+) -> torch.Tensor:
+    ulysses.qkv_shape((q, k, v), group_name)  # the same checks as the exchange
+    return q.new_empty(q.shape)
+
+
+_define(
+    "ulysses_attention(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal=False, float? scale=None, "
+    "int chunks=2) -> Tensor",
+    overlap.ulysses_attention, _ulysses_attention_fake,
 )
 
 

@@ -22,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from graphar.config import Config
 
 from .all_reduce import rewrite_all_reduces
+from .attention import rewrite_ulysses_attention
 from .norm import fuse_all_reduce_norms
 from .qkv import rewrite_qkv_triplets
 
@@ -63,6 +64,8 @@ class GrapharPass(CustomGraphPass):
                 self.passes.append(("fuse_norm", fuse_all_reduce_norms))
         if self.config.qkv_all_to_all:
             self.passes.append(("qkv_all_to_all", rewrite_qkv_triplets))
+            if self.config.attention_chunks > 1:  # it pipelines the exchanges the rewrite above makes
+                self.passes.append(("ulysses_attention", rewrite_ulysses_attention))
         self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -102,7 +105,7 @@ def hashed_files() -> tuple[str, ...]:
     import graphar.comm.ulysses
     import graphar.ops
 
-    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses.__file__)
+    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses.__file__, graphar.comm.overlap.__file__)
 
 class _Report:
     """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""

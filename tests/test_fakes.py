@@ -80,6 +80,14 @@ def test_packed_all_to_all_single(layout) -> None:
     _assert_fake_matches_real(ops.packed_all_to_all_single, xs, "0")
 
 
+@pytest.mark.parametrize("layout", list(_variants((1, 4, 4, 8))))
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_ulysses_attention(kv_heads, layout) -> None:
+    q = _variants((2, 4, 4, 8))[layout]()
+    k, v = (_variants((2, 4, kv_heads, 8))[layout]() for _ in range(2))
+    _assert_fake_matches_real(ops.ulysses_attention, q, k, v, "0", True, None, 2)
+
+
 @pytest.mark.parametrize("layout", list(_variants((4, 8))))
 @pytest.mark.parametrize("form", ["residual and weight", "residual", "weight", "neither", "bf16 with fp32 weight"])
 def test_all_reduce_add_rms_norm(form, layout) -> None:

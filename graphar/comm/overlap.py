@@ -1,0 +1,105 @@
+"""Ulysses attention with its exchanges behind the attention: the heads in chunks, pipelined.
+
+`ulysses_attention(q, k, v, group_name, ...)` is the sequence -> heads exchange of Q, K and V, the
+scaled-dot-product attention and the heads -> sequence exchange of its output, as one call on
+`[b, S, h, d]` tensors (the local sequence, all heads). The heads are split into `chunks` runs of
+consecutive heads (K/V heads alike, so GQA groups stay whole). Chunk c's input exchange, attention
+and output exchange form a pipeline: while chunk c's attention runs on the caller's stream, chunk
+c+1's input exchange and chunk c-1's output exchange run on a side stream, forked at the start and
+joined at the end. Every chunk's tensors live until the join, so no memory is reused early on
+either stream, in eager calls and in CUDA-graph captures alike.
+
+Heads are independent in attention, and each head travels and is attended exactly as in the
+unchunked path, so the result is the unchunked one bit for bit. Which rank attends which head
+differs (chunk c's heads spread over every rank), which changes nothing in the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from graphar.comm import ulysses
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> int:
+    """The most chunks, up to `wanted`, that split both head counts evenly over every rank."""
+    return max(c for c in range(1, max(1, wanted) + 1) if q_heads % (c * world_size) == 0
+               and kv_heads % (c * world_size) == 0)  # fmt: skip
+
+
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
+    scale: float | None = None, chunks: int = 2,
+) -> torch.Tensor:
+    """softmax(Q K^T * scale) V over the whole sequence, for `[b, S, h, d]` local-sequence Q, K, V
+    (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory."""
+    p = ulysses.world_size(group_name)
+    hq, hk = q.shape[2], k.shape[2]
+    n = chunk_count(hq, hk, p, chunks)
+    counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    inputs: list[torch.Tensor] = []  # every chunk's tensors stay alive until the streams join
+    outputs: list[torch.Tensor] = []
+    with _pipeline(q.device) as (side, mark):
+        arrived = []
+        for c in range(n):
+            with side():
+                inputs.append(ulysses.qkv_exchange([_chunk(x, c, n) for x in (q, k, v)], group_name))
+                arrived.append(mark())
+        for c in range(n):
+            arrived[c].wait()
+            qh, kh, vh = (x.transpose(1, 2) for x in ulysses.split_heads(inputs[c], counts))
+            outputs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
+                                                          enable_gqa=hk != hq))  # fmt: skip
+            attended = mark()
+            with side():
+                attended.wait()
+                _chunk(out, c, n).copy_(ulysses.output_exchange(outputs[c].transpose(1, 2), group_name))
+    return out
+
+
+def _chunk(x: torch.Tensor, c: int, n: int) -> torch.Tensor:
+    """Chunk c of n runs of consecutive heads (dim 2)."""
+    h = x.shape[2]
+    return x[:, :, h * c // n : h * (c + 1) // n]
+
+
+class _Mark:
+    """A point in one stream's work that another stream can wait for (no-op on the CPU)."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+@contextlib.contextmanager
+def _pipeline(device: torch.device) -> Iterator[tuple]:
+    """(side, mark): `side()` is a context running on the side stream; `mark()` records where the
+    current stream is. The side stream is forked from the caller's stream on entry and joined on exit."""
+    if device.type != "cuda":
+        yield contextlib.nullcontext, lambda: _Mark(None)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device.index)
+    if side is None:
+        side = _side_streams[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(main)  # in a capture this forks the side stream into it
+
+    def mark() -> _Mark:
+        event = torch.cuda.Event()
+        event.record()
+        return _Mark(event)
+
+    try:
+        yield (lambda: torch.cuda.stream(side)), mark
+    finally:
+        main.wait_stream(side)

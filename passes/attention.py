@@ -1,0 +1,167 @@
+"""Rewrite a Ulysses attention, exchange -> attention -> exchange, into `graphar::ulysses_attention`,
+which pipelines the three over chunks of heads (graphar.comm.overlap) so that the exchanges hide
+behind the attention.
+
+It runs after passes/qkv.py, on what that pass leaves for a Ulysses attention with heads at dim 2:
+
+    packed = graphar.qkv_all_to_all(q, k, v, group)
+    qh = slice(packed, 2, 0, a); kh = slice(packed, 2, a, a + b); vh = slice(packed, 2, a + b, a + 2b)
+    o = sdpa(qh.permute(0, 2, 1, 3), kh.permute(0, 2, 1, 3), vh.permute(0, 2, 1, 3), is_causal=c, scale=s)[0]
+    out = graphar.heads_to_seq_all_to_all(o.permute(0, 2, 1, 3), group)
+
+becomes
+
+    out = graphar.ulysses_attention(q, k, v, group, c, s, chunks)
+
+where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
+efficient, cudnn, the CPU flash). Heads are independent in attention, so the result is the same bits.
+Anything else is left alone with the reason logged: a mask or dropout, an attention output other
+than the first used, an intermediate used elsewhere, K/V repeated for GQA before the kernel, another
+group, or head counts that do not split into two chunks per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphar.comm.overlap import chunk_count
+from graphar.config import Config
+
+log = logging.getLogger("graphar")
+
+aten = torch.ops.aten
+graphar_ops = torch.ops.graphar
+_HEADS_LAST = [0, 2, 1, 3]  # [b, S, h, d] <-> [b, h, S, d]
+
+
+def _sdpa_kernels() -> dict[Any, dict[str, int]]:
+    """Inductor's attention kernels: where each takes its mask or bias, dropout and is_causal
+    (positional index, or absent), as their schemas say."""
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
+    kernels = {}
+    for name in names:
+        op = getattr(aten, name, None)
+        if op is None:
+            continue
+        args = [a.name for a in op.default._schema.arguments]
+        kernels[op.default] = {key: args.index(key) for key in ("attn_bias", "attn_mask", "dropout_p", "is_causal",
+                                                                  "scale") if key in args}  # fmt: skip
+    return kernels
+
+
+SDPA_KERNELS = _sdpa_kernels()
+
+
+def _arg(node: torch.fx.Node, index: int | None, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if index is not None and index < len(node.args) else default
+
+
+@dataclass
+class _AttentionMatch:
+    exchange: torch.fx.Node  # graphar.qkv_all_to_all
+    sdpa: torch.fx.Node
+    output: torch.fx.Node  # graphar.heads_to_seq_all_to_all
+    between: list[torch.fx.Node]  # slices, permutes, the getitem: erased with the match
+
+    @property
+    def group_name(self) -> str:
+        return self.output.args[1]
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return _arg(self.sdpa, SDPA_KERNELS[self.sdpa.target].get(name), name, default)
+
+    def replace_with_graphar(self, chunks: int) -> None:
+        graph = self.output.graph
+        q, k, v, group = self.exchange.args
+        with graph.inserting_before(self.output):
+            new = graph.call_function(graphar_ops.ulysses_attention.default,
+                                      (q, k, v, group, bool(self.option("is_causal", False)),
+                                       self.option("scale"), chunks))  # fmt: skip
+        new.meta.update({key: self.output.meta[key] for key in ("val", "stack_trace") if key in self.output.meta})
+        self.output.replace_all_uses_with(new)
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        for node in sorted([self.output, *self.between, self.sdpa, self.exchange], key=position.get, reverse=True):
+            graph.erase_node(node)  # users first
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_permute(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target == aten.permute.default and list(node.args[1]) == _HEADS_LAST
+
+
+def _match(output: torch.fx.Node) -> _AttentionMatch | str:
+    """The attention that feeds this output exchange, or why there is none to rewrite."""
+    permuted = output.args[0]
+    if not _is_permute(permuted) or permuted.args[0].target != operator.getitem:
+        return "its input is not the attention's output, heads moved to dim 2"
+    getitem = permuted.args[0]
+    sdpa, index = getitem.args
+    if sdpa.target not in SDPA_KERNELS or index != 0:
+        return "its input is not the first output of an attention kernel"
+    if len(sdpa.users) != 1 or len(permuted.users) != 1 or len(getitem.users) != 1:
+        return "the attention's outputs are used elsewhere too"
+    between = [getitem, permuted]
+    sources = []
+    for arg in sdpa.args[:3]:
+        if not _is_permute(arg) or len(arg.users) != 1 or arg.args[0].target != aten.slice.Tensor:
+            return "an attention input is not a slice of a Q/K/V exchange, heads moved to dim 1 (K/V repeated?)"
+        sliced = arg.args[0]
+        if len(sliced.users) != 1:
+            return "a Q/K/V slice is used elsewhere too"
+        between += [arg, sliced]
+        sources.append(sliced)
+    exchange = sources[0].args[0]
+    if exchange.target != graphar_ops.qkv_all_to_all.default or any(s.args[0] is not exchange for s in sources):
+        return "the attention's inputs do not come from one graphar Q/K/V exchange"
+    if len(exchange.users) != 3 or exchange.args[3] != output.args[1]:
+        return "the exchange is used elsewhere too, or the two exchanges are on different groups"
+    return _AttentionMatch(exchange, sdpa, output, between)
+
+
+def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str | None:
+    if match.option("attn_bias") is not None or match.option("attn_mask") is not None:
+        return "the attention has a mask or bias"
+    if match.option("dropout_p", 0.0) != 0.0:
+        return "the attention has dropout"
+    starts = [(s.args[1], s.args[2], s.args[3]) for s in (a.args[0] for a in match.sdpa.args[:3])]
+    q, k, v = (x.meta["val"] for x in match.exchange.args[:3])
+    heads = [q.shape[2] // world_size, k.shape[2] // world_size, v.shape[2] // world_size]
+    bounds = [sum(heads[:i]) for i in range(4)]
+    if starts != [(2, bounds[i], bounds[i + 1]) for i in range(3)]:
+        return f"the slices {starts} are not Q, K and V of the exchange"
+    if chunk_count(q.shape[2], k.shape[2], world_size, chunks) < 2:
+        return f"{q.shape[2]} Q and {k.shape[2]} K/V heads do not split into 2 or more chunks per rank"
+    return None
+
+
+def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
+    """Rewrite every Ulysses attention that graphar can pipeline; returns how many were rewritten."""
+    if config.attention_chunks < 2:
+        return 0
+    from graphar.comm.ulysses import world_size
+
+    graph.eliminate_dead_code()  # the Q/K/V rewrite leaves its old relayouts for this: users that are gone
+    count = 0
+    for output in list(graph.find_nodes(op="call_function", target=graphar_ops.heads_to_seq_all_to_all.default)):
+        match = _match(output)
+        reason = match if isinstance(match, str) else _reason_to_skip(match, world_size(output.args[1]),
+                                                                     config.attention_chunks)  # fmt: skip
+        if reason is not None:
+            log.info("graphar: attention before %s left unpipelined: %s", output.name, reason)
+            continue
+        log.info("graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %d chunks)",
+                 match.exchange.name, match.sdpa.name, output.name, match.group_name, config.attention_chunks)
+        match.replace_with_graphar(config.attention_chunks)
+        count += 1
+    return count

@@ -1,0 +1,105 @@
+"""Snapshots of the Ulysses attention rewrite on the post-grad graph (fake process group, no GPU):
+exchange -> attention -> exchange becomes one `graphar::ulysses_attention`, and what is left alone."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import graphar  # noqa: F401  (registers the ops)
+from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.config import Config
+from tests._graphs import init_fake_world, post_grad_graphs
+from tests._ulysses import UlyssesBlock
+
+PIPELINE = Config(attention_chunks=2)
+
+
+def _weight(rows: int, cols: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+
+
+def _attention(q, k, v, **sdpa):
+    """Ulysses attention as yunchang writes it, with SDPA's options passed through."""
+    qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+    return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh, **sdpa).transpose(1, 2))
+
+
+def _qkv(heads: int = 8, kv_heads: int = 8):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 6, h, 16, generator=gen) for h in (heads, kv_heads, kv_heads)]
+
+
+class AttentionPassTest(TestCase):
+    def setUp(self) -> None:
+        init_fake_world(2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def _left_alone(self, fn, reason: str, *args, config: Config = PIPELINE) -> None:
+        with self.assertLogs("graphar", "INFO") as logs:
+            _, after, counts = post_grad_graphs(fn, *args, config=config)
+        self.assertEqual(counts.get("ulysses_attention", 0), 0)
+        self.assertIn(f"left unpipelined: {reason}", "\n".join(logs.output))
+        self.assertIn("graphar.heads_to_seq_all_to_all.default", after)
+
+    def test_block_attention_becomes_one_pipelined_op(self) -> None:
+        block = UlyssesBlock(8, 8, 16, _weight, exact=False)
+        _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128), config=PIPELINE)
+        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[1, 6, 128]", arg1_1: "f32[128, 128]", arg2_1: "f32[128, 128]", arg3_1: "f32[128, 128]"):
+        view: "f32[6, 128]" = torch.ops.aten.view.default(arg0_1, [6, 128])
+        mm: "f32[6, 128]" = torch.ops.aten.mm.default(view, arg1_1);  view = arg1_1 = None
+        view_1: "f32[1, 6, 128]" = torch.ops.aten.view.default(mm, [1, 6, 128]);  mm = None
+        view_2: "f32[1, 6, 8, 16]" = torch.ops.aten.view.default(view_1, [1, 6, 8, 16]);  view_1 = None
+        view_8: "f32[6, 128]" = torch.ops.aten.view.default(arg0_1, [6, 128])
+        mm_1: "f32[6, 128]" = torch.ops.aten.mm.default(view_8, arg2_1);  view_8 = arg2_1 = None
+        view_9: "f32[1, 6, 128]" = torch.ops.aten.view.default(mm_1, [1, 6, 128]);  mm_1 = None
+        view_10: "f32[1, 6, 8, 16]" = torch.ops.aten.view.default(view_9, [1, 6, 8, 16]);  view_9 = None
+        view_16: "f32[6, 128]" = torch.ops.aten.view.default(arg0_1, [6, 128]);  arg0_1 = None
+        mm_2: "f32[6, 128]" = torch.ops.aten.mm.default(view_16, arg3_1);  view_16 = arg3_1 = None
+        view_17: "f32[1, 6, 128]" = torch.ops.aten.view.default(mm_2, [1, 6, 128]);  mm_2 = None
+        view_18: "f32[1, 6, 8, 16]" = torch.ops.aten.view.default(view_17, [1, 6, 8, 16]);  view_17 = None
+        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(view_2, view_10, view_18, '0', False, None, 2);  view_2 = view_10 = view_18 = None
+        view_41: "f32[1, 6, 128]" = torch.ops.aten.view.default(ulysses_attention_default, [1, 6, 128]);  ulysses_attention_default = None
+        return (view_41,)
+""")
+
+    def test_causal_and_scale_travel_with_the_op(self) -> None:
+        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25),
+                                            *_qkv(), config=PIPELINE)  # fmt: skip
+        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2)", after)
+
+    def test_gqa_with_a_kernel_that_takes_it(self) -> None:
+        # The CPU flash kernel takes fewer K/V heads itself; the op runs SDPA with enable_gqa.
+        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4),
+                                            config=PIPELINE)  # fmt: skip
+        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
+
+    def test_off_by_default(self) -> None:
+        _, after, counts = post_grad_graphs(_attention, *_qkv())
+        self.assertNotIn("ulysses_attention", counts)
+        self.assertIn("graphar.heads_to_seq_all_to_all.default", after)
+
+    def test_mask_is_left_alone(self) -> None:
+        mask = torch.ones(12, 12, dtype=torch.bool).tril()
+        self._left_alone(lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias",
+                         *_qkv())  # fmt: skip
+
+    def test_heads_that_do_not_split_are_left_alone(self) -> None:
+        self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))
+
+    def test_attention_output_used_twice_is_left_alone(self) -> None:
+        def twice(q, k, v):
+            qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
+            return heads_to_seq_unpacked(o), o.sum()
+
+        self._left_alone(twice, "the attention's outputs are used elsewhere too", *_qkv())

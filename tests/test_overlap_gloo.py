@@ -1,0 +1,73 @@
+"""Two gloo processes on the CPU: the pipelined Ulysses attention (graphar.comm.overlap) equals the
+unchunked path bit for bit (separate all-to-alls as yunchang writes them, attention, the output
+all-to-all), for GQA, causal and not, one to four chunks, batch 1 and 2; and a Ulysses block compiled
+with `attention_chunks` gets the op and matches eager (the projections' rounding aside)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from graphar._launch import end_worker, free_port
+
+WORLD = 2
+
+
+def _unchunked(q, k, v, is_causal, scale):
+    from graphar.comm import ulysses
+
+    qh, kh, vh = (ulysses.seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    return ulysses.heads_to_seq_unpacked(o.transpose(1, 2).contiguous())
+
+
+def _compiled_block(rank: int) -> None:
+    """A Ulysses block compiled with attention_chunks finds the attention and equals eager."""
+    from torch._dynamo.utils import counters
+
+    from tests._ulysses import UlyssesBlock
+
+    torch._inductor.config.fx_graph_cache = False  # the pass must run to be counted
+    gen = torch.Generator().manual_seed(7)  # weights equal on both ranks
+    block = UlyssesBlock(8, 4, 16, lambda r, c: torch.randn(r, c, generator=gen) / 8, exact=False)
+    x = torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(rank))
+    compiled = torch.compile(block, backend="graphar", options={"attention_chunks": 2}, fullgraph=True)
+    with torch.no_grad():
+        got, want = compiled(x), block(x)
+    assert counters["graphar"]["ulysses_attention"] == 1, dict(counters["graphar"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank: int, port: int) -> None:
+    import graphar  # noqa: F401  (registers the ops)
+    from graphar.comm import overlap
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        name = dist.group.WORLD.group_name
+        for b, (hq, hk), is_causal, chunks in itertools.product((1, 2), ((8, 8), (8, 4)), (False, True), (1, 2, 4)):
+            gen = torch.Generator().manual_seed(100 * rank + b)
+            q = torch.randn(b, 6, hq, 16, generator=gen)
+            k, v = (torch.randn(b, 6, hk, 16, generator=gen) for _ in range(2))
+            scale = 0.3 if chunks == 2 else None
+            got = torch.ops.graphar.ulysses_attention(q, k, v, name, is_causal, scale, chunks)
+            want = _unchunked(q, k, v, is_causal, scale)
+            what = f"b={b} heads={hq}/{hk} causal={is_causal} chunks={chunks}"
+            assert got.shape == q.shape and got.is_contiguous(), what
+            assert torch.equal(got, want), f"{what}: differs from the unchunked path"
+        assert overlap.chunk_count(8, 4, WORLD, 4) == 2 and overlap.chunk_count(24, 8, WORLD, 3) == 2
+        _compiled_block(rank)
+    finally:
+        dist.destroy_process_group()
+    end_worker()
+
+
+def test_pipelined_attention_equals_the_unchunked_path() -> None:
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
