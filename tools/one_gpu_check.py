@@ -99,6 +99,32 @@ def _check_fused_norm(comm, rank: int) -> None:
             assert torch.equal(everyone[0], everyone[1]), "fused norm: ranks differ"
 
 
+def _check_overlap(comm, rank: int) -> None:
+    """The pipelined Ulysses attention equals the unchunked path bit for bit, eager and captured."""
+    import torch.nn.functional as F
+
+    from graphar.comm import ulysses
+
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (8, 4, 4))
+
+    def unchunked() -> torch.Tensor:
+        qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, name))
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return ulysses.heads_to_seq(o, name)
+
+    for chunks in (1, 2):
+        assert torch.equal(torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks), unchunked())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, unchunked()), "captured pipelined attention"
+
+
 def _check_graphs(comm, rank: int) -> None:
     import graphar
 
@@ -149,7 +175,9 @@ def _worker(rank: int, port: int) -> None:
 
     comm = _init_relaxed()
     try:
-        for check in (_check_all_reduce, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses):
+        checks = (_check_all_reduce, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
+                  _check_overlap)
+        for check in checks:
             check(comm, rank)
             torch.cuda.synchronize()
             if rank == 0:
