@@ -7,7 +7,7 @@ It runs after passes/qkv.py, on what that pass leaves for a Ulysses attention wi
     packed = graphar.qkv_all_to_all(q, k, v, group)
     qh = slice(packed, 2, 0, a); kh = slice(packed, 2, a, a + b); vh = slice(packed, 2, a + b, a + 2b)
     o = sdpa(qh.permute(0, 2, 1, 3), kh.permute(0, 2, 1, 3), vh.permute(0, 2, 1, 3), is_causal=c, scale=s)[0]
-    out = graphar.heads_to_seq_all_to_all(o.permute(0, 2, 1, 3), group)
+    out = graphar.heads_to_seq_all_to_all(o.permute(0, 2, 1, 3), group)   # or of its contiguous copy
 
 becomes
 
@@ -102,7 +102,9 @@ def _is_permute(node: Any) -> bool:
 
 def _match(output: torch.fx.Node) -> _AttentionMatch | str:
     """The attention that feeds this output exchange, or why there is none to rewrite."""
-    permuted = output.args[0]
+    permuted, copied = output.args[0], []
+    if permuted.target == aten.clone.default and len(permuted.users) == 1:  # `.contiguous()` before the exchange
+        permuted, copied = permuted.args[0], [permuted]
     if not _is_permute(permuted) or permuted.args[0].target != operator.getitem:
         return "its input is not the attention's output, heads moved to dim 2"
     getitem = permuted.args[0]
@@ -111,7 +113,7 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
         return "its input is not the first output of an attention kernel"
     if len(sdpa.users) != 1 or len(permuted.users) != 1 or len(getitem.users) != 1:
         return "the attention's outputs are used elsewhere too"
-    between = [getitem, permuted]
+    between = [getitem, permuted, *copied]
     sources = []
     for arg in sdpa.args[:3]:
         if not _is_permute(arg) or len(arg.users) != 1 or arg.args[0].target != aten.slice.Tensor:

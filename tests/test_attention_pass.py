@@ -83,6 +83,23 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(counts["ulysses_attention"], 1)
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
 
+    def test_contiguous_output_as_diffusers_writes_it(self) -> None:
+        def contiguous(q, k, v):
+            qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+            return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).contiguous())
+
+        _, after, counts = post_grad_graphs(contiguous, *_qkv(), config=PIPELINE)
+        self.assertEqual(counts["ulysses_attention"], 1)
+
+    def test_the_benchmark_block_gets_the_op(self) -> None:
+        # QK-norm and RoPE before the exchange, a contiguous output and a projection after it.
+        from graphar.benchmarks.attention import Block
+
+        block = Block((1, 12, 8, 16), rank=0, world_size=2, exchange=True, device="cpu")
+        with torch.no_grad():
+            _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128, dtype=torch.bfloat16), config=PIPELINE)
+        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+
     def test_off_by_default(self) -> None:
         _, after, counts = post_grad_graphs(_attention, *_qkv())
         self.assertNotIn("ulysses_attention", counts)

@@ -20,7 +20,8 @@ from graphar.benchmarks import allreduce, common, plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
-HEADINGS = {"allreduce": "# All-reduce latency (us)", "decode": "# Decode step", "norm": "# Fused all-reduce",
+HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
+            "decode": "# Decode step", "norm": "# Fused all-reduce",
             "ulysses": "# Ulysses all-to-all"}
 
 

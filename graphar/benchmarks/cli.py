@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from graphar.benchmarks import allreduce, common, decode, norm, ulysses
+from graphar.benchmarks import allreduce, attention, common, decode, norm, ulysses
 
-BENCHMARKS: dict[str, ModuleType] = {"allreduce": allreduce, "decode": decode, "norm": norm, "ulysses": ulysses}
+BENCHMARKS: dict[str, ModuleType] = {
+    "allreduce": allreduce, "attention": attention, "decode": decode, "norm": norm, "ulysses": ulysses,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

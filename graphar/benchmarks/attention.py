@@ -1,0 +1,227 @@
+"""A Ulysses attention block, compiled three ways, against its compute-only floor.
+
+    python -m graphar bench attention [--shapes 1x4096x24x128,...] [--chunks 2] [--world-size N]
+                                      [--quick] [--dry-run] [--out F]
+
+The block is DiT/Llama-style: Q/K/V projection, QK-norm (RMSNorm over the head dim), RoPE at the
+rank's global positions, Ulysses sequence -> heads (three all-to-alls as yunchang writes them),
+attention, heads -> sequence, output projection. For each shape `b x s x h x d` (global sequence
+s, all heads h; bf16), per block, in CUDA graphs of back-to-back blocks:
+  (a) inductor + NCCL:       torch.compile(backend="inductor");
+  (b) graphar packed:        backend="graphar" (one packed Q/K/V exchange, IPC after graphar.init);
+  (c) graphar overlapped:    backend="graphar", options={"attention_chunks": N} (exchanges hidden
+                             behind the attention, chunk by chunk);
+  (d) compute only:          (a) with every exchange replaced by a local copy of the same bytes.
+Exposed communication is a variant's time minus (d)'s. The table goes to stdout and to
+attention-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current folder, or --out), with a bar
+chart of the time per shape by variant beside it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphar.benchmarks import common, plot
+from graphar.benchmarks.ulysses import parse_shape
+
+DTYPE = torch.bfloat16
+DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 24, 128), (1, 16384, 40, 128), (1, 32760, 40, 128)]
+QUICK_SHAPES = DEFAULT_SHAPES[:2]
+NCCL, PACKED, OVERLAPPED, FLOOR = "inductor + NCCL", "graphar packed", "graphar overlapped", "compute only"
+VARIANTS = (NCCL, PACKED, OVERLAPPED, FLOOR)
+LABELS = {v: f"({'abcd'[i]}) {v}" for i, v in enumerate(VARIANTS)}
+GRAPH_BYTES = 2 << 30  # activations per captured graph, which bounds its block count
+TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    shapes: list[tuple[int, int, int, int]]
+    chunks: int
+    max_blocks: int  # back-to-back blocks per captured graph, at most
+    replays: int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", help="comma-separated b x s x h x d, e.g. 1x4096x24x128 (s: global sequence)")
+    p.add_argument("--chunks", type=int, default=2, help="attention_chunks of variant (c) (default 2)")
+    common.add_arguments(p, quick_help="2 shapes, fewer blocks and replays")
+
+
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
+    shapes = [parse_shape(s) for s in args.shapes.split(",")] if args.shapes else None
+    if args.chunks < 2:
+        p.error("--chunks must be 2 or more")
+    return Settings(shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES), chunks=args.chunks,
+                    max_blocks=5 if args.quick else 10, replays=5 if args.quick else 9)  # fmt: skip
+
+
+# ---- the block ----------------------------------------------------------------------------------
+
+
+def _local_seq_to_heads(x: torch.Tensor, p: int) -> torch.Tensor:
+    """The bytes of the sequence -> heads exchange moved by a local copy: same shapes, no peer."""
+    b, s, h, d = x.shape
+    return x.view(b, s, p, h // p, d).transpose(1, 2).reshape(b, p * s, h // p, d).clone()
+
+
+def _local_heads_to_seq(o: torch.Tensor, p: int) -> torch.Tensor:
+    b, s_global, h, d = o.shape
+    return o.view(b, p, s_global // p, h, d).transpose(1, 2).reshape(b, s_global // p, p * h, d).clone()
+
+
+class Block(nn.Module):
+    """This rank's view of one attention block over its slice of the sequence."""
+
+    def __init__(self, shape: tuple[int, int, int, int], rank: int, world_size: int, exchange: bool,
+                 device: str = "cuda") -> None:  # fmt: skip
+        super().__init__()
+        _, s, h, d = shape
+        gen = torch.Generator().manual_seed(0)  # replicated weights: equal on every rank
+        self.qkv = nn.Parameter((torch.randn(h * d, 3 * h * d, generator=gen) / (h * d) ** 0.5).to(device, DTYPE))
+        self.out = nn.Parameter((torch.randn(h * d, h * d, generator=gen) / (h * d) ** 0.5).to(device, DTYPE))
+        self.q_norm = nn.Parameter(torch.ones(d, dtype=DTYPE, device=device))
+        self.k_norm = nn.Parameter(torch.ones(d, dtype=DTYPE, device=device))
+        local = s // world_size
+        positions = torch.arange(rank * local, (rank + 1) * local, dtype=torch.float32)
+        freqs = positions[:, None] / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, S, 1, d]
+        self.register_buffer("cos", angles.cos().to(device, DTYPE))
+        self.register_buffer("sin", angles.sin().to(device, DTYPE))
+        self.shape, self.p, self.exchange = (h, d), world_size, exchange
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos + rotated * self.sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+
+        b, s, _ = x.shape
+        h, d = self.shape
+        q, k, v = (t.view(b, s, h, d) for t in (x @ self.qkv).chunk(3, dim=-1))
+        q = self.rope(F.rms_norm(q, (d,), self.q_norm))
+        k = self.rope(F.rms_norm(k, (d,), self.k_norm))
+        to_heads = seq_to_heads_unpacked if self.exchange else lambda t: _local_seq_to_heads(t, self.p)
+        to_seq = heads_to_seq_unpacked if self.exchange else lambda t: _local_heads_to_seq(t, self.p)
+        qh, kh, vh = (to_heads(t).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
+        return to_seq(o.contiguous()).reshape(b, s, h * d) @ self.out
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+
+def variants(shape, rank: int, world_size: int, chunks: int, graphar_ok: bool) -> dict[str, Callable]:
+    with_exchange = Block(shape, rank, world_size, exchange=True)
+    runs = {
+        NCCL: torch.compile(with_exchange, backend="inductor", dynamic=False),
+        FLOOR: torch.compile(Block(shape, rank, world_size, exchange=False), backend="inductor", dynamic=False),
+    }
+    if graphar_ok:
+        runs[PACKED] = torch.compile(with_exchange, backend="graphar", dynamic=False)
+        runs[OVERLAPPED] = torch.compile(with_exchange, backend="graphar", dynamic=False,
+                                         options={"attention_chunks": chunks})  # fmt: skip
+    return runs
+
+
+def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    reasons: dict[str, str] = {}
+    try:
+        import graphar
+
+        graphar_ok = graphar.init() is not None
+        if not graphar_ok:
+            reasons["graphar"] = "graphar.init returned None: the exchanges use NCCL (its log says why)"
+    except Exception as e:
+        graphar_ok, reasons["graphar"] = False, f"unavailable: {type(e).__name__}: {e}"
+    cells: dict[tuple, common.Cell] = {}
+    for shape in s.shapes:
+        b, seq, h, d = shape
+        x = torch.randn(b, seq // world_size, h * d, device="cuda", dtype=DTYPE)
+        runs = variants(shape, rank, world_size, s.chunks, graphar_ok)
+        with torch.no_grad():
+            reference = runs[NCCL](x)
+            blocks = max(1, min(s.max_blocks, GRAPH_BYTES // (8 * x.nbytes)))
+            for v in VARIANTS:
+                if v not in runs:
+                    cells[(shape, v)] = "n/a"
+                    continue
+                if v in (PACKED, OVERLAPPED) and not _close(runs[v](x), reference):
+                    cells[(shape, v)] = "WRONG"
+                    continue
+                graph = common.capture(lambda i, run=runs[v]: run(x), blocks)
+                cells[(shape, v)] = common.time_gpu(graph.replay, repeats=s.replays, per=blocks)
+        common.progress(f"done {'x'.join(map(str, shape))}")
+    counts = dict(torch._dynamo.utils.counters["graphar"])
+    reasons["graphar rewrites (rank 0)"] = str(counts)
+    cells = common.max_over_ranks(cells)
+    if rank == 0:
+        gpu = common.gpu_name()
+        write(cells, s, world_size, reasons, gpu, common.results_path("attention", gpu, world_size, out_path))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    ok = (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
+    return common.all_ranks(ok)
+
+
+# ---- the report -----------------------------------------------------------------------------------
+
+
+def _exposed(cells: dict, shape, v: str) -> common.Cell:
+    t, floor = cells[(shape, v)], cells[(shape, FLOOR)]
+    return t - floor if isinstance(t, float) and isinstance(floor, float) else "-"
+
+
+def _ratio(a: common.Cell, b: common.Cell, fmt: str = "{:.2f}x") -> str:
+    return fmt.format(a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
+
+
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+    columns = ["shape (b x s x h x d)", *LABELS.values(), "exposed (a)", "exposed (c)", "exposed (c) / (a)",
+               "(a) / (b)", "(a) / (c)"]  # fmt: skip
+    rows = []
+    for shape in s.shapes:
+        t = [cells[(shape, v)] for v in VARIANTS]
+        exposed_a, exposed_c = _exposed(cells, shape, NCCL), _exposed(cells, shape, OVERLAPPED)
+        rows.append(["x".join(map(str, shape)), *t, exposed_a, exposed_c, _ratio(exposed_c, exposed_a, "{:.0%}"),
+                     _ratio(t[0], t[1]), _ratio(t[0], t[2])])  # fmt: skip
+    notes = [
+        f"bf16; us per block: median of {s.replays} replays of a CUDA graph of back-to-back blocks, max over "
+        "ranks; s is the global sequence, each rank holds s / world size tokens.",
+        f"(c) pipelines the attention over up to {s.chunks} chunks of heads (graphar::ulysses_attention).",
+        "Exposed communication: the variant's time minus the compute-only floor (d).",
+        "(b) and (c) are checked against (a) first (within 2% of the largest output; WRONG otherwise).",
+    ] + [f"{k}: {v}" for k, v in sorted(reasons.items())]
+    info = common.header("attention block, CUDA graphs", world_size, gpu)
+    title = "Ulysses attention block (us)"
+    text = common.report(title, info, [("per block, us", common.markdown_table(columns, rows))], notes)
+    bars = {label: [cells[(shape, v)] for shape in s.shapes] for v, label in LABELS.items()}
+    chart = plot.BarChart("us per block, max over ranks", "us per block",
+                          ["x".join(map(str, shape)) for shape in s.shapes], bars)  # fmt: skip
+    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}")
+
+
+def dry_run(s: Settings, out: Path | None) -> None:
+    """The formatting path on fake numbers: no GPU, no graphar needed."""
+    rng = random.Random(0)
+    cells: dict[tuple, common.Cell] = {}
+    for shape in s.shapes:
+        floor = shape[1] * shape[2] / 200
+        cells.update({(shape, FLOOR): floor, (shape, NCCL): floor * rng.uniform(1.4, 1.8),
+                      (shape, PACKED): floor * rng.uniform(1.2, 1.4), (shape, OVERLAPPED): floor * rng.uniform(1.0, 1.2)})
+    path = common.results_path("attention", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
+    write(cells, s, 2, {}, common.DRY_RUN_GPU, path)
