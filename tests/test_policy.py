@@ -14,7 +14,6 @@ import torch
 
 from graphar import graphs
 from graphar.benchmarks import allreduce as allreduce_bench
-from graphar.benchmarks import common
 from graphar.comm import abi, policy
 from graphar.comm import allreduce as ar
 
@@ -142,20 +141,14 @@ def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None
 # ---- the table and the benchmark that measured it -------------------------------------------------
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "allreduce-h200-ws2.md"
-FASTEST = "## fastest graphar kernel per capture mode"
-
-
-def _winners(text: str) -> dict[str, list[tuple[int, str]]]:
-    """The committed report's fastest-kernel section, as {capture mode: [(bytes, kernel)]}."""
-    lines = [line for line in text.split(FASTEST, 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("|")]
-    captures = [c.strip() for c in lines[0].strip("|").split("|")][1:]
-    winners: dict[str, list[tuple[int, str]]] = {c: [] for c in captures}
-    for line in lines[2:]:
-        size, *kernels = (c.strip() for c in line.strip("|").split("|"))
-        for capture, kernel in zip(captures, kernels):
-            if kernel != "-":
-                winners[capture].append((common.parse_bytes(size.replace(" ", "")), kernel))
-    return winners
+def test_a_dry_run_report_reads_back(tmp_path: Path) -> None:
+    s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
+                                 eager_iters=1)  # fmt: skip
+    results = {(m, n, c): 5.0 for m in s.modes for n in s.sizes for c in allreduce_bench.column_names(m)}
+    results[("graph", MB, "graphar push-twoshot")] = 1.0
+    text = "\n\n".join(f"## {heading}\n\n{table}" for heading, table in allreduce_bench.tables(results, s))
+    winners = allreduce_bench.winners_from_report(text)
+    assert winners["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and winners["graphar.graph"][1][1] == "push-twoshot"
 
 
 def test_policy_rows_from_winners() -> None:
@@ -165,11 +158,10 @@ def test_policy_rows_from_winners() -> None:
 
 
 def test_h200_rows_are_the_committed_benchmark_s() -> None:
-    text = RESULTS.read_text()
-    if FASTEST not in text:  # measured before the push kernels: 1stage won every size and mode
+    winners = allreduce_bench.winners_from_report(RESULTS.read_text())
+    if winners is None:  # measured before the push kernels: 1stage won every size and mode
         assert policy.TABLE[(9, 2)] == dict.fromkeys(policy.MODES, ((policy.OPEN, "1stage"),))
         return
-    winners = _winners(text)
     assert set(winners) == set(policy.MODES)
     for mode, rows in winners.items():
         assert policy.TABLE[(9, 2)][mode] == allreduce_bench.policy_rows(rows), mode

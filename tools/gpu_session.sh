@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; logs and tables under $OUT.
-# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [demo] [bench-allreduce] [bench-decode]
-#        [bench-ulysses]
+# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu] [doctor] [demo]
+#        [bench-allreduce] [bench-decode] [bench-norm] [bench-attention] [bench-ulysses] [eager-breakdown]
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -28,6 +28,9 @@ for stage in "$@"; do
       [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       step cpu-tests 400 python -m pytest -q -p no:cacheprovider --ignore=tests/gpu tests ;;
+    one-gpu) step one-gpu 400 python tools/one_gpu_check.py ;;
+    doctor) step doctor 240 python -m graphar doctor ;;
+    eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
     bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
   esac

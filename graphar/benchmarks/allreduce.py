@@ -358,6 +358,26 @@ def policy_rows(winners: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
     return tuple(rows)
 
 
+FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
+
+
+def winners_from_report(text: str) -> dict[str, list[tuple[int, str]]] | None:
+    """A written report's fastest-kernel section as {capture mode: [(bytes, kernel)]}; None without one."""
+    marker = f"## {FASTEST_HEADING}"
+    if marker not in text:
+        return None
+    section = text.split(marker, 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    captures = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+    winners: dict[str, list[tuple[int, str]]] = {c: [] for c in captures}
+    for line in lines[2:]:
+        size, *kernels = (c.strip() for c in line.strip("|").split("|"))
+        for capture, kernel in zip(captures, kernels):
+            if kernel != "-":
+                winners[capture].append((common.parse_bytes(size.replace(" ", "")), kernel))
+    return winners
+
+
 def fastest_table(results: dict[tuple, common.Cell], s: Settings) -> tuple[str, str] | None:
     winners = fastest(results, s)
     if not winners:
@@ -365,8 +385,7 @@ def fastest_table(results: dict[tuple, common.Cell], s: Settings) -> tuple[str, 
     captures = list(winners)
     by_size = {capture: dict(rows) for capture, rows in winners.items()}
     rows = [[common.format_bytes(n)] + [by_size[c].get(n, "-") for c in captures] for n in s.sizes]
-    heading = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
-    return heading, common.markdown_table(["size"] + captures, rows)
+    return FASTEST_HEADING, common.markdown_table(["size"] + captures, rows)
 
 
 def notes(s: Settings, reasons: dict[str, str]) -> list[str]:

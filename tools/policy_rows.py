@@ -1,0 +1,35 @@
+"""Print graphar.comm.policy's rows for a committed all-reduce report: what to paste into TABLE.
+
+    PYTHONPATH=. python tools/policy_rows.py bench/results/allreduce-h200-ws2.md 9 2
+
+(the report, the GPU's compute capability major, the world size). tests/test_policy.py holds the
+committed TABLE equal to what this prints for the H200 report.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from graphar.benchmarks.allreduce import policy_rows, winners_from_report
+from graphar.comm import policy
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__)
+        return 2
+    winners = winners_from_report(Path(argv[0]).read_text())
+    if winners is None:
+        print(f"{argv[0]} has no fastest-kernel section: rerun python -m graphar bench allreduce")
+        return 1
+    print(f"    ({int(argv[1])}, {int(argv[2])}): {{")
+    for mode in policy.MODES:
+        rows = ", ".join(f"({'OPEN' if n == policy.OPEN else n}, {a!r})" for n, a in policy_rows(winners[mode]))
+        print(f"        {mode!r}: ({rows},),")
+    print("    },")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
