@@ -288,13 +288,14 @@ int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles)
   return 0;
 }
 
-int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,
+int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, const void* handles,
                                 const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs) {
   Comm* c = as_comm(comm);
   if (count <= 0) return 0;
-  if (first_slot < 1 || count > c->graph_slots - first_slot) {
-    return fail(GRAPHAR_EINVAL, "graph slots [%d, %d) exceed the %d available", first_slot, first_slot + count,
-                c->graph_slots);
+  for (int i = 0; i < count; i++) {
+    if (slots[i] < 1 || slots[i] >= c->graph_slots) {
+      return fail(GRAPHAR_EINVAL, "graph slot %d out of [1, %d)", slots[i], c->graph_slots);
+    }
   }
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
@@ -319,7 +320,11 @@ int graphar_comm_register_graph(void* comm, int first_slot, int count, const voi
       }
     }
   }
-  CUDA_TRY(cudaMemcpy(c->slots + first_slot, filled.data(), sizeof(RankData) * count, cudaMemcpyHostToDevice));
+  // A recycled slot may still be read by a replay of the destroyed graph that held it: let it end.
+  CUDA_TRY(cudaDeviceSynchronize());
+  for (int i = 0; i < count; i++) {
+    CUDA_TRY(cudaMemcpy(c->slots + slots[i], &filled[i], sizeof(RankData), cudaMemcpyHostToDevice));
+  }
   // A pageable host-to-device copy may return before it lands; no replay may see an empty slot.
   CUDA_TRY(cudaDeviceSynchronize());
   return 0;

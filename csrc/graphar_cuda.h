@@ -103,10 +103,11 @@ int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles)
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
                             uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int blocks,
                             uint64_t stream);
-// Fill slots [first_slot, first_slot + count) after a capture. Per call i and rank r (index i*ws+r):
+// Fill slots[0..count) after a capture (each in [1, graph_slots); a slot of a destroyed graph may be
+// filled again: the device is synchronized first). Per call i and rank r (index i*ws+r):
 // a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the
 // call through its registered buffer; own_ptrs[i] is this rank's own input of call i.
-int graphar_comm_register_graph(void* comm, int first_slot, int count, const void* handles,
+int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, const void* handles,
                                 const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs);
 // Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
 // with the same value while no kernel of the communicator runs anywhere.

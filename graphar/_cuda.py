@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from ctypes import POINTER, c_char_p, c_int, c_uint8, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
 LIB_NAME = "libgraphar_cuda.so"
@@ -67,7 +67,7 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     ),
     "graphar_comm_register_graph": (
         c_int,
-        [c_void_p, c_int, c_int, c_void_p, POINTER(c_uint64), POINTER(c_uint8), POINTER(c_uint64)],
+        [c_void_p, POINTER(c_int32), c_int, c_void_p, POINTER(c_uint64), POINTER(c_uint8), POINTER(c_uint64)],
     ),
     "graphar_comm_set_barrier_counters": (c_int, [c_void_p, c_uint32]),
     "graphar_comm_destroy": (c_int, [c_void_p]),

@@ -11,6 +11,7 @@ path instead: one local copy per call, no registration.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +59,9 @@ def graph(
     try:
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             yield
+    except BaseException:
+        _release(_slots(capture))  # nothing was registered: the recorded slots go back at once
+        raise
     finally:
         _state.capture = None
     finish(cuda_graph, capture)
@@ -71,6 +75,17 @@ def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
         comm.register_graph(capture.calls[comm])
     inputs = [call.tensor for calls in capture.calls.values() for call in calls]
     cuda_graph._graphar_inputs = getattr(cuda_graph, "_graphar_inputs", ()) + tuple(inputs)
+    if capture.calls:  # the graph's slots are reused once it is gone (the finalizer holds no tensor)
+        weakref.finalize(cuda_graph, _release, _slots(capture))
+
+
+def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:
+    return [(owner, [call.slot for call in calls]) for owner, calls in capture.calls.items()]
+
+
+def _release(slots: list[tuple[Any, list[int]]]) -> None:
+    for owner, numbers in slots:
+        owner.release_slots(numbers)
 
 
 class BatchGraphs:

@@ -138,9 +138,9 @@ class _FakeComm:
     def ipc_handle(self, base: int) -> bytes:
         return base.to_bytes(8, "little") * 8  # a handle that names its allocation
 
-    def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
+    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
                          own_ptrs: Sequence[int]) -> None:  # fmt: skip
-        self.registered = (first_slot, len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
+        self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
                            list(own_ptrs))  # fmt: skip
 
 
@@ -169,18 +169,18 @@ def test_graph_registration_is_call_major_with_staged_entries() -> None:
         [ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
          ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
         [ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
-         ar.GraphCall(10, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],
+         ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],  # a recycled slot
     ]  # fmt: skip
     comms, errors = _register_on_two_ranks(calls)
     assert not errors
-    first, count, handles, offsets, staged, own = comms[0].registered
-    assert (first, count) == (5, 2)
+    slots, count, handles, offsets, staged, own = comms[0].registered
+    assert (slots, count) == ([5, 6], 2)
     # [call 0: rank 0, rank 1][call 1: rank 0, rank 1]
     assert offsets == [64, 0, 320, 256] and staged == [0, 1, 0, 0]
     assert own == [c.tensor.data_ptr() for c in calls[0]]
     handle = segments[0].data_ptr().to_bytes(8, "little") * 8
     assert handles == handle + bytes(64) + handle + segments[1].data_ptr().to_bytes(8, "little") * 8
-    assert comms[1].registered[:2] == (9, 2)
+    assert comms[1].registered[:2] == ([9, 3], 2)  # slot numbers are each rank's own
 
 
 def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:

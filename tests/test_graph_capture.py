@@ -15,14 +15,19 @@ class _FakeComm:
     def __init__(self, name: str, registered: list) -> None:
         self.group_name = name
         self.registered = registered
+        self.released: list[int] = []
 
     def register_graph(self, calls: list) -> None:
-        self.registered.append((self.group_name, [c.tensor for c in calls]))
+        self.registered.append((self.group_name, len(calls)))  # no tensor: the test watches their lifetime
+
+    def release_slots(self, slots: list[int]) -> None:
+        self.released += slots
 
 
 class _Call:
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, slot: int = 1) -> None:
         self.tensor = tensor
+        self.slot = slot
 
 
 class _Graph:  # stands in for torch.cuda.CUDAGraph, which takes attributes the same way
@@ -33,7 +38,8 @@ def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
     registered: list = []
     capture = graphs.Capture()
     x, y = torch.randn(4), torch.randn(4)
-    capture.record(_FakeComm("b", registered), _Call(x))
+    b = _FakeComm("b", registered)
+    capture.record(b, _Call(x, slot=7))
     capture.record(_FakeComm("a", registered), _Call(y))
     cuda_graph = _Graph()
     graphs.finish(cuda_graph, capture)
@@ -43,9 +49,10 @@ def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
     del x, capture, registered
     gc.collect()
     assert alive() is not None, "a tensor the graph reads in place was freed while the graph lives"
+    assert b.released == []
     del cuda_graph
     gc.collect()
-    assert alive() is None
+    assert alive() is None and b.released == [7]  # the graph's slots go back when it is gone
 
 
 def test_cuda_graph_objects_take_the_reference() -> None:

@@ -129,6 +129,29 @@ def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) ->
     assert [c.tensor for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
 
 
+def test_slots_of_a_freed_graph_are_reused(cpu_all_reduce, monkeypatch) -> None:
+    allreduce, comm = cpu_all_reduce
+    allreduce.policy = policy.Policy(9, 2, policy.Limits(MB, MB), forced="1stage")  # v1: zero copy takes slots
+    x = torch.randn(1024)
+
+    def capture() -> _Capture:
+        recording = _Capture()
+        monkeypatch.setattr(graphs, "current_capture", lambda: recording)
+        for _ in range(3):
+            allreduce.try_all_reduce(x)
+        return recording
+
+    first = capture()
+    assert [c.slot for c in first.recorded] == [1, 2, 3] and allreduce.slots_in_use == 3
+    second = capture()
+    graphs._release(graphs._slots(graphs.Capture()))  # a capture that recorded nothing hands back nothing
+    allreduce.release_slots([c.slot for c in first.recorded])  # what the first graph's finalizer does
+    assert allreduce.slots_in_use == 3
+    third = capture()
+    assert [c.slot for c in second.recorded] == [4, 5, 6] and [c.slot for c in third.recorded] == [1, 2, 3]
+    assert allreduce.graph_calls == 9
+
+
 def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None:
     allreduce, _ = cpu_all_reduce
     allreduce.policy = policy.Policy(9, 8, policy.Limits(MB, 64 * KB), forced="push-oneshot")

@@ -11,6 +11,7 @@ speed. Usage, from the checkout: PYTHONPATH=. python tools/one_gpu_check.py (exi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 
@@ -139,6 +140,7 @@ def _check_graphs(comm, rank: int) -> None:
             z = comm.all_reduce(x, algo="push-twoshot" if algo else None)
         graph.instantiate()
         assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
+        held = comm.allreduce.slots_in_use
         if algo is not None:
             total, programmatic = graphar._cuda.graph_edges(graph)
             assert programmatic >= 1, f"no programmatic edge among {total}"
@@ -149,6 +151,9 @@ def _check_graphs(comm, rank: int) -> None:
             torch.cuda.synchronize()
             assert torch.equal(y, _reference_sum(values)), f"{capture.__name__} replay {i}: first"
             assert torch.equal(z, _reference_sum(-values)), f"{capture.__name__} replay {i}: second"
+        del graph
+        gc.collect()  # a freed graph hands its slots back; the next capture takes them
+        assert comm.allreduce.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
 
 
 def _check_ulysses(comm, rank: int) -> None:

@@ -16,6 +16,7 @@ seam tests fake.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -76,7 +77,7 @@ class CommCalls(Protocol):
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
-    def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
+    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
                          own_ptrs: Sequence[int]) -> None: ...  # fmt: skip
 
 
@@ -110,7 +111,9 @@ class AllReduce:
         self.comm = comm
         self.policy = kernels
         self.pdl = settings.PDL.get()
-        self._next_slot = _FIRST_GRAPH_SLOT
+        self._next_slot = _FIRST_GRAPH_SLOT  # never handed out yet, from here up
+        self._free_slots: list[int] = []  # handed back by destroyed graphs (a heap)
+        self._recorded = 0
         self.calls = 0
 
     @property
@@ -120,7 +123,18 @@ class AllReduce:
     @property
     def graph_calls(self) -> int:
         """How many calls graphar.graph captures have recorded zero-copy so far."""
-        return self._next_slot - _FIRST_GRAPH_SLOT
+        return self._recorded
+
+    @property
+    def slots_in_use(self) -> int:
+        """Graph slots held by live captures (a destroyed graph hands its slots back)."""
+        return self._next_slot - _FIRST_GRAPH_SLOT - len(self._free_slots)
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Hand back the slots of a graph that is gone (or a capture that failed); they are reused.
+        Slot numbers are this rank's own: each rank fills its own table, so ranks need not agree."""
+        for slot in slots:
+            heapq.heappush(self._free_slots, slot)
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL."""
@@ -210,13 +224,18 @@ class AllReduce:
     def _record_graph_call(
         self, capture: graphs.Capture, x: torch.Tensor, signature: tuple[int, int, int]
     ) -> tuple[int, int]:
-        if self._next_slot >= GRAPH_SLOTS:
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        elif self._next_slot < GRAPH_SLOTS:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        else:
             raise GrapharCommError(
-                f"graphar all_reduce on group {self.group_name!r}: all {GRAPH_SLOTS - 1} graph slots are used"
+                f"graphar all_reduce on group {self.group_name!r}: all {GRAPH_SLOTS - 1} graph slots are held by "
+                "live graphs (each zero-copy all-reduce captured by graphar.graph holds one until its graph is freed)"
             )
         base, capable = self.comm.pointer_info(x.data_ptr())
-        call = GraphCall(self._next_slot, x, base, not capable, signature)
-        self._next_slot += 1
+        call = GraphCall(slot, x, base, not capable, signature)
+        self._recorded += 1
         capture.record(self, call)
         return (STAGED if call.staged else ZERO_COPY), call.slot
 
@@ -231,9 +250,6 @@ class AllReduce:
             raise
 
     def _register_graph(self, calls: Sequence[GraphCall]) -> None:
-        slots = [c.slot for c in calls]
-        if slots != list(range(slots[0], slots[0] + len(slots))):
-            raise GrapharCommError("captures that interleave on one communicator are not supported")
         everyone = self.comm.all_gather(self._shared(calls), f"graph registration on group {self.group_name!r}")
         counts = [len(shared) for shared in everyone]
         if len(set(counts)) != 1:
@@ -244,7 +260,7 @@ class AllReduce:
                 raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
         flat = [everyone[r][i] for i in range(len(calls)) for r in range(len(everyone))]
-        self.comm.fill_graph_slots(slots[0], b"".join(e.handle for e in flat), [e.offset for e in flat],
+        self.comm.fill_graph_slots([c.slot for c in calls], b"".join(e.handle for e in flat), [e.offset for e in flat],
                                    [e.staged for e in flat], [c.tensor.data_ptr() for c in calls])  # fmt: skip
 
     def _shared(self, calls: Sequence[GraphCall]) -> list[_SharedCall]:

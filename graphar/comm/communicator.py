@@ -158,11 +158,11 @@ class Communicator:
         self._call("graph registration", "graphar_ipc_handle", base, out, handle=False)
         return out.raw
 
-    def fill_graph_slots(self, first_slot: int, handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
+    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
                          own_ptrs: Sequence[int]) -> None:  # fmt: skip
-        """After a capture: point slots [first_slot, ...) at every rank's inputs (call-major entries)."""
+        """After a capture: point `slots` (one per call) at every rank's inputs (call-major entries)."""
         n = len(own_ptrs)
-        self._call("graph registration", "graphar_comm_register_graph", first_slot, n, handles,
+        self._call("graph registration", "graphar_comm_register_graph", (ctypes.c_int32 * n)(*slots), n, handles,
                    (ctypes.c_uint64 * len(offsets))(*offsets), (ctypes.c_uint8 * len(staged))(*staged),
                    (ctypes.c_uint64 * n)(*own_ptrs))  # fmt: skip
 

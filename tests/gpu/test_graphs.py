@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import random
 
 import pytest
@@ -55,6 +56,40 @@ def _capture_then_replay(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_capture_then_replay(world_size: int) -> None:
     run_workers(_capture_then_replay, world_size)
+
+
+def _slots_come_back(rank: int, world_size: int) -> None:
+    comm = graphar.init()
+    try:
+        ar = comm.allreduce
+        keep = torch.cuda.CUDAGraph()  # a live graph whose slots must stay valid throughout
+        kept_x = integer_valued(4 * KB, torch.float32)
+        with graphar.graph(keep):
+            kept_y = comm.all_reduce(kept_x, algo="1stage")
+        held = ar.slots_in_use
+        for i in range(20):  # recaptures, as a server that rebuilds its graphs does
+            x = integer_valued(8 * KB, torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            with graphar.graph(graph):
+                ys = [comm.all_reduce(x * k, algo=("1stage", "2stage")[k % 2]) for k in (1, 2, 3)]
+            assert ar.slots_in_use == held + 3, f"recapture {i}: slots not handed back"
+            values = _refill(x)
+            graph.replay()
+            for k, y in zip((1, 2, 3), ys):
+                assert torch.equal(y, _nccl_sum(values * k)), f"recapture {i}, call {k}"
+            del graph, ys
+            gc.collect()
+        assert ar.slots_in_use == held
+        values = _refill(kept_x)
+        keep.replay()
+        assert torch.equal(kept_y, _nccl_sum(values)), "the live graph's slot was overwritten"
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_slots_of_freed_graphs_are_reused(world_size: int) -> None:
+    run_workers(_slots_come_back, world_size)
 
 
 def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None:
