@@ -14,6 +14,7 @@ import torch
 
 from graphar import graphs
 from graphar.benchmarks import allreduce as allreduce_bench
+from graphar.benchmarks import winners
 from graphar.comm import abi, policy
 from graphar.comm import allreduce as ar
 
@@ -170,21 +171,21 @@ def test_a_dry_run_report_reads_back(tmp_path: Path) -> None:
     results = {(m, n, c): 5.0 for m in s.modes for n in s.sizes for c in allreduce_bench.column_names(m)}
     results[("graph", MB, "graphar push-twoshot")] = 1.0
     text = "\n\n".join(f"## {heading}\n\n{table}" for heading, table in allreduce_bench.tables(results, s))
-    winners = allreduce_bench.winners_from_report(text)
-    assert winners["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and winners["graphar.graph"][1][1] == "push-twoshot"
+    read = winners.winners_from_report(text)
+    assert read["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and read["graphar.graph"][1][1] == "push-twoshot"
 
 
 def test_policy_rows_from_winners() -> None:
-    winners = [(16 * KB, "push-oneshot"), (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (MB, "push-twoshot")]
-    assert allreduce_bench.policy_rows(winners) == (
+    won = [(16 * KB, "push-oneshot"), (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (MB, "push-twoshot")]
+    assert winners.policy_rows(won) == (
         (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (policy.OPEN, "push-twoshot"))  # fmt: skip
 
 
 def test_h200_rows_are_the_committed_benchmark_s() -> None:
-    winners = allreduce_bench.winners_from_report(RESULTS.read_text())
-    if winners is None:  # measured before the push kernels: 1stage won every size and mode
+    measured = winners.winners_from_report(RESULTS.read_text())
+    if measured is None:  # measured before the push kernels: 1stage won every size and mode
         assert policy.TABLE[(9, 2)] == dict.fromkeys(policy.MODES, ((policy.OPEN, "1stage"),))
         return
-    assert set(winners) == set(policy.MODES)
-    for mode, rows in winners.items():
-        assert policy.TABLE[(9, 2)][mode] == allreduce_bench.policy_rows(rows), mode
+    assert set(measured) == set(policy.MODES)
+    for mode, rows in measured.items():
+        assert policy.TABLE[(9, 2)][mode] == winners.policy_rows(rows), mode

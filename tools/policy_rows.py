@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from graphar.benchmarks.allreduce import policy_rows, winners_from_report
+from graphar.benchmarks.winners import policy_rows, winners_from_report
 from graphar.comm import policy
 
 

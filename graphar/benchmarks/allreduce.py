@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot
-from graphar.comm import policy
+from graphar.benchmarks import common, plot, winners
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("graph", "eager", "graph-mm")
@@ -320,72 +319,8 @@ def tables(results: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, st
             row = {name: results[(mode, nbytes, name)] for name in names}
             rows.append([common.format_bytes(nbytes)] + [row[n] for n in names] + [ratio(row, mode)])
         sections.append((mode_heading(mode, s), common.markdown_table(["size"] + names + [f"{num} / {den}"], rows)))
-    best = fastest_table(results, s)
+    best = winners.fastest_table(results, s.sizes, s.modes, GRAPHAR_KERNELS)
     return sections + ([best] if best is not None else [])
-
-
-# The policy's capture modes (graphar.comm.policy), each with the benchmark mode and the columns that
-# measure its kernels: PDL on (the default), v1 zero-copy only where graphar owns the capture.
-def policy_columns() -> dict[str, tuple[str, list[str]]]:
-    picked = {n: k for n, k in GRAPHAR_KERNELS.items() if k.algo is not None and k.pdl}
-    plain = [n for n, k in picked.items() if not k.zero_copy]
-    owned = [n for n, k in picked.items() if k.zero_copy or k.algo.startswith("push")]
-    return {"eager": ("eager", plain), "graph": ("graph", plain), "graphar.graph": ("graph", owned)}
-
-
-def fastest(results: dict[tuple, common.Cell], s: Settings) -> dict[str, list[tuple[int, str]]]:
-    """The fastest graphar kernel per size, for each capture mode the run measured."""
-    winners = {}
-    for capture, (mode, names) in policy_columns().items():
-        if mode not in s.modes:
-            continue
-        rows = []
-        for nbytes in s.sizes:
-            timed = [(results[(mode, nbytes, n)], n) for n in names if isinstance(results[(mode, nbytes, n)], float)]
-            if timed:
-                rows.append((nbytes, GRAPHAR_KERNELS[min(timed)[1]].algo))
-        winners[capture] = rows
-    return winners
-
-
-def policy_rows(winners: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
-    """graphar.comm.policy rows from per-size winners: each kernel up to the last size it won before
-    another took over; the last kernel serves every larger size."""
-    rows: list[tuple[int, str]] = []
-    for (nbytes, algo), following in zip(winners, winners[1:] + [(None, None)]):
-        if following[1] != algo:
-            rows.append((nbytes if following[0] is not None else policy.OPEN, algo))
-    return tuple(rows)
-
-
-FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
-
-
-def winners_from_report(text: str) -> dict[str, list[tuple[int, str]]] | None:
-    """A written report's fastest-kernel section as {capture mode: [(bytes, kernel)]}; None without one."""
-    marker = f"## {FASTEST_HEADING}"
-    if marker not in text:
-        return None
-    section = text.split(marker, 1)[1].split("\n## ", 1)[0]
-    lines = [line for line in section.splitlines() if line.startswith("|")]
-    captures = [c.strip() for c in lines[0].strip("|").split("|")][1:]
-    winners: dict[str, list[tuple[int, str]]] = {c: [] for c in captures}
-    for line in lines[2:]:
-        size, *kernels = (c.strip() for c in line.strip("|").split("|"))
-        for capture, kernel in zip(captures, kernels):
-            if kernel != "-":
-                winners[capture].append((common.parse_bytes(size.replace(" ", "")), kernel))
-    return winners
-
-
-def fastest_table(results: dict[tuple, common.Cell], s: Settings) -> tuple[str, str] | None:
-    winners = fastest(results, s)
-    if not winners:
-        return None
-    captures = list(winners)
-    by_size = {capture: dict(rows) for capture, rows in winners.items()}
-    rows = [[common.format_bytes(n)] + [by_size[c].get(n, "-") for c in captures] for n in s.sizes]
-    return FASTEST_HEADING, common.markdown_table(["size"] + captures, rows)
 
 
 def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
