@@ -315,6 +315,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
             facts["max_bytes"] = comm.max_bytes
             kernels = comm.allreduce.policy
             facts["plan"] = {n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes}
+            pdl = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
+            facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max, "pdl": pdl}
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.
             facts["shareable"] = comm.pointer_info(torch.empty(MB, device="cuda").data_ptr())[1]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
@@ -365,6 +367,10 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     items += [("graphar's warning", w) for w in first["warnings"]]
     if on:
         items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
+        push = first["push"]
+        items.append(("push kernels", f"one-shot up to {_size(push['one_shot'])}, fused norm up to "
+                      f"{_size(push['fused_norm'])}, programmatic dependent launch "
+                      f"{'on' if push['pdl'] else 'off (GRAPHAR_PDL=0, or a GPU before Hopper)'}"))  # fmt: skip
         plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
         items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
         staged = [r for r, f in enumerate(facts) if not f.get("shareable", True)]
