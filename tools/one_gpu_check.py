@@ -93,7 +93,7 @@ def _check_fused_norm(comm, rank: int) -> None:
             want_normed, want_summed = unfused_add_rms_norm(_reference_sum(x), residual, weight, 1e-6, weight_first)
             assert torch.equal(fused[1], want_summed), f"fused norm: sum + residual {dtype}"
             err = ((fused[0].float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-3)).max()
-            assert err <= {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype], f"{dtype}: {err}"
+            assert err <= {torch.float32: 2**-20, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype], f"{dtype}: {err}"
             mine = fused[0].float().cpu()  # exact, and a dtype gloo gathers
             everyone = [torch.empty_like(mine) for _ in range(WORLD)]
             dist.all_gather(everyone, mine)

@@ -16,9 +16,10 @@ from graphar.ops import unfused_add_rms_norm
 pytestmark = pytest.mark.gpu
 
 EPS = 1e-6
-# The norm's only difference from PyTorch is the summation order of the mean square (fp32) and rsqrt's
-# rounding: at most one unit in the last place of the output dtype, relative to the value.
-ULP = {torch.float32: 2.0**-22, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# The norm's only differences from PyTorch are the summation order of the mean square (fp32) and
+# rsqrt's rounding; after the cast and the weight's multiply, at most two units in the last place of
+# the output dtype, relative to the value (fp32: a few ulps of a long sum).
+ULP = {torch.float32: 2.0**-20, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}
 
 
 def _reference(x, residual, weight, weight_first):
@@ -29,7 +30,7 @@ def _reference(x, residual, weight, weight_first):
 
 def _assert_close_to(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
     err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
-    assert err <= ULP[got.dtype], f"{what}: relative error {err:.3g} over one ulp ({ULP[got.dtype]:.3g})"
+    assert err <= ULP[got.dtype], f"{what}: relative error {err:.3g} over the bound ({ULP[got.dtype]:.3g})"
     return err
 
 
