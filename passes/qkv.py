@@ -349,11 +349,19 @@ class _Rewriter:
                      w = wait_tensor(all_to_all_single(o2, ...))
                      y = permute(view(w, [P*h, S, b, d]), [2, 1, 0, 3])                  # [b, S, P*h, d]
             after:   y = graphar.heads_to_seq_all_to_all(o, group)
+
+        Heads at dim 1 (o: [b, h, P*S, d], y: [b, P*h, S, d]; it scatters dim 2), through transposes:
+            after:   y = permute(graphar.heads_to_seq_all_to_all(permute(o, [0, 2, 1, 3]), group), [0, 2, 1, 3])
         """
-        x, y = match.relayouts[1]
+        heads_at_1 = 1 not in match.relayouts
+        x, y = match.relayouts[2 if heads_at_1 else 1]
         x = self.current(x)
         with self.graph.inserting_before(x.next):
+            if heads_at_1:
+                x = new_node(self.graph, torch.ops.aten.permute.default, x, _HEADS_SWAP)
             out = new_node(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, match.group_name)
+            if heads_at_1:
+                out = new_node(self.graph, torch.ops.aten.permute.default, out, _HEADS_SWAP)
         self.replace(match, y, out)
         log.info("graphar qkv: %s rewritten into %s on group %r", match.all_to_all.name, out.name, match.group_name)
 
@@ -385,9 +393,12 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     qkv_triplets, unpacked = _form_triplets(relayouts, order, _qkv_packable)
     non_relayouts = [m for m in matches if m.relayout is None]
     packed_triplets, _ = _form_triplets(non_relayouts, order, lambda a, b: a.packing_key() == b.packing_key())
-    outputs = [m for m in unpacked if 1 in m.relayouts]
+    # Scattering dim 2 (heads at dim 1), heads_to_seq_all_to_all reads X transposed: one copy more,
+    # worth it only where passes/attention.py then folds the exchange into a pipelined attention.
+    overlap = config.attention_chunks > 1
+    outputs = [m for m in unpacked if 1 in m.relayouts or (overlap and 2 in m.relayouts)]
     for match in unpacked:
-        if 1 not in match.relayouts:  # heads_to_seq_all_to_all would read its X transposed: one copy more
+        if match not in outputs:
             log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing",
                      match.all_to_all.name)
     rewriter = _Rewriter(graph)

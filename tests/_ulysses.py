@@ -3,7 +3,7 @@
 - `UlyssesBlock`: Q/K/V projections, sequence -> heads (in-place c10d all-to-alls, heads at dim 2,
   as yunchang and DeepSpeed write it), attention or its exact stand-in, heads -> sequence;
 - `exact_attention`: the stand-in, integer arithmetic that mixes Q with K and V head by head;
-- `seq_to_heads_dim1`: the xDiT form, heads at dim 1 and functional collectives.
+- `seq_to_heads_dim1`, `heads_to_seq_dim1`: the xDiT form, heads at dim 1 and functional collectives.
 
 The pass must find the exchanges in this code itself. Weights are the caller's (`weight(rows, cols)`):
 seeded on the CPU, random integers on a GPU.
@@ -61,3 +61,12 @@ def seq_to_heads_dim1(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     send = x.reshape(b, p, h // p, s, d).transpose(0, 1).contiguous()
     recv = funcol.all_to_all_single(send, None, None, group or dist.group.WORLD)
     return recv.reshape(p, b, h // p, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+
+
+def heads_to_seq_dim1(o: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """xDiT style output exchange: [b, h/P, P*S, d] -> [b, h, S, d]."""
+    p = dist.get_world_size(group)
+    b, hp, s_global, d = o.shape
+    send = o.reshape(b, hp, p, s_global // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = funcol.all_to_all_single(send, None, None, group or dist.group.WORLD)
+    return recv.reshape(p, b, hp, s_global // p, d).permute(1, 0, 2, 3, 4).reshape(b, p * hp, s_global // p, d)

@@ -12,7 +12,7 @@ import graphar  # noqa: F401  (registers the ops)
 from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
 from tests._graphs import init_fake_world, post_grad_graphs
-from tests._ulysses import UlyssesBlock
+from tests._ulysses import UlyssesBlock, heads_to_seq_dim1, seq_to_heads_dim1
 
 PIPELINE = Config(attention_chunks=2)
 
@@ -99,6 +99,28 @@ class <lambda>(torch.nn.Module):
         with torch.no_grad():
             _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128, dtype=torch.bfloat16), config=PIPELINE)
         self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+
+    def test_heads_at_dim_1_as_xdit_writes_it(self) -> None:
+        def xdit(q, k, v):  # [b, h, S, d] in and out, functional collectives
+            qh, kh, vh = (seq_to_heads_dim1(x) for x in (q, k, v))
+            return heads_to_seq_dim1(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True))
+
+        gen = torch.Generator().manual_seed(0)
+        qkv = [torch.randn(1, 8, 6, 16, generator=gen) for _ in range(3)]
+        _, after, counts = post_grad_graphs(xdit, *qkv, config=PIPELINE)
+        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[1, 8, 6, 16]", arg1_1: "f32[1, 8, 6, 16]", arg2_1: "f32[1, 8, 6, 16]"):
+        permute_default: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg0_1, [0, 2, 1, 3]);  arg0_1 = None
+        permute_default_1: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg1_1, [0, 2, 1, 3]);  arg1_1 = None
+        permute_default_2: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg2_1, [0, 2, 1, 3]);  arg2_1 = None
+        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(permute_default, permute_default_1, permute_default_2, '0', True, None, 2);  permute_default = permute_default_1 = permute_default_2 = None
+        permute_default_7: "f32[1, 8, 6, 16]" = torch.ops.aten.permute.default(ulysses_attention_default, [0, 2, 1, 3]);  ulysses_attention_default = None
+        return (permute_default_7,)
+""")
+        _, after, counts = post_grad_graphs(xdit, *qkv)  # without the overlap, the output stays on NCCL
+        self.assertEqual(counts["qkv_all_to_all"], 1)
 
     def test_off_by_default(self) -> None:
         _, after, counts = post_grad_graphs(_attention, *_qkv())

@@ -31,7 +31,7 @@ def _compiled_block(rank: int) -> None:
     """A Ulysses block compiled with attention_chunks finds the attention and equals eager."""
     from torch._dynamo.utils import counters
 
-    from tests._ulysses import UlyssesBlock
+    from tests._ulysses import UlyssesBlock, heads_to_seq_dim1, seq_to_heads_dim1
 
     torch._inductor.config.fx_graph_cache = False  # the pass must run to be counted
     gen = torch.Generator().manual_seed(7)  # weights equal on both ranks
@@ -42,6 +42,17 @@ def _compiled_block(rank: int) -> None:
         got, want = compiled(x), block(x)
     assert counters["graphar"]["ulysses_attention"] == 1, dict(counters["graphar"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def xdit(q, k, v):  # heads at dim 1, functional collectives
+        qh, kh, vh = (seq_to_heads_dim1(t) for t in (q, k, v))
+        return heads_to_seq_dim1(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True))
+
+    qkv = [torch.randn(2, 8, 6, 16, generator=torch.Generator().manual_seed(rank + i)) for i in range(3)]
+    compiled = torch.compile(xdit, backend="graphar", options={"attention_chunks": 2}, fullgraph=True)
+    with torch.no_grad():
+        got, want = compiled(*qkv), xdit(*qkv)
+    assert counters["graphar"]["ulysses_attention"] == 2, dict(counters["graphar"])
+    assert torch.equal(got, want), "heads at dim 1: the pipelined attention differs from eager"
 
 
 def _worker(rank: int, port: int) -> None:
