@@ -15,9 +15,10 @@ becomes
 
 where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
 efficient, cudnn, the CPU flash). Heads are independent in attention, so the result is the same bits.
-Anything else is left alone with the reason logged: a mask or dropout, an attention output other
-than the first used, an intermediate used elsewhere, K/V repeated for GQA before the kernel, another
-group, or head counts that do not split into two chunks per rank.
+K and V may reach the kernel repeated for GQA as HF's repeat_kv writes it (the op then attends with
+fewer K/V heads, which reads the same values). Anything else is left alone with the reason logged: a
+mask or dropout, an attention output other than the first used, an intermediate used elsewhere,
+another group, or head counts that do not split into two chunks per rank.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger("graphar")
 aten = torch.ops.aten
 graphar_ops = torch.ops.graphar
 _HEADS_LAST = [0, 2, 1, 3]  # [b, S, h, d] <-> [b, h, S, d]
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _sdpa_kernels() -> dict[Any, dict[str, int]]:
@@ -69,7 +71,8 @@ class _AttentionMatch:
     exchange: torch.fx.Node  # graphar.qkv_all_to_all
     sdpa: torch.fx.Node
     output: torch.fx.Node  # graphar.heads_to_seq_all_to_all
-    between: list[torch.fx.Node]  # slices, permutes, the getitem: erased with the match
+    between: list[torch.fx.Node]  # slices, permutes, K/V repeats, the getitem: erased with the match
+    slices: list[torch.fx.Node]  # Q, K and V in the exchange's result
 
     @property
     def group_name(self) -> str:
@@ -92,10 +95,6 @@ class _AttentionMatch:
             graph.erase_node(node)  # users first
 
 
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _is_permute(node: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.target == aten.permute.default and list(node.args[1]) == _HEADS_LAST
 
@@ -115,20 +114,42 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
         return "the attention's outputs are used elsewhere too"
     between = [getitem, permuted, *copied]
     sources = []
-    for arg in sdpa.args[:3]:
+    for i, arg in enumerate(sdpa.args[:3]):
+        repeat = _repeated_kv(arg) if i > 0 else None  # K and V may be repeated for GQA, as HF does
+        arg, repeats = (arg, []) if repeat is None else repeat
         if not _is_permute(arg) or len(arg.users) != 1 or arg.args[0].target != aten.slice.Tensor:
-            return "an attention input is not a slice of a Q/K/V exchange, heads moved to dim 1 (K/V repeated?)"
+            return "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1"
         sliced = arg.args[0]
         if len(sliced.users) != 1:
             return "a Q/K/V slice is used elsewhere too"
-        between += [arg, sliced]
+        between += [*repeats, arg, sliced]
         sources.append(sliced)
     exchange = sources[0].args[0]
     if exchange.target != graphar_ops.qkv_all_to_all.default or any(s.args[0] is not exchange for s in sources):
         return "the attention's inputs do not come from one graphar Q/K/V exchange"
     if len(exchange.users) != 3 or exchange.args[3] != output.args[1]:
         return "the exchange is used elsewhere too, or the two exchanges are on different groups"
-    return _AttentionMatch(exchange, sdpa, output, between)
+    return _AttentionMatch(exchange, sdpa, output, between, sources)
+
+
+def _repeated_kv(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """HF's repeat_kv of a K/V input, as it decomposes: a view or reshape of (a copy of)
+    expand(unsqueeze(x, 2)) to [b, h * r, S, d]; (x, the repeat's nodes) or None. Each K/V head
+    repeated r times in a row is what attention with fewer K/V heads (GQA) reads, so the op computes
+    the same."""
+    chain = []
+    for targets in (_RESHAPES, (aten.clone.default,), (aten.expand.default,), (aten.unsqueeze.default,)):
+        if node.target not in targets or len(node.users) != 1:
+            if targets[0] is aten.clone.default:  # the copy is there only when the expand is not viewable
+                continue
+            return None
+        chain.append(node)
+        node = node.args[0]
+    b, h, s, d = node.meta["val"].shape
+    r = chain[-2].meta["val"].shape[2]
+    if chain[-1].args[1] != 2 or tuple(chain[0].meta["val"].shape) != (b, h * r, s, d):
+        return None
+    return node, chain
 
 
 def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str | None:
@@ -136,7 +157,7 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
         return "the attention has a mask or bias"
     if match.option("dropout_p", 0.0) != 0.0:
         return "the attention has dropout"
-    starts = [(s.args[1], s.args[2], s.args[3]) for s in (a.args[0] for a in match.sdpa.args[:3])]
+    starts = [(s.args[1], s.args[2], s.args[3]) for s in match.slices]
     q, k, v = (x.meta["val"] for x in match.exchange.args[:3])
     heads = [q.shape[2] // world_size, k.shape[2] // world_size, v.shape[2] // world_size]
     bounds = [sum(heads[:i]) for i in range(4)]

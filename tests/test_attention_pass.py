@@ -122,6 +122,20 @@ class <lambda>(torch.nn.Module):
         _, after, counts = post_grad_graphs(xdit, *qkv)  # without the overlap, the output stays on NCCL
         self.assertEqual(counts["qkv_all_to_all"], 1)
 
+    def test_gqa_with_kv_repeated_as_hf_writes_it(self) -> None:
+        def repeat_kv(x, n):  # HF's repeat_kv
+            b, h, s, d = x.shape
+            return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+        def hf(q, k, v):
+            qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qh, repeat_kv(kh, 2), repeat_kv(vh, 2)).transpose(1, 2)
+            return heads_to_seq_unpacked(o)
+
+        _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
+        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
+
     def test_off_by_default(self) -> None:
         _, after, counts = post_grad_graphs(_attention, *_qkv())
         self.assertNotIn("ulysses_attention", counts)

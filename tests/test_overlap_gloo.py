@@ -54,6 +54,21 @@ def _compiled_block(rank: int) -> None:
     assert counters["graphar"]["ulysses_attention"] == 2, dict(counters["graphar"])
     assert torch.equal(got, want), "heads at dim 1: the pipelined attention differs from eager"
 
+    def hf_gqa(q, k, v):  # K/V repeated as HF's repeat_kv does
+        from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+
+        qh, kh, vh = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
+        kh, vh = (t[:, :, None].expand(-1, -1, 2, -1, -1).flatten(1, 2) for t in (kh, vh))
+        return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2))
+
+    gen = torch.Generator().manual_seed(rank)
+    qkv = [torch.randn(1, 6, h, 16, generator=gen) for h in (8, 4, 4)]
+    compiled = torch.compile(hf_gqa, backend="graphar", options={"attention_chunks": 2}, fullgraph=True)
+    with torch.no_grad():
+        got, want = compiled(*qkv), hf_gqa(*qkv)
+    assert counters["graphar"]["ulysses_attention"] == 3, dict(counters["graphar"])
+    assert torch.equal(got, want), "GQA repeated as HF does: the pipelined attention differs from eager"
+
 
 def _worker(rank: int, port: int) -> None:
     import graphar  # noqa: F401  (registers the ops)
