@@ -10,7 +10,8 @@ all blocks plus the final norm, is captured in a CUDA graph:
       (zero-copy all-reduces);
   (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path);
   (d) backend="graphar" with options={"fuse_norm": True} (the all-reduce, residual add and RMSNorm
-      fused where the pattern holds): captured with graphar.graphs.BatchGraphs.
+      fused where the pattern holds): captured with graphar.graphs.BatchGraphs;
+  (e) as (b), every all-reduce on the push one-shot kernel (the policy forced while capturing).
 The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
 current folder, or --out), with a bar chart of the time per step by variant beside it (.png).
 """
@@ -18,9 +19,10 @@ current folder, or --out), with a bar chart of the time per step by variant besi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +36,9 @@ from graphar.benchmarks import common, plot
 
 DTYPE = torch.bfloat16
 INDUCTOR, ZERO_COPY, COPY_IN, FUSED = "inductor + NCCL", "graphar zero-copy", "graphar copy-in", "graphar fused norm"
-VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN, FUSED)
-LABELS = {v: f"({'abcd'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
+PUSH = "graphar push-oneshot"
+VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN, FUSED, PUSH)
+LABELS = {v: f"({'abcde'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
 # A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding
 # noise, far below what a wrong all-reduce produces.
 REL_TOLERANCE = 0.02
@@ -187,18 +190,32 @@ def build_variants(step_nccl: Step, graphar_steps: dict[str, Step], s: Settings,
                 runs[(COPY_IN, b)] = plain_graph(graphar_steps[COPY_IN], statics[(COPY_IN, b)])
         except Exception as e:
             reasons[COPY_IN] = f"capture failed: {type(e).__name__}: {e}"
-    for v in (ZERO_COPY, FUSED):
+    for v in (ZERO_COPY, FUSED, PUSH):
         if v not in graphar_steps:
             continue
         try:
             from graphar.graphs import BatchGraphs
 
             common.progress(f"capturing {LABELS[v]}, batches {s.batches}...")
-            batch_graphs = BatchGraphs(graphar_steps[v], lambda b, v=v: (statics[(v, b)],), s.batches)
+            with forced_kernel("push-oneshot" if v == PUSH else None):
+                batch_graphs = BatchGraphs(graphar_steps[v], lambda b, v=v: (statics[(v, b)],), s.batches)
             runs.update({(v, b): batch_graphs for b in s.batches})
         except Exception as e:
             reasons[v] = f"BatchGraphs failed: {type(e).__name__}: {e}"
     return runs
+
+
+@contextlib.contextmanager
+def forced_kernel(algo: str | None) -> Iterator[None]:
+    """Every all-reduce of the world group's communicator on `algo` (None: the policy's picks)."""
+    from graphar.comm.communicator import communicator
+
+    kernels = communicator(dist.group.WORLD.group_name).allreduce.policy
+    default, kernels.forced = kernels.forced, algo or kernels.forced
+    try:
+        yield
+    finally:
+        kernels.forced = default
 
 
 def ranks_equal(t: torch.Tensor) -> bool:
@@ -242,7 +259,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
             reasons["graphar"] = "graphar.init returned None (its log says why)"
         else:
             step = compiled_step(blocks, norm, shape.eps, "graphar")
-            graphar_steps = {ZERO_COPY: step, COPY_IN: step,
+            graphar_steps = {ZERO_COPY: step, COPY_IN: step, PUSH: step,
                              FUSED: compiled_step(blocks, norm, shape.eps, "graphar", fuse_norm=True)}  # fmt: skip
     except Exception as e:
         reasons["graphar"] = f"unavailable: {type(e).__name__}: {e}"
@@ -279,7 +296,8 @@ def speedup(a: common.Cell, b: common.Cell) -> str:
 
 
 def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
-    columns = ["batch"] + list(LABELS.values()) + ["(a) / (b)", "(a) / (c)", "(a) / (d)"] + list(CHECK_COLUMNS)
+    ratios = [f"(a) / {label.split()[0]}" for label in list(LABELS.values())[1:]]
+    columns = ["batch"] + list(LABELS.values()) + ratios + list(CHECK_COLUMNS)
     rows = []
     for b in s.batches:
         timed = [cells[(b, v)] for v in VARIANTS]
