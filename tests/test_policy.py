@@ -189,3 +189,22 @@ def test_h200_rows_are_the_committed_benchmark_s() -> None:
     assert set(measured) == set(policy.MODES)
     for mode, rows in measured.items():
         assert policy.TABLE[(9, 2)][mode] == winners.policy_rows(rows), mode
+
+
+def test_policy_rows_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("policy_rows", RESULTS.parent.parent.parent / "tools" / "policy_rows.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
+                                 eager_iters=1)  # fmt: skip
+    results = {(m, n, c): 5.0 for m in s.modes for n in s.sizes for c in allreduce_bench.column_names(m)}
+    results.update({(m, MB, "graphar push-twoshot"): 1.0 for m in s.modes})
+    report = tmp_path / "allreduce.md"
+    report.write_text("\n\n".join(f"## {heading}\n\n{table}" for heading, table in allreduce_bench.tables(results, s)))
+    assert tool.main([str(report), "9", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "'eager': ((16384, '1stage'), (OPEN, 'push-twoshot'),)," in printed and printed.startswith("    (9, 2): {")
+    if winners.winners_from_report(RESULTS.read_text()) is None:
+        assert tool.main([str(RESULTS), "9", "2"]) == 1
