@@ -95,6 +95,12 @@ class _AttentionMatch:
             graph.erase_node(node)  # users first
 
 
+def is_attention_output(node: Any) -> bool:
+    """Whether `node` is the first output of one of Inductor's attention kernels."""
+    return (isinstance(node, torch.fx.Node) and node.target == operator.getitem and node.args[1] == 0
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].target in SDPA_KERNELS)  # fmt: skip
+
+
 def _is_permute(node: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.target == aten.permute.default and list(node.args[1]) == _HEADS_LAST
 
@@ -104,12 +110,10 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
     permuted, copied = output.args[0], []
     if permuted.target == aten.clone.default and len(permuted.users) == 1:  # `.contiguous()` before the exchange
         permuted, copied = permuted.args[0], [permuted]
-    if not _is_permute(permuted) or permuted.args[0].target != operator.getitem:
-        return "its input is not the attention's output, heads moved to dim 2"
+    if not _is_permute(permuted) or not is_attention_output(permuted.args[0]):
+        return "its input is not the first output of an attention kernel, heads moved to dim 2"
     getitem = permuted.args[0]
-    sdpa, index = getitem.args
-    if sdpa.target not in SDPA_KERNELS or index != 0:
-        return "its input is not the first output of an attention kernel"
+    sdpa = getitem.args[0]
     if len(sdpa.users) != 1 or len(permuted.users) != 1 or len(getitem.users) != 1:
         return "the attention's outputs are used elsewhere too"
     between = [getitem, permuted, *copied]

@@ -47,6 +47,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from graphar.config import Config
 
+from .attention import is_attention_output
 from .layout import (
     Size, accepts_strides, all_to_all_received, apply, compose, contiguous, divides, flat, is_layout_op,
     is_ulysses_relayout, known, same, shape_of, tieable,
@@ -394,9 +395,10 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     non_relayouts = [m for m in matches if m.relayout is None]
     packed_triplets, _ = _form_triplets(non_relayouts, order, lambda a, b: a.packing_key() == b.packing_key())
     # Scattering dim 2 (heads at dim 1), heads_to_seq_all_to_all reads X transposed: one copy more,
-    # worth it only where passes/attention.py then folds the exchange into a pipelined attention.
+    # worth it only for an attention's output that passes/attention.py then folds into the pipelined op.
     overlap = config.attention_chunks > 1
-    outputs = [m for m in unpacked if 1 in m.relayouts or (overlap and 2 in m.relayouts)]
+    outputs = [m for m in unpacked
+               if 1 in m.relayouts or (overlap and 2 in m.relayouts and is_attention_output(m.relayouts[2].source))]
     for match in unpacked:
         if match not in outputs:
             log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing",

@@ -136,6 +136,31 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(counts["ulysses_attention"], 1)
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
 
+    def test_dynamic_sequence_and_batch(self) -> None:
+        # A second shape under default torch.compile recompiles with symbolic sizes: the rewrite holds.
+        qkv = _qkv()
+        for t in qkv:
+            torch._dynamo.mark_dynamic(t, (0, 1))
+        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv,
+                                            config=PIPELINE)  # fmt: skip
+        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "Sym(s25)", arg1_1: "f32[1, s25, 8, 16]", arg2_1: "Sym(s25)", arg3_1: "f32[1, s25, 8, 16]", arg4_1: "Sym(s25)", arg5_1: "f32[1, s25, 8, 16]"):
+        ulysses_attention_default: "f32[1, s25, 8, 16]" = torch.ops.graphar.ulysses_attention.default(arg1_1, arg3_1, arg5_1, '0', True, None, 2);  arg1_1 = arg3_1 = arg5_1 = None
+        return (ulysses_attention_default,)
+""")
+
+    def test_exchanges_not_around_an_attention_stay_as_they_were(self) -> None:
+        # Every size symbolic (heads too): Q, K and V cannot be packed; with the option on, their
+        # exchanges (heads at dim 1 read as scattering dim 2) must not become output exchanges.
+        with self.assertLogs("graphar", "INFO") as logs:
+            _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *_qkv(),
+                                                config=PIPELINE, dynamic=True)  # fmt: skip
+        self.assertEqual(counts.get("ulysses_attention", 0), 0)
+        self.assertEqual(after.count("graphar.heads_to_seq_all_to_all.default("), 1)
+        self.assertIn("left alone: alone, an exchange scattering dim 2 gains nothing", "\n".join(logs.output))
+
     def test_off_by_default(self) -> None:
         _, after, counts = post_grad_graphs(_attention, *_qkv())
         self.assertNotIn("ulysses_attention", counts)
