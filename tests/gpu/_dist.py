@@ -107,6 +107,30 @@ def assert_equal_across_ranks(t: torch.Tensor, what: str, group: dist.ProcessGro
     assert not differing, f"{what}: ranks {differing} differ from rank 0"
 
 
+def nccl_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """NCCL's sum of `x` over `group`, out of place: the reference every custom kernel is held to."""
+    ref = x.clone()
+    dist.all_reduce(ref, group=group)
+    return ref
+
+
+def poison_next_output(nbytes: int) -> None:
+    """Leave NaN in the allocator block that the next output of this size will most likely get."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda")  # freed at once, back to the cache
+
+
+def check_exact(comm: Any, x: torch.Tensor, algo: str | None, group: dist.ProcessGroup | None = None) -> None:
+    """comm.all_reduce(x, algo) (output poisoned first) equals NCCL's sum bit for bit, leaves x
+    unchanged, and is the same on every rank."""
+    before = x.clone()
+    poison_next_output(x.nbytes)
+    y = comm.all_reduce(x, algo=algo)
+    what = f"{x.numel()} x {x.dtype}, algo {algo}"
+    assert torch.equal(y, nccl_sum(x, group)), f"differs from NCCL: {what}"
+    assert torch.equal(x, before), f"input modified: {what}"
+    assert_equal_across_ranks(y, what, group)
+
+
 def set_barrier_counters(comm: Any, value: int) -> None:
     """Collective, while no kernel of `comm` runs anywhere: every barrier counter as if `value`
     barriers had passed (through the library's test-only entry point), to test the epoch wrap."""

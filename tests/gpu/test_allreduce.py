@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, integer_valued, run_workers, set_barrier_counters,
+    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, run_workers,
+    set_barrier_counters,
 )  # fmt: skip
 
 import graphar
@@ -25,27 +26,6 @@ MAX_BYTES = 8 * MB
 SIZES = (16, 48, 16 * 33, 16 * 1001, 64 * KB, 256 * KB + 16 * 3, MB + 16 * 7, 4 * MB - 16, MAX_BYTES)
 
 
-def _nccl_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    ref = x.clone()
-    dist.all_reduce(ref, group=group)
-    return ref
-
-
-def _poison_next_output(nbytes: int) -> None:
-    """Leave NaN in the allocator block that the next output of this size will most likely get."""
-    torch.full((nbytes // 4,), float("nan"), device="cuda")  # freed at once, back to the cache
-
-
-def _check_exact(comm, x: torch.Tensor, algo: str | None, group=None) -> None:
-    before = x.clone()
-    _poison_next_output(x.numel() * x.element_size())
-    y = comm.all_reduce(x, algo=algo)
-    what = f"{x.numel()} x {x.dtype}, algo {algo}"
-    assert torch.equal(y, _nccl_sum(x, group)), f"differs from NCCL: {what}"
-    assert torch.equal(x, before), f"input modified: {what}"
-    assert_equal_across_ranks(y, what, group)
-
-
 def _exact_against_nccl(rank: int, world_size: int) -> None:
     comm = graphar.init(max_bytes=MAX_BYTES)
     assert comm is not None and comm.world_size == world_size and comm.rank == rank
@@ -59,13 +39,13 @@ def _exact_against_nccl(rank: int, world_size: int) -> None:
                         with pytest.raises(ValueError, match="forced kernel"):
                             comm.all_reduce(x, algo=algo)
                         continue
-                    _check_exact(comm, x, algo)
+                    check_exact(comm, x, algo)
         # Non-integer data: no exact reference, but the ranks must agree bit for bit.
         for algo in ALGOS:
             x = torch.randn(MB // 2, device="cuda", dtype=torch.bfloat16)
             y = comm.all_reduce(x, algo=algo)
             assert_equal_across_ranks(y, f"random normal bf16, algo {algo}")
-            torch.testing.assert_close(y, _nccl_sum(x), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(y, nccl_sum(x), rtol=2e-2, atol=2e-2)
     finally:
         comm.close()
 
@@ -82,7 +62,7 @@ def _repeated_calls(rank: int, world_size: int) -> None:
         cases = [(16, "1stage"), (32 * KB, "2stage"), (MB + 16, None), (MAX_BYTES, "2stage"), (4 * KB, "1stage"),
                  (48, "push-oneshot"), (MB + 16 * 5, "push-twoshot"), (64 * KB, "push-oneshot")]
         inputs = [integer_valued(n // 2, torch.bfloat16) for n, _ in cases]
-        refs = [_nccl_sum(x) for x in inputs]
+        refs = [nccl_sum(x) for x in inputs]
         mismatches = []
         for i in range(3000):
             k = i % len(cases)
@@ -110,7 +90,7 @@ def _two_streams_back_to_back(rank: int, world_size: int) -> None:
                 ys.append(comm.all_reduce(x, algo=(None, "push-oneshot", "push-twoshot")[i % 3]))
         torch.cuda.synchronize()
         for x, y in zip(xs, ys):
-            assert torch.equal(y, _nccl_sum(x))
+            assert torch.equal(y, nccl_sum(x))
     finally:
         comm.close()
 
@@ -133,7 +113,7 @@ def _two_groups(rank: int, world_size: int) -> None:
             # Different numbers of calls per group per round: the groups must stay independent.
             for k, (group, comm) in enumerate(zip(groups, comms)):
                 for _ in range(1 + (i + k) % 3):
-                    _check_exact(comm, integer_valued(4 * KB * (k + 1), torch.float16), None, group)
+                    check_exact(comm, integer_valued(4 * KB * (k + 1), torch.float16), None, group)
     finally:
         graphar.shutdown()
     assert all(communicator(c.group_name) is None for c in comms)
@@ -161,7 +141,7 @@ def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
             with pytest.raises(ValueError, match=name):
                 comm.all_reduce(x)
             if x.is_cuda:  # the op serves ineligible inputs through NCCL
-                assert torch.equal(torch.ops.graphar.all_reduce(x, name), _nccl_sum(x.contiguous())), what
+                assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x.contiguous())), what
         with pytest.raises(ValueError, match="push-oneshot"):
             comm.all_reduce(integer_valued(64, torch.float32), algo="3stage")
     finally:
@@ -183,7 +163,7 @@ def _peer_stops_calling(rank: int, world_size: int) -> None:
     comm = graphar.init(timeout_s=TIMEOUT_S)
     try:
         x = integer_valued(MB // 2, torch.bfloat16)
-        _check_exact(comm, x, None)
+        check_exact(comm, x, None)
         torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:  # the only rank that calls: its kernel must give up, not spin forever
@@ -209,7 +189,7 @@ def _counters_wrap(rank: int, world_size: int) -> None:
         set_barrier_counters(comm, 2**32 - 5)
         for i in range(12):  # each call passes 2 or 3 barriers: well past the wrap
             algo = "1stage" if i % 2 else "2stage"
-            _check_exact(comm, integer_valued(16 * KB * (i + 1), torch.bfloat16), algo)
+            check_exact(comm, integer_valued(16 * KB * (i + 1), torch.bfloat16), algo)
         x = integer_valued(32 * KB, torch.float32)
         graph = torch.cuda.CUDAGraph()
         with graphar.graph(graph):
@@ -218,7 +198,7 @@ def _counters_wrap(rank: int, world_size: int) -> None:
         for _ in range(4):
             x.copy_(integer_valued(x.numel(), x.dtype))
             graph.replay()
-            assert torch.equal(y, _nccl_sum(x))
+            assert torch.equal(y, nccl_sum(x))
     finally:
         comm.close()
 

@@ -8,8 +8,7 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, run_workers
+from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, nccl_sum, run_workers
 
 import graphar
 from graphar import _cuda
@@ -17,12 +16,6 @@ from graphar import _cuda
 pytestmark = pytest.mark.gpu
 
 KB, MB = 1 << 10, 1 << 20
-
-
-def _nccl_sum(x: torch.Tensor) -> torch.Tensor:
-    ref = x.clone()
-    dist.all_reduce(ref)
-    return ref
 
 
 def _refill(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +39,7 @@ def _capture_then_replay(rank: int, world_size: int) -> None:
                     values = _refill(x)
                     y.fill_(float("nan"))
                     graph.replay()
-                    assert torch.equal(y, _nccl_sum(values)), f"{algo}, {nbytes} B {dtype}"
+                    assert torch.equal(y, nccl_sum(values)), f"{algo}, {nbytes} B {dtype}"
                     assert torch.equal(x, values), "input modified"
                     assert_equal_across_ranks(y, f"{algo}, {nbytes} B {dtype}")
     finally:
@@ -76,13 +69,13 @@ def _slots_come_back(rank: int, world_size: int) -> None:
             values = _refill(x)
             graph.replay()
             for k, y in zip((1, 2, 3), ys):
-                assert torch.equal(y, _nccl_sum(values * k)), f"recapture {i}, call {k}"
+                assert torch.equal(y, nccl_sum(values * k)), f"recapture {i}, call {k}"
             del graph, ys
             gc.collect()
         assert ar.slots_in_use == held
         values = _refill(kept_x)
         keep.replay()
-        assert torch.equal(kept_y, _nccl_sum(values)), "the live graph's slot was overwritten"
+        assert torch.equal(kept_y, nccl_sum(values)), "the live graph's slot was overwritten"
     finally:
         comm.close()
 
@@ -109,8 +102,8 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
             for i in range(20):
                 values = _refill(x)
                 graph.replay()
-                assert torch.equal(y, _nccl_sum(values)), f"{algo}, replay {i}: first all-reduce"
-                assert torch.equal(z, _nccl_sum(-values)), f"{algo}, replay {i}: second all-reduce"
+                assert torch.equal(y, nccl_sum(values)), f"{algo}, replay {i}: first all-reduce"
+                assert torch.equal(z, nccl_sum(-values)), f"{algo}, replay {i}: second all-reduce"
                 assert torch.equal(x, 3 - values)
     finally:
         comm.close()
@@ -135,7 +128,7 @@ def _decode_loop(rank: int, world_size: int) -> None:
         return comm.all_reduce((y - 3) @ w2)
 
     def reference(h: torch.Tensor) -> torch.Tensor:
-        return _nccl_sum((_nccl_sum(h @ w1) - 3) @ w2)
+        return nccl_sum((nccl_sum(h @ w1) - 3) @ w2)
 
     try:
         graphs = graphar.BatchGraphs(
@@ -150,7 +143,7 @@ def _decode_loop(rank: int, world_size: int) -> None:
             assert torch.equal(out, reference(h)), f"call {i}, batch {b}"
             if i % 3 == 0:  # eager calls between replays use the same buffers and barriers
                 x = integer_valued(HIDDEN * (i + 1), torch.bfloat16)
-                assert torch.equal(comm.all_reduce(x), _nccl_sum(x))
+                assert torch.equal(comm.all_reduce(x), nccl_sum(x))
         with pytest.raises(ValueError, match="captured sizes"):
             graphs(torch.zeros(9, HIDDEN, device="cuda"))
     finally:
@@ -171,11 +164,11 @@ def _capture_eager_replay(rank: int, world_size: int) -> None:
             ys = [comm.all_reduce(x) for x in xs]
         for n, algo in ((8 * KB, "2stage"), (MB, "1stage"), (16, None)):  # eager, between capture and replay
             x = integer_valued(n, torch.float32)
-            assert torch.equal(comm.all_reduce(x, algo=algo), _nccl_sum(x))
+            assert torch.equal(comm.all_reduce(x, algo=algo), nccl_sum(x))
         values = [_refill(x) for x in xs]
         graph.replay()
         for y, v in zip(ys, values):
-            assert torch.equal(y, _nccl_sum(v))
+            assert torch.equal(y, nccl_sum(v))
     finally:
         comm.close()
 
@@ -228,9 +221,9 @@ def _expandable_segments(rank: int, world_size: int, ranks_expandable: tuple[int
             values = [_refill(x) for x in xs]
             graph.replay()
             for i, y in enumerate(ys):
-                assert torch.equal(y, _nccl_sum(values[i // 2])), f"call {i}"
+                assert torch.equal(y, nccl_sum(values[i // 2])), f"call {i}"
             x = integer_valued(64 * KB, torch.float32)
-            assert torch.equal(comm.all_reduce(x), _nccl_sum(x))
+            assert torch.equal(comm.all_reduce(x), nccl_sum(x))
     finally:
         comm.close()
 
@@ -254,7 +247,7 @@ def _captured_input_outlives_its_name(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
         x = integer_valued(64 * KB, torch.bfloat16)
-        expected = _nccl_sum(x)
+        expected = nccl_sum(x)
         graph = torch.cuda.CUDAGraph()
         with graphar.graph(graph):
             y = comm.all_reduce(x)
