@@ -77,7 +77,7 @@ typedef struct graphar_all_reduce_norm_args {
   uint64_t output;
   uint64_t residual_output;
   uint64_t nbytes;     // a multiple of row_bytes, within the push one-shot's limit
-  uint64_t row_bytes;  // a multiple of 16, at most graphar_norm_max_row_bytes()
+  uint64_t row_bytes;  // a multiple of 16, at most kNormThreads * kNormPacksPerThread * 16 (push_norm.cuh)
   uint64_t stream;
   float eps;
   int32_t dtype;
@@ -85,7 +85,6 @@ typedef struct graphar_all_reduce_norm_args {
   int32_t pdl;
 } graphar_all_reduce_norm_args;
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
-uint64_t graphar_norm_max_row_bytes(void);
 // The largest message of each push kernel (bytes).
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
 // Eager only: make `stream` wait for the communicator's previous eager op when that ran on

@@ -123,11 +123,21 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
   return 0;
 }
 
-// Whether stream is capturing: a capture records no ordering event (the graph's own edges order it).
-int capturing(cudaStream_t stream, bool* out) {
+// A call on a stream that is not capturing is eager: it is ordered after the communicator's previous
+// eager op. A capture records no ordering event (the graph's own edges order it).
+int is_eager(cudaStream_t stream, bool* eager) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   CUDA_TRY(cudaStreamIsCapturing(stream, &status));
-  *out = status != cudaStreamCaptureStatusNone;
+  *eager = status == cudaStreamCaptureStatusNone;
+  return 0;
+}
+
+// Whether a push kernel's message of nbytes fits the receive region's epoch.
+int check_push_room(const Comm* c, bool one_shot, uint64_t nbytes) {
+  if (push_epoch_packs_needed(one_shot, static_cast<int64_t>(nbytes / 16), c->ranks) > c->epoch_packs) {
+    return fail(GRAPHAR_EINVAL, "%llu bytes exceed the push region (graphar_comm_push_limits)",
+                static_cast<unsigned long long>(nbytes));
+  }
   return 0;
 }
 
@@ -147,12 +157,7 @@ int check_all_reduce(const Comm* c, const graphar_all_reduce_args& a) {
   }
   if (!is_push(a.algo)) return 0;
   if (graph_slot) return fail(GRAPHAR_EINVAL, "push kernels read their input in place: no graph slot");
-  const int64_t packs = static_cast<int64_t>(a.nbytes / 16);
-  if (push_epoch_packs_needed(a.algo == GRAPHAR_PUSH_ONE_SHOT, packs, c->ranks) > c->epoch_packs) {
-    return fail(GRAPHAR_EINVAL, "%llu bytes exceed the push region (graphar_comm_push_limits)",
-                static_cast<unsigned long long>(a.nbytes));
-  }
-  return 0;
+  return check_push_room(c, a.algo == GRAPHAR_PUSH_ONE_SHOT, a.nbytes);
 }
 
 int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
@@ -202,14 +207,12 @@ int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args) {
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  bool captured = a.path != GRAPHAR_EAGER;
-  if (!captured) {
-    if (int rc = capturing(stream, &captured)) return rc;
+  bool eager = false;  // the other paths are graph slots or known captures
+  if (a.path == GRAPHAR_EAGER) {
+    if (int rc = is_eager(stream, &eager)) return rc;
   }
-  return is_push(a.algo) ? launch_push(c, a, kernel, !captured, stream) : launch_v1(c, a, kernel, !captured, stream);
+  return is_push(a.algo) ? launch_push(c, a, kernel, eager, stream) : launch_v1(c, a, kernel, eager, stream);
 }
-
-uint64_t graphar_norm_max_row_bytes(void) { return static_cast<uint64_t>(kNormThreads) * kNormPacksPerThread * 16; }
 
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args) {
   Comm* c = as_comm(comm);
@@ -217,20 +220,16 @@ int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args*
   const void* kernel = norm_kernel_for(a.dtype, c->ranks);
   if (kernel == nullptr) return fail(GRAPHAR_EINVAL, "no fused kernel for dtype %d", a.dtype);
   if (!c->opened) return fail(GRAPHAR_EINVAL, "launch before the peers' buffers were opened");
-  if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.row_bytes > graphar_norm_max_row_bytes() || a.nbytes == 0 ||
+  if (a.row_bytes == 0 || a.row_bytes % 16 != 0 || a.row_bytes > kNormMaxRowBytes || a.nbytes == 0 ||
       a.nbytes % a.row_bytes != 0 || a.nbytes > c->max_bytes) {
     return fail(GRAPHAR_EINVAL, "%llu bytes in rows of %llu: rows must be multiples of 16 bytes up to %llu",
                 static_cast<unsigned long long>(a.nbytes), static_cast<unsigned long long>(a.row_bytes),
-                static_cast<unsigned long long>(graphar_norm_max_row_bytes()));
+                static_cast<unsigned long long>(kNormMaxRowBytes));
   }
   if ((a.input | a.residual | a.weight | a.output | a.residual_output) % 16 != 0) {
     return fail(GRAPHAR_EINVAL, "every tensor must be 16-byte aligned");
   }
-  const int64_t packs = static_cast<int64_t>(a.nbytes / 16);
-  if (push_epoch_packs_needed(true, packs, c->ranks) > c->epoch_packs) {
-    return fail(GRAPHAR_EINVAL, "%llu bytes exceed the push region (graphar_comm_push_limits)",
-                static_cast<unsigned long long>(a.nbytes));
-  }
+  if (int rc = check_push_room(c, true, a.nbytes)) return rc;
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   NormParams p{};
   p.push = push_params(c, a.input, a.output, a.nbytes);
@@ -243,9 +242,9 @@ int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args*
   const int rows = static_cast<int>(a.nbytes / a.row_bytes);
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  bool captured = false;
-  if (int rc = capturing(stream, &captured)) return rc;
-  return launch(c, !captured, kernel, &p, std::min(c->block_limit, rows), kNormThreads, stream, a.pdl != 0 && c->pdl);
+  bool eager = false;
+  if (int rc = is_eager(stream, &eager)) return rc;
+  return launch(c, eager, kernel, &p, std::min(c->block_limit, rows), kNormThreads, stream, a.pdl != 0 && c->pdl);
 }
 
 int graphar_comm_order(void* comm, uint64_t stream_handle) {

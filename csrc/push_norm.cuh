@@ -15,6 +15,7 @@ namespace graphar {
 
 constexpr int kNormThreads = 512;
 constexpr int kNormPacksPerThread = 8;  // rows of up to 4096 packs: hidden 32768 (16-bit) or 16384 (fp32)
+constexpr uint64_t kNormMaxRowBytes = static_cast<uint64_t>(kNormThreads) * kNormPacksPerThread * 16;
 
 struct NormParams {
   PushParams push;        // in: x, out: the normalised rows; packs: the whole message

@@ -102,6 +102,7 @@ class GrapharPass(CustomGraphPass):
 def hashed_files() -> tuple[str, ...]:
     """The files whose contents key the compiled graph: the passes, and the files that define
     graphar's ops and their fakes (a fake's sizes and strides shape the graph Inductor compiles)."""
+    import graphar.comm.overlap
     import graphar.comm.ulysses
     import graphar.ops
 

@@ -159,14 +159,14 @@ class AllReduce:
         if ineligible_reason(x, comm.device, comm.max_bytes) is not None:
             return None
         nbytes = x.nbytes
+        picks = self.policy.picks(nbytes, algo)
         capture = graphs.current_capture()
         if capture is not None:
-            mode = policy.GRAPHAR_GRAPH
-        elif self.policy.depends_on_capture(nbytes) and torch.cuda.is_current_stream_capturing():
-            mode = policy.GRAPH
+            chosen = picks.graphar_graph
+        elif picks.eager != picks.graph and torch.cuda.is_current_stream_capturing():
+            chosen = picks.graph
         else:
-            mode = policy.EAGER
-        chosen = self.policy.pick(nbytes, mode, algo)
+            chosen = picks.eager
         if chosen is None:
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -51,6 +51,7 @@ class Communicator:
         self._store = store
         self._lib = _cuda.library()
         self._launch = self._lib.graphar_comm_all_reduce
+        self._launch_norm = self._lib.graphar_comm_all_reduce_norm
         self._broken: str | None = None
         handle = ctypes.c_void_p()
         self._call("create", "graphar_comm_create", rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
@@ -125,7 +126,8 @@ class Communicator:
 
     def launch_all_reduce_norm(self, args: bytes) -> None:
         """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.comm.abi.NORM_ARGS, packed."""
-        self._call("all_reduce_add_rms_norm", "graphar_comm_all_reduce_norm", args)
+        if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
+            self._raise("all_reduce_add_rms_norm")
 
     def order(self, stream: int) -> None:
         """Eager: make `stream` wait for this communicator's previous op when it ran on another stream."""

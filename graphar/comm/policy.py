@@ -66,6 +66,17 @@ def fits(algo: str, nbytes: int, limits: Limits) -> bool:
     return nbytes <= (limits.push_one_shot if algo == PUSH_ONE_SHOT else limits.max_bytes)
 
 
+class Picks(NamedTuple):
+    """The kernel of one size in each capture mode (None: the forced kernel cannot take it)."""
+
+    eager: str | None
+    graph: str | None
+    graphar_graph: str | None
+
+    def of(self, mode: str) -> str | None:
+        return self[MODES.index(mode)]
+
+
 class Policy:
     """The kernel per (size, capture mode) for one communicator; picks are cached per size."""
 
@@ -77,23 +88,29 @@ class Policy:
         measured = FUSED_NORM_MAX.get((capability_major, world_size), _FUSED_NORM_UNMEASURED)
         self.fused_norm_max = min(measured, limits.push_one_shot)  # bytes of the all-reduce's input
         self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
-        self._cache: dict[int, tuple[str | None, ...]] = {}
+        self._cache: dict[int, Picks] = {}
 
-    def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
-        """The kernel for one call (`algo` forces one); None when the forced kernel cannot take it."""
-        if algo is not None or self.forced is not None:
-            chosen = algo if algo is not None else self.forced
+    def picks(self, nbytes: int, algo: str | None = None) -> Picks:
+        """The kernels of a call of `nbytes` in every capture mode (`algo` forces one); one lookup
+        on the all-reduce's path, cached per size."""
+        chosen = algo if algo is not None else self.forced
+        if chosen is not None:
             if chosen not in ALGO_CODES:
                 raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
-            return chosen if fits(chosen, nbytes, self.limits) else None
+            return Picks(*(chosen if fits(chosen, nbytes, self.limits) else None,) * 3)
         picks = self._cache.get(nbytes)
         if picks is None:
-            picks = self._cache[nbytes] = tuple(self._from_table(nbytes, m) for m in MODES)
-        return picks[MODES.index(mode)]
+            picks = self._cache[nbytes] = Picks(*(self._from_table(nbytes, m) for m in MODES))
+        return picks
+
+    def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
+        """The kernel for one call in one capture mode; None when the forced kernel cannot take it."""
+        return self.picks(nbytes, algo).of(mode)
 
     def depends_on_capture(self, nbytes: int) -> bool:
         """Whether eager calls and calls in a foreign capture get different kernels at this size."""
-        return self.forced is None and self.pick(nbytes, EAGER) != self.pick(nbytes, GRAPH)
+        picks = self.picks(nbytes)
+        return picks.eager != picks.graph
 
     def _from_table(self, nbytes: int, mode: str) -> str:
         algo = next(a for bound, a in self._rows[mode] if nbytes <= bound)
