@@ -57,8 +57,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
         "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
             lambda: ineligible_reason(x, comm.device, comm.max_bytes),
         "graphs.current_capture()": graphs.current_capture,
-        "policy: depends_on_capture + pick (cached)":
-            lambda: ar.policy.depends_on_capture(nbytes) or ar.policy.pick(nbytes, policy.EAGER, algo),
+        "policy: picks (cached, every capture mode)": lambda: ar.policy.picks(nbytes, algo),
         "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)":
             torch.cuda.is_current_stream_capturing,
         "torch.empty_like(x, memory_format=torch.contiguous_format) (the output)":
