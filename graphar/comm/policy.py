@@ -88,20 +88,23 @@ class Policy:
         measured = FUSED_NORM_MAX.get((capability_major, world_size), _FUSED_NORM_UNMEASURED)
         self.fused_norm_max = min(measured, limits.push_one_shot)  # bytes of the all-reduce's input
         self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
-        self._cache: dict[int, Picks] = {}
+        self._cache: dict[tuple[int, str | None], Picks] = {}
 
     def picks(self, nbytes: int, algo: str | None = None) -> Picks:
         """The kernels of a call of `nbytes` in every capture mode (`algo` forces one); one lookup
-        on the all-reduce's path, cached per size."""
+        on the all-reduce's path, cached per size and forced kernel."""
         chosen = algo if algo is not None else self.forced
-        if chosen is not None:
-            if chosen not in ALGO_CODES:
-                raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
-            return Picks(*(chosen if fits(chosen, nbytes, self.limits) else None,) * 3)
-        picks = self._cache.get(nbytes)
+        picks = self._cache.get((nbytes, chosen))
         if picks is None:
-            picks = self._cache[nbytes] = Picks(*(self._from_table(nbytes, m) for m in MODES))
+            picks = self._cache[(nbytes, chosen)] = self._picks(nbytes, chosen)
         return picks
+
+    def _picks(self, nbytes: int, chosen: str | None) -> Picks:
+        if chosen is None:
+            return Picks(*(self._from_table(nbytes, m) for m in MODES))
+        if chosen not in ALGO_CODES:
+            raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
+        return Picks(*(chosen if fits(chosen, nbytes, self.limits) else None,) * 3)
 
     def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
         """The kernel for one call in one capture mode; None when the forced kernel cannot take it."""
