@@ -1,7 +1,10 @@
-// graphar's IPC all-to-all: every rank packs its send buffer (one chunk per destination rank) into
-// its registered exchange buffer, then every rank pulls chunk `rank` from each peer's exchange
-// buffer straight into its output, placing it by a two-level stride so that the receive-side
-// relayout of the Ulysses exchanges happens inside the copy. A byte copy: any dtype, exact bits.
+// graphar's IPC all-to-all, in one of two ways; either way a byte copy (any dtype, exact bits)
+// that places rows by a two-level stride, so the receive-side relayout of the Ulysses exchanges
+// happens inside the copy.
+// - pull: every rank packs its chunks (one per destination rank) into its own exchange buffer, then
+//   reads chunk `rank` of every peer's buffer over the link into its output;
+// - push: every rank packs chunk j straight into rank j's exchange buffer, at its own slot (the
+//   link crossed by stores, which need no round trip), then copies its buffer into its output.
 #pragma once
 
 #include "barrier.cuh"
@@ -19,10 +22,11 @@ struct Placement {
 
 struct AllToAllParams {
   BarrierParams barrier;
-  RankData sends;   // every rank's exchange buffer, by value: a captured launch keeps the buffers it saw
+  RankData buffers;  // every rank's exchange buffer, by value: a captured launch keeps the buffers it saw
   void* out;
   int64_t src_offset;  // packs into every exchange buffer where this call's chunks start
   Placement place;
+  int pushed;  // the peers pushed into this rank's buffer (chunk i from rank i) instead of packing into theirs
 };
 
 // Packs per thread per rank in flight: 16 loads per thread at ws 2 and 4, 8 at ws 6 and 8.
@@ -33,19 +37,21 @@ constexpr int kPullUnroll = kRanks >= 6 ? 1 : 16 / kRanks;
 // of waiting for a whole SM to drain, which would serialize the pipeline.
 constexpr int kPullThreads = 256;
 
-// Entry: the pack wrote the exchange buffer in an earlier kernel; release/acquire carries it to the
-// peers without leaning on kernel boundaries for cross-GPU visibility (free next to the copy).
-// Exit: a rank may overwrite its exchange buffer (the next pack) only once every peer has pulled
-// from it; only arrival matters, so volatile.
+// Entry: the pack wrote the exchange buffers (own or, pushed, the peers') in an earlier kernel;
+// release/acquire carries it across GPUs without leaning on kernel boundaries for cross-GPU
+// visibility (free next to the copy).
+// Exit: a buffer may be written again (the next pack: own buffer when pulled, the peers' when
+// pushed) only once every rank has copied out of it; only arrival matters, so volatile.
 template <int kRanks>
-__global__ void __launch_bounds__(kPullThreads, 1) pull_all_to_all(AllToAllParams p) {
+__global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllParams p) {
   const BarrierParams& bp = p.barrier;
   if (!multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry)) return;
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll
   for (int r = 0; r < kRanks; r++) {
-    src[r] = static_cast<const uint4*>(p.sends.ptrs[r]) + p.src_offset + bp.rank * pl.chunk_packs;
+    src[r] = p.pushed ? static_cast<const uint4*>(p.buffers.ptrs[bp.rank]) + p.src_offset + r * pl.chunk_packs
+                      : static_cast<const uint4*>(p.buffers.ptrs[r]) + p.src_offset + bp.rank * pl.chunk_packs;
   }
   uint4* out = static_cast<uint4*>(p.out);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

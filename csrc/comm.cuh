@@ -272,7 +272,7 @@ int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint6
   return 0;
 }
 
-int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles) {
+int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles, uint64_t* ptrs_out) {
   Comm* c = as_comm(comm);
   if (c->exchange_ptrs[c->rank] == nullptr) return fail(GRAPHAR_EINVAL, "no exchange buffer of this rank to open with");
   DeviceGuard g;
@@ -284,6 +284,7 @@ int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles)
     CUDA_TRY(cudaIpcOpenMemHandle(&peer, h[r], cudaIpcMemLazyEnablePeerAccess));
     c->exchange_ptrs[r] = peer;
   }
+  for (int r = 0; r < c->ranks; r++) ptrs_out[r] = reinterpret_cast<uint64_t>(c->exchange_ptrs[r]);
   c->exchange_bytes = nbytes;
   return 0;
 }

@@ -94,14 +94,16 @@ int graphar_comm_order(void* comm, uint64_t stream);
 // retires them, for graphs captured with them) and allocates this rank's new one; its IPC handle
 // goes to the peers, then graphar_comm_exchange_open with every rank's handle (rank order).
 int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint64_t* ptr_out, void* handle_out);
-int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles);
-// All-to-all of chunks in the exchange buffers: chunk j (of chunk_bytes, at src_offset + j * chunk_bytes
-// of rank i's buffer) goes to rank j, where chunk i arrives as rows of row_bytes, row k at
-// output + i * dst_chunk_stride + k * dst_row_stride. blocks: at most this many (1..64).
-// mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY (inside any capture).
+// ptrs_out[r]: rank r's buffer as this process maps it (a pushing pack writes there).
+int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles, uint64_t* ptrs_out);
+// All-to-all of chunks in the exchange buffers: chunk j of rank i goes to rank j, where chunk i
+// arrives as rows of row_bytes, row k at output + i * dst_chunk_stride + k * dst_row_stride.
+// pushed == 0: chunk j was packed at src_offset + j * chunk_bytes of rank i's own buffer (pulled over
+// the link); pushed != 0: rank i pushed it to src_offset + i * chunk_bytes of rank j's buffer.
+// blocks: at most this many (1..64). mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY (inside any capture).
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
-                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int blocks,
-                            uint64_t stream);
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int pushed,
+                            int blocks, uint64_t stream);
 // Fill slots[0..count) after a capture (each in [1, graph_slots); a slot of a destroyed graph may be
 // filled again: the device is synchronized first). Per call i and rank r (index i*ws+r):
 // a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the

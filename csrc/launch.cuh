@@ -56,14 +56,14 @@ const void* norm_kernel_for(int dtype, int ranks) {
   }
 }
 
-using PullKernel = void (*)(AllToAllParams);
+using GatherKernel = void (*)(AllToAllParams);
 
-PullKernel pull_kernel_for(int ranks) {
+GatherKernel gather_kernel_for(int ranks) {
   switch (ranks) {
-    case 2: return pull_all_to_all<2>;
-    case 4: return pull_all_to_all<4>;
-    case 6: return pull_all_to_all<6>;
-    case 8: return pull_all_to_all<8>;
+    case 2: return gather_all_to_all<2>;
+    case 4: return gather_all_to_all<4>;
+    case 6: return gather_all_to_all<6>;
+    case 8: return gather_all_to_all<8>;
     default: return nullptr;
   }
 }
@@ -255,10 +255,10 @@ int graphar_comm_order(void* comm, uint64_t stream_handle) {
 }
 
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
-                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int blocks,
-                            uint64_t stream_handle) {
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int pushed,
+                            int blocks, uint64_t stream_handle) {
   Comm* c = as_comm(comm);
-  const PullKernel kernel = pull_kernel_for(c->ranks);
+  const GatherKernel kernel = gather_kernel_for(c->ranks);
   if (kernel == nullptr || c->exchange_bytes == 0) return fail(GRAPHAR_EINVAL, "no exchange buffers are open");
   if (mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) return fail(GRAPHAR_EINVAL, "unknown path %d", mode);
   if (blocks < 1 || blocks > kMaxBlocks) return fail(GRAPHAR_EINVAL, "%d blocks out of [1, %d]", blocks, kMaxBlocks);
@@ -275,7 +275,8 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   AllToAllParams p{};
   p.barrier = barrier_params(c);
   p.out = reinterpret_cast<void*>(output);
-  for (int r = 0; r < c->ranks; r++) p.sends.ptrs[r] = c->exchange_ptrs[r];
+  for (int r = 0; r < c->ranks; r++) p.buffers.ptrs[r] = c->exchange_ptrs[r];
+  p.pushed = pushed != 0;
   p.src_offset = static_cast<int64_t>(src_offset / 16);
   p.place = {static_cast<int64_t>(chunk_bytes / 16), static_cast<int64_t>(row_bytes / 16),
              static_cast<int64_t>(dst_row_stride / 16), static_cast<int64_t>(dst_chunk_stride / 16)};

@@ -60,9 +60,9 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_all_reduce_norm": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_order": (c_int, [c_void_p, c_uint64]),
     "graphar_comm_exchange_alloc": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_uint64), c_void_p]),
-    "graphar_comm_exchange_open": (c_int, [c_void_p, c_uint64, c_void_p]),
+    "graphar_comm_exchange_open": (c_int, [c_void_p, c_uint64, c_void_p, POINTER(c_uint64)]),
     "graphar_comm_all_to_all": (
-        c_int, [c_void_p, c_int, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_uint64]
+        c_int, [c_void_p, c_int, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_int, c_int, c_uint64]
     ),
     "graphar_comm_register_graph": (
         c_int,

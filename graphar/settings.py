@@ -111,9 +111,16 @@ BLOCK_LIMIT = Setting(
     "GRAPHAR_BLOCK_LIMIT", None, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
     "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
 )  # fmt: skip
+ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.comm.exchange)
+ALLTOALL_ALGO = Setting(
+    "GRAPHAR_ALLTOALL_ALGO", "pull", _choice(*ALLTOALL_ALGOS), ", ".join(f"'{a}'" for a in ALLTOALL_ALGOS),
+    "how the Ulysses exchanges over CUDA IPC cross the link: each rank reads its chunks from its peers' "
+    "buffers (pull), or the pack stores each chunk straight into its rank's buffer (push); every rank "
+    "must set the same",
+)  # fmt: skip
 PULL_BLOCKS = Setting(
     "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
-    "blocks of the IPC all-to-all's pull (Ulysses exchanges)",
+    "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)",
 )  # fmt: skip
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
@@ -141,7 +148,7 @@ SKIP_CUDA_BUILD = Setting(
 )  # fmt: skip
 
 ALL: tuple[Setting[Any], ...] = (
-    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, BLOCK_LIMIT, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
+    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
     CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
 )  # fmt: skip
 

@@ -128,6 +128,31 @@ class PackKernelTest(unittest.TestCase):
                     self.assertTrue(self.pack.gather_heads(recv, out))
                     self.assertTrue(torch.equal(out, recv.permute(1, 2, 0, 3, 4).reshape(b, 5, p * 3, 16)))
 
+    def test_pack_heads_into_shifted_chunks(self) -> None:
+        # A push: chunk j lands in "rank j's buffer" (a separate allocation), at this rank's slot, by the
+        # shifts between the buffers; the rest of every buffer stays as it was.
+        for dtype in DTYPES:
+            for p, rank in ((2, 1), (4, 2)):
+                with self.subTest(dtype=dtype, p=p, rank=rank):
+                    xs = [_randn(2, 5, 2 * p, 16, dtype=dtype), *(_randn(2, 5, p, 16, dtype=dtype) for _ in range(2))]
+                    heads = self.pack.packed_heads([x.shape[2] for x in xs], p)
+                    buffers = [_poisoned(p, 2, 5, heads, 16, dtype=dtype) for _ in range(p)]
+                    own = buffers[rank]
+                    shifts = tuple((b.data_ptr() - own.data_ptr()) // dtype.itemsize for b in buffers)
+                    self.assertTrue(self.pack.pack_heads(xs, p, self.pack.Shifted(own[rank], shifts)))
+                    reference = _heads_reference(xs, p)
+                    for j, buffer in enumerate(buffers):
+                        self.assertTrue(torch.equal(buffer[rank], reference[j]), f"chunk {j}")
+                        others = torch.cat([buffer[:rank], buffer[rank + 1:]])
+                        self.assertTrue(torch.isnan(others).all(), f"rank {j}'s other slots were written")
+
+    def test_shifted_chunks_need_the_kernel(self) -> None:
+        xs = [_randn(1, 4, 2, 16, dtype=torch.float64) for _ in range(3)]  # float64: no kernel
+        out = self.pack.Shifted(torch.empty(1, 4, 3, 16, dtype=torch.float64), (0, 0))
+        self.assertFalse(self.pack.kernel_serves(xs))
+        with self.assertRaisesRegex(ValueError, "only the Triton kernel"):
+            self.pack.pack_heads(xs, 2, out)
+
     def test_non_contiguous_last_dim_falls_back_to_torch(self) -> None:
         xs = [_randn(1, 4, 16, 2, dtype=torch.float32).transpose(2, 3) for _ in range(3)]
         out = _poisoned(2, 1, 4, 3, 16, dtype=torch.float32)

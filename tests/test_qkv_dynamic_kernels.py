@@ -49,8 +49,12 @@ def _layouts(b: int, s: int, d: int) -> dict[str, list[pack.Pair]]:
         offset += h
     o = torch.empty(b, P * s, HEADS // P, d)
     recv = torch.empty(P, b, s, HEADS // P, d)
+    # Pushed: chunk j shifted into rank j's buffer by the buffers' distances (fixed while they live).
+    shifts = tuple(j * (3 << 30) - (1 << 28) for j in range(P))
+    pushed = [(pack.Shifted(dst[0], shifts), src) for dst, src in pairs]
     return {
         "pack_heads": pairs,
+        "pack_heads pushed": pushed,
         "gather_sequence": [(torch.empty(b, P * s, packed.shape[3], d).unflatten(1, (P, s)).permute(1, 0, 2, 3, 4),
                              packed)],
         "pack_sequence": [(recv, o.unflatten(1, (P, s)).permute(1, 0, 2, 3, 4))],

@@ -18,6 +18,7 @@ CASES = {
     "GRAPHAR_ALLREDUCE_ALGO": ({"1stage": "1stage", "push-twoshot": "push-twoshot"}, ["3stage", "oneshot"]),
     "GRAPHAR_PDL": ({"0": False, "on": True}, ["2"]),
     "GRAPHAR_BLOCK_LIMIT": ({"1": 1, "64": 64}, ["0", "65", "8.5"]),
+    "GRAPHAR_ALLTOALL_ALGO": ({"pull": "pull", "push": "push"}, ["both", "PUSH"]),
     "GRAPHAR_PULL_BLOCKS": ({"32": 32}, ["0", "65", "x"]),
     "GRAPHAR_TIMEOUT_S": ({"0": 0.0, "2.5": 2.5}, ["-1", "inf", "nan", "soon"]),
     "GRAPHAR_EXCHANGE_TIMEOUT_S": ({"10": 10.0}, ["0", "-3", "inf"]),

@@ -5,20 +5,30 @@ pass runs them again and hands each rank what the collective would deliver (chun
 buffer becomes chunk i of rank j's receive buffer). The packed exchange, three separate exchanges
 written the way Ulysses code does them, and the mathematical definition must agree bit for bit.
 Every `torch.empty` is poisoned with NaN, so an output the exchange fails to write cannot pass.
+
+The IPC exchange is emulated both ways: pulled (a rank's pack fills its own buffer) and pushed (the
+pack kernel stores chunk j into "rank j's buffer", here a host buffer per rank, through the same
+shifts it uses across GPUs). The pushed cases need the Triton kernel, so they run under the
+interpreter in a subprocess (`test_push_under_interpreter`) and skip themselves elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 from expecttest import TestCase
 
 from graphar.comm import exchange, ulysses
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _empty = torch.empty
@@ -34,10 +44,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _FakeIpc:
-    """graphar.comm.exchange.IpcExchange for one emulated rank: a host send buffer, no GPU."""
+    """graphar.comm.exchange.IpcExchange for one emulated rank: host buffers, no GPU."""
 
-    def __init__(self, exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None]) -> None:
+    def __init__(self, exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None],
+                 world_size: int, push: bool) -> None:  # fmt: skip
         self._exchange_bytes = exchange_bytes
+        self.world_size = world_size
+        self.push = push
+        self.pushes = 0
         self.rank = 0  # set by EmulatedWorld for the rank it runs
 
     def serves(self, t: torch.Tensor) -> bool:
@@ -46,10 +60,22 @@ class _FakeIpc:
     def run(self, out: torch.Tensor, stages: list[exchange.Stage], nbytes: int) -> bool:
         if not all(stage.placement.supported() for stage in stages):
             return False
+        rank, world = self.rank, self.world_size
+        if self.push and all(stage.pushable for stage in stages):
+            self.pushes += 1
+            # What this rank stores into every rank's buffer; rank j receives row j of every rank's block.
+            block = torch.full((world, nbytes), 0x7F, dtype=torch.uint8)
+            addresses = [row.data_ptr() for row in block]
+            for stage in stages:
+                stage.pack(exchange.Destination(block[rank], stage.src_offset, rank, addresses))
+            self._exchange_bytes(block.view(-1), lambda blocks: [
+                _place(lambda i: (blocks[i].view(world, nbytes)[rank], i), world, out, stage) for stage in stages])
+            return True
         buffer = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
         for stage in stages:
-            stage.pack(buffer)
-        self._exchange_bytes(buffer, lambda buffers: [_place(buffers, out, stage, self.rank) for stage in stages])
+            stage.pack(exchange.Destination(buffer, stage.src_offset))
+        self._exchange_bytes(buffer, lambda buffers: [
+            _place(lambda i: (buffers[i], rank), world, out, stage) for stage in stages])
         return True
 
 
@@ -57,8 +83,8 @@ class EmulatedWorld:
     """Runs fn(rank) for each rank with graphar's exchanges routed through the emulation.
 
     transport "nccl": no communicator, so `all_to_all_single` (graphar's `_all_to_all` hook);
-    "ipc": a communicator's IPC exchange, whose pull places each chunk by its `Placement`.
-    The references (`_exchange`) always take the `all_to_all_single` hook.
+    "ipc": a communicator's IPC exchange, whose pull places each chunk by its `Placement`; "push":
+    the same, pushed. The references (`_exchange`) always take the `all_to_all_single` hook.
     """
 
     def __init__(self, world_size: int, transport: str = "nccl") -> None:
@@ -91,11 +117,12 @@ class EmulatedWorld:
             self.ipc_calls += not state["deliver"] and state["rank"] == 0
             exchange_bytes(send, receive)
 
-        fake = _FakeIpc(ipc)
+        fake = _FakeIpc(ipc, world, push=self.transport == "push")
+        self.fake = fake
         patches = (mock.patch.object(ulysses, "world_size", lambda name: world),
                    mock.patch.object(torch, "empty", _poisoned_empty),
                    mock.patch.object(ulysses, "_all_to_all", all_to_all_single),
-                   mock.patch.object(ulysses, "_ipc_exchange", lambda name: fake if self.transport == "ipc" else None))
+                   mock.patch.object(ulysses, "_ipc_exchange", lambda name: None if self.transport == "nccl" else fake))
         results = []
         with contextlib.ExitStack() as stack:
             for patch in patches:
@@ -113,14 +140,18 @@ class EmulatedWorld:
         return results
 
 
-def _place(buffers: list[torch.Tensor], out: torch.Tensor, stage: exchange.Stage, rank: int) -> None:
-    """What the pull kernel does for one stage on this rank: chunk `rank` of rank i's buffer becomes
-    rows of row_bytes at the placement's strides from byte out_offset of the output."""
+def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: torch.Tensor,
+           stage: exchange.Stage) -> None:
+    """What the copy kernel does for one stage on this rank: the chunk from rank i becomes rows of
+    row_bytes at the placement's strides from byte out_offset of the output. `source(i)` is the
+    buffer holding that chunk and its slot there: rank i's buffer, slot `rank` (pulled), or this
+    rank's buffer, slot i (pushed)."""
     p = stage.placement
     rows = p.chunk_bytes // p.row_bytes
     dst = _bytes(out)
-    for i, buffer in enumerate(buffers):
-        start = stage.src_offset + rank * p.chunk_bytes
+    for i in range(world):
+        buffer, slot = source(i)
+        start = stage.src_offset + slot * p.chunk_bytes
         dst.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), stage.out_offset + i * p.dst_chunk_stride).copy_(
             buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes))
 
@@ -146,6 +177,7 @@ def _full(b: int, s: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
 
 class SeqToHeadsTest(TestCase):
     transport = "nccl"
+    dtypes = DTYPES
 
     def check(self, world: int, b: int, s_local: int, heads: tuple[int, int, int], d: int, dtype: torch.dtype,
               heads_dim: int = 2) -> None:
@@ -158,7 +190,8 @@ class SeqToHeadsTest(TestCase):
         emulated = EmulatedWorld(world, self.transport)
         packed = emulated.run(lambda r: ulysses.seq_to_heads(*inputs[r], "g", heads_dim=heads_dim))
         self.assertEqual(emulated.calls, 1, "Q, K and V must move in one exchange")
-        self.assertEqual(emulated.ipc_calls, int(self.transport == "ipc"))
+        self.assertEqual(emulated.ipc_calls, int(self.transport != "nccl"))
+        self.assertEqual(emulated.fake.pushes > 0, self.transport == "push")
         if heads_dim == 1:
             packed = [[x.transpose(1, 2) for x in out] for out in packed]
         unpacked = EmulatedWorld(world).run(lambda r: [_three_collectives(shard(r, t), world) for t in full])
@@ -172,7 +205,7 @@ class SeqToHeadsTest(TestCase):
     def test_worlds_batches_dtypes(self) -> None:
         for world in (2, 4):
             for b in (1, 2):
-                for dtype in DTYPES:
+                for dtype in self.dtypes:
                     with self.subTest(world=world, b=b, dtype=dtype):
                         self.check(world, b, 8, (8, 8, 8), 16, dtype)
 
@@ -197,11 +230,12 @@ class SeqToHeadsTest(TestCase):
 
 class HeadsToSeqTest(TestCase):
     transport = "nccl"
+    dtypes = DTYPES
 
     def test_worlds_batches_dtypes_layouts(self) -> None:
         for world in (2, 4):
             for b in (1, 2):
-                for dtype in DTYPES:
+                for dtype in self.dtypes:
                     for transposed in (False, True):
                         with self.subTest(world=world, b=b, dtype=dtype, transposed=transposed):
                             self.check(world, b, 4, 8, 16, dtype, transposed)
@@ -215,7 +249,8 @@ class HeadsToSeqTest(TestCase):
         inputs = [x.transpose(1, 2).contiguous().transpose(1, 2) if transposed else x.contiguous() for x in inputs]
         emulated = EmulatedWorld(world, self.transport)
         outs = emulated.run(lambda r: ulysses.heads_to_seq(inputs[r], "g"))
-        self.assertEqual(emulated.ipc_calls, int(self.transport == "ipc"))
+        self.assertEqual(emulated.ipc_calls, int(self.transport != "nccl"))
+        self.assertEqual(emulated.fake.pushes > 0, self.transport == "push")
         for r in range(world):
             self.assertTrue(torch.equal(outs[r], full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
             self.assertTrue(outs[r].is_contiguous())
@@ -223,16 +258,18 @@ class HeadsToSeqTest(TestCase):
 
 class PackedAllToAllSingleTest(TestCase):
     transport = "nccl"
+    dtypes = DTYPES
 
     def test_packed_equals_separate_exchanges(self) -> None:
         for world in (2, 4):
-            for dtype in DTYPES:
+            for dtype in self.dtypes:
                 with self.subTest(world=world, dtype=dtype):
                     shapes = [(world * 3, 5), (world * 2, 4, 3), (world,)]
                     xs = [[torch.randn(s).to(dtype) for s in shapes] for _ in range(world)]
                     emulated = EmulatedWorld(world, self.transport)
                     packed = emulated.run(lambda r: torch.ops.graphar.packed_all_to_all_single(xs[r], "g"))
                     self.assertEqual(emulated.calls, 1)
+                    self.assertEqual(emulated.fake.pushes, 0, "a torch.cat pack cannot push: pulled")
                     separate = EmulatedWorld(world).run(lambda r: [_exchange(x) for x in xs[r]])
                     for j in range(world):
                         for t, shape in enumerate(shapes):
@@ -255,6 +292,42 @@ class PackedAllToAllSingleIpcTest(PackedAllToAllSingleTest):
     transport = "ipc"
 
 
+class _Pushed:
+    """The IPC checks pushed: the pack kernel stores chunk j into rank j's buffer (interpreter only)."""
+
+    transport = "push"
+    dtypes = (torch.bfloat16,)  # the kernel moves bits; tests/test_pack_kernels.py covers every dtype
+
+    def setUp(self) -> None:
+        if not INTERPRETED:
+            self.skipTest("a pushed pack needs the Triton kernel: test_push_under_interpreter runs it")
+        super().setUp()
+
+
+class SeqToHeadsPushTest(_Pushed, SeqToHeadsTest):
+    pass
+
+
+class HeadsToSeqPushTest(_Pushed, HeadsToSeqTest):
+    pass
+
+
+class PackedAllToAllSinglePushTest(_Pushed, PackedAllToAllSingleTest):
+    pass
+
+
+def test_push_under_interpreter() -> None:
+    """The pushed cases, in a subprocess where Triton interprets (it decides when a kernel is defined)."""
+    if INTERPRETED:
+        pytest.skip("this is the interpreter subprocess")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "PushTest", __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+
+
 class _Staged:
     """Stages of a few hundred bytes: the small test shapes pipeline over several sequence slices."""
 
@@ -270,6 +343,14 @@ class SeqToHeadsStagedIpcTest(_Staged, SeqToHeadsIpcTest):
 
 
 class HeadsToSeqStagedIpcTest(_Staged, HeadsToSeqIpcTest):
+    pass
+
+
+class SeqToHeadsStagedPushTest(_Staged, SeqToHeadsPushTest):
+    pass
+
+
+class HeadsToSeqStagedPushTest(_Staged, HeadsToSeqPushTest):
     pass
 
 

@@ -157,18 +157,34 @@ def _check_graphs(comm, rank: int) -> None:
 
 
 def _check_ulysses(comm, rank: int) -> None:
+    """Both exchanges against gloo's, pulled and pushed, in one stage and pipelined over several,
+    eager and replayed from a torch.cuda.graph capture."""
+    from unittest import mock
+
     from graphar.comm import ulysses
 
     group = dist.group.WORLD
-    for b, s, h, hkv, d in ((1, 64, 4, 2, 64), (2, 48, 4, 4, 32)):
-        q, k, v = (_integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
-                   for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
-        got = ulysses.seq_to_heads(q, k, v, group.group_name)
-        want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"qkv exchange b={b} s={s}"
-        o = _integers(b * WORLD * s * (h // WORLD) * d, torch.bfloat16, seed=rank).view(b, WORLD * s, h // WORLD, d)
-        got = ulysses.heads_to_seq(o, group.group_name)
-        assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange b={b}"
+    for push, stage_bytes in ((False, ulysses._STAGE_BYTES), (True, ulysses._STAGE_BYTES), (True, 4 * KB)):
+        comm.exchange.push = push  # both ranks alike, as the setting would be
+        with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes):
+            for b, s, h, hkv, d in ((1, 64, 4, 2, 64), (2, 48, 4, 4, 32)):
+                q, k, v = (_integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
+                           for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
+                want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
+                got = ulysses.seq_to_heads(q, k, v, group.group_name)
+                what = f"push={push} stage={stage_bytes} b={b} s={s}"
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), f"qkv exchange {what}"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = ulysses.seq_to_heads(q, k, v, group.group_name)
+                for t in captured:
+                    t.fill_(float("nan"))
+                graph.replay()
+                assert all(torch.equal(g, w) for g, w in zip(captured, want)), f"captured qkv exchange {what}"
+                o = _integers(b * WORLD * s * (h // WORLD) * d, torch.bfloat16, seed=rank).view(b, WORLD * s, h // WORLD, d)
+                got = ulysses.heads_to_seq(o, group.group_name)
+                assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
+    comm.exchange.push = False
     assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
 
 

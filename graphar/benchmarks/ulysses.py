@@ -7,7 +7,7 @@ Spawns one process per GPU (run it with plain `python`, not torchrun). For each 
 - input exchange: 3 x (permute + all_to_all_single + permute) as Ulysses code writes it, and
   `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
   over both transports: NCCL (a group without a graphar communicator) and CUDA IPC (the world
-  group, after `graphar.init()`);
+  group, after `graphar.init()`), pulled and pushed (GRAPHAR_ALLTOALL_ALGO);
 - output exchange: the same for heads -> sequence;
 - the pack kernel alone and a device-to-device copy of the same bytes, as bandwidths.
 Every graphar result is checked bitwise against the three-collective path first (WRONG on a mismatch).
@@ -37,9 +37,10 @@ DTYPE = torch.bfloat16
 SMALL_BYTES = 256 << 20  # below this, inputs rotate between two sets so that L2 does not flatter
 GRAPH_BYTES = 4 << 30  # bytes exchanged per captured graph, which bounds its op count (and run time)
 
-UNPACKED, PACKED, PACKED_IPC = "3 x all_to_all_single", "graphar packed, NCCL", "graphar packed, IPC"
-OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC = "all_to_all_single", "graphar, NCCL", "graphar, IPC"
-TIMED = (UNPACKED, PACKED, PACKED_IPC, OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC)
+UNPACKED, PACKED = "3 x all_to_all_single", "graphar packed, NCCL"
+PACKED_IPC, PACKED_PUSH = "graphar packed, IPC pull", "graphar packed, IPC push"
+OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH = "all_to_all_single", "graphar, NCCL", "graphar, IPC pull", "graphar, IPC push"
+TIMED = (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH, OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ def time_graph(step: Callable[[int], object], nbytes: int, s: Settings) -> float
 
 
 def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings) -> dict[str, common.Cell]:
+    from graphar import settings
     from graphar.comm import ulysses
+    from graphar.comm.communicator import communicator
     from graphar.kernels import pack
 
     ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport
@@ -105,21 +108,36 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
 
     reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv[0]]
     out_reference = ulysses.heads_to_seq_unpacked(outs[0])
+    ex = communicator(ipc_group).exchange
     ok = True
-    for group in (nccl_group, ipc_group):  # the first IPC call also sizes the exchange buffers
+    for group, push in ((nccl_group, False), (ipc_group, False), (ipc_group, True)):  # IPC first sizes the buffers
+        ex.push = push  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
         ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
         ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
     if not common.all_ranks(ok):
         return {k: "WRONG" for k in TIMED} | {"pack": "-", "copy": "-"}
 
+    def ipc(push: bool, step: Callable[[int], object], nbytes: int) -> float:
+        ex.push = push
+        return time_graph(step, nbytes, s)
+
+    def qkv_step(group: str) -> Callable[[int], object]:
+        return lambda i: ulysses.seq_to_heads(*qkv[i % sets], group)
+
+    def out_step(group: str) -> Callable[[int], object]:
+        return lambda i: ulysses.heads_to_seq(outs[i % sets], group)
+
     cells: dict[str, common.Cell] = {
         UNPACKED: time_graph(lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes, s),
-        PACKED: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], nccl_group), nbytes, s),
-        PACKED_IPC: time_graph(lambda i: ulysses.seq_to_heads(*qkv[i % sets], ipc_group), nbytes, s),
+        PACKED: time_graph(qkv_step(nccl_group), nbytes, s),
+        PACKED_IPC: ipc(False, qkv_step(ipc_group), nbytes),
+        PACKED_PUSH: ipc(True, qkv_step(ipc_group), nbytes),
         OUT_UNPACKED: time_graph(lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3, s),
-        OUT_GRAPHAR: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], nccl_group), nbytes // 3, s),
-        OUT_IPC: time_graph(lambda i: ulysses.heads_to_seq(outs[i % sets], ipc_group), nbytes // 3, s),
+        OUT_GRAPHAR: time_graph(out_step(nccl_group), nbytes // 3, s),
+        OUT_IPC: ipc(False, out_step(ipc_group), nbytes // 3),
+        OUT_PUSH: ipc(True, out_step(ipc_group), nbytes // 3),
     }
+    ex.push = settings.ALLTOALL_ALGO.get() == "push"
     # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
     packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
     src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
@@ -159,26 +177,34 @@ def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
     return 2 * nbytes / us / 1e3 if isinstance(us, float) else us
 
 
+def link_bandwidth(nbytes: int, world_size: int, us: common.Cell) -> common.Cell:
+    """GB/s each rank sends over its links (all but its own chunk of `nbytes`), for a time in us."""
+    return nbytes * (world_size - 1) / world_size / us / 1e3 if isinstance(us, float) else us
+
+
 def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> list[tuple[str, str]]:
     exchange_rows, output_rows, pack_rows = [], [], []
     for shape in s.shapes:
         r = {k: results[(shape, k)] for k in (*TIMED, "pack", "copy")}
         label = shape_label(shape)
         mb = f"{qkv_bytes(shape, world_size) / 1e6:.1f} MB"
-        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], speedup(r[PACKED], r[UNPACKED]),
-                              speedup(r[PACKED_IPC], r[UNPACKED])])  # fmt: skip
-        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], speedup(r[OUT_GRAPHAR], r[OUT_UNPACKED]),
-                            speedup(r[OUT_IPC], r[OUT_UNPACKED])])  # fmt: skip
+        nbytes = qkv_bytes(shape, world_size)
+        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], r[PACKED_PUSH],
+                              *(speedup(r[k], r[UNPACKED]) for k in (PACKED, PACKED_IPC, PACKED_PUSH)),
+                              *(link_bandwidth(nbytes, world_size, r[k]) for k in (PACKED_IPC, PACKED_PUSH))])
+        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], r[OUT_PUSH],
+                            *(speedup(r[k], r[OUT_UNPACKED]) for k in (OUT_GRAPHAR, OUT_IPC, OUT_PUSH))])
         pack_bw, copy_bw = (bandwidth(qkv_bytes(shape, world_size), r[k]) for k in ("pack", "copy"))
         ratio = f"{100 * pack_bw / copy_bw:.0f}%" if isinstance(pack_bw, float) and isinstance(copy_bw, float) else "-"
         pack_rows.append([label, pack_bw, copy_bw, ratio])
     return [
         ("Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, "speedup NCCL",
-                                "speedup IPC"], exchange_rows)),
+         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH,
+                                "speedup NCCL", "speedup pull", "speedup push", "pull GB/s per direction",
+                                "push GB/s per direction"], exchange_rows)),
         ("Output exchange, [b, s, h/P, d] -> [b, s/P, h, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, "speedup NCCL", "speedup IPC"],
-                               output_rows)),
+         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH, "speedup NCCL",
+                                "speedup pull", "speedup push"], output_rows)),
         ("Pack kernel vs device copy, GB/s (read + write)",
          common.markdown_table(["b, s, h, d", "pack kernel", "copy_", "pack / copy"], pack_rows)),
     ]
@@ -191,17 +217,21 @@ def notes(s: Settings) -> list[str]:
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
         "3 x all_to_all_single: graphar.comm.ulysses.seq_to_heads_unpacked (yunchang's all_to_all_4D layout); "
         "graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
-        "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC).",
-        "Bandwidths: 2 x q+k+v bytes (read + write) over the worst rank's time.",
-        "Targets (2 x H200): input exchange >= 1.5x the three-collective path; pack kernel >= 80% of copy_.",
+        "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC): pulled "
+        "(each rank reads its chunks from its peers' buffers) or pushed (the pack stores each chunk in its "
+        "rank's buffer), as GRAPHAR_ALLTOALL_ALGO picks.",
+        "Pack bandwidths: 2 x q+k+v bytes (read + write) over the worst rank's time. Per direction: the "
+        "q+k+v bytes a rank sends to its peers ((P-1)/P of them) over the op's time.",
+        "Targets (2 x H200): input exchange >= 2.5x the three-collective path and >= 350 GB/s per direction "
+        "on the large shapes; pack kernel >= 80% of copy_.",
     ]
 
 
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     """Time per shape by transport, for each exchange (log scale: the shapes span 20x in bytes)."""
     groups = [shape_label(shape) for shape in s.shapes]
-    panels = (("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC)),
-              ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC)))  # fmt: skip
+    panels = (("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH)),
+              ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)))  # fmt: skip
     return [plot.BarChart(f"{what}: b, s, h, d; CUDA graphs, max over ranks", "us per op", groups,
                           {k: [results[(shape, k)] for shape in s.shapes] for k in keys}, log=True)
             for what, keys in panels]  # fmt: skip

@@ -134,9 +134,10 @@ class Communicator:
         self._call("all_to_all", "graphar_comm_order", stream)
 
     def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
-                          dst_row_stride: int, dst_chunk_stride: int, blocks: int, stream: int) -> None:  # fmt: skip
+                          dst_row_stride: int, dst_chunk_stride: int, pushed: bool, blocks: int,
+                          stream: int) -> None:  # fmt: skip
         self._call("all_to_all", "graphar_comm_all_to_all", mode, output, src_offset, chunk_bytes, row_bytes,
-                   dst_row_stride, dst_chunk_stride, blocks, stream)  # fmt: skip
+                   dst_row_stride, dst_chunk_stride, int(pushed), blocks, stream)  # fmt: skip
 
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""
@@ -144,8 +145,11 @@ class Communicator:
         self._call(what, "graphar_comm_exchange_alloc", nbytes, int(keep_old), ctypes.byref(ptr), handle)
         return ptr.value, handle.raw
 
-    def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> None:
-        self._call(what, "graphar_comm_exchange_open", nbytes, b"".join(handles))
+    def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]:
+        """Collective: map the peers' new exchange buffers; every rank's buffer as this process sees it."""
+        ptrs = (ctypes.c_uint64 * self.world_size)()
+        self._call(what, "graphar_comm_exchange_open", nbytes, b"".join(handles), ptrs)
+        return list(ptrs)
 
     def pointer_info(self, ptr: int) -> tuple[int, bool]:
         """The start of the allocation holding `ptr`, and whether legacy IPC can share it."""
@@ -290,7 +294,8 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
     if len(set(buses)) != len(buses):
         return f"ranks share a GPU: {buses}"
     if len({f["settings"] for f in facts}) != 1:
-        return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GPU architecture): "
+        return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GRAPHAR_ALLTOALL_ALGO, "
+                f"GPU architecture): "
                 f"{[f['settings'] for f in facts]}")
     return None
 
@@ -320,7 +325,8 @@ def _set_up(
     capability_major = torch.cuda.get_device_capability(device)[0]
     blocks = block_limit(capability_major)
     forced = settings.ALLREDUCE_ALGO.get()
-    facts = exchange.all_gather(_local_facts(device, (max_bytes, blocks, forced, capability_major)), what)
+    shared = (max_bytes, blocks, forced, settings.ALLTOALL_ALGO.get(), capability_major)  # must be equal
+    facts = exchange.all_gather(_local_facts(device, shared), what)
     reason = _shared_reason(facts)
     if reason is None and world_size > 2:
         reason = first_reason(exchange.all_gather(_nvlink_reason([f["bus"] for f in facts], rank), what))

@@ -1,10 +1,15 @@
 """All-to-all over CUDA IPC: the Ulysses exchanges of a group that has a graphar communicator.
 
-`run(out, stages, nbytes)` packs the send data (destination-major, one chunk per rank) into this
-rank's registered exchange buffer, and every rank then pulls chunk `rank` of every rank's buffer
-straight into its output, placing rows by stride, so the receive side needs no relayout
-(csrc/all_to_all.cuh). With several stages (slices of the sequence), stage k's pull, bound by the
-link, runs on a side stream while stage k+1 packs, bound by local memory.
+`run(out, stages, nbytes)` moves one chunk per destination rank in one of two ways
+(`GRAPHAR_ALLTOALL_ALGO`, equal on every rank):
+- pull: the pack writes the chunks destination-major into this rank's exchange buffer, then every
+  rank reads chunk `rank` of every rank's buffer over the link straight into its output;
+- push: the pack stores chunk j straight into rank j's buffer, at this rank's slot (the link crossed
+  by stores, which need no round trip, and no separate transfer after the pack), then every rank
+  copies its own buffer into its output.
+Either way the copy places rows by stride, so the receive side needs no relayout
+(csrc/all_to_all.cuh). With several stages (slices of the sequence), stage k's copy runs on a side
+stream while stage k+1 packs.
 
 Exchange buffers are one per rank and communicator, grow-only. Growing is collective: it happens in
 an op outside any capture, and every rank calls the op with the same shapes, so every rank grows at
@@ -19,6 +24,7 @@ another stream is not).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +34,7 @@ import torch
 from graphar import _cuda, pool, settings
 from graphar.comm.abi import CAPTURED_COPY, EAGER
 from graphar.errors import GrapharCommError
+from graphar.kernels import pack
 
 if TYPE_CHECKING:
     from graphar.comm.communicator import Communicator
@@ -58,14 +65,41 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class Stage:
-    """One step of an exchange: `pack(send_buffer)` writes this stage's chunks (destination-major) at
-    byte `src_offset` of the (uint8) send buffer; the pull places them from byte `out_offset` of the output."""
+class Destination:
+    """Where a stage's pack writes its P chunks (chunk j for rank j), from byte `offset` of the
+    exchange buffers: pull, destination-major in this rank's `buffer`; push, chunk j at this rank's
+    slot of rank j's buffer (`addresses`: every rank's, as this process maps them)."""
 
-    pack: Callable[[torch.Tensor], object]
+    buffer: torch.Tensor  # uint8: this rank's exchange buffer
+    offset: int
+    rank: int | None = None  # push: this rank
+    addresses: Sequence[int] = ()
+
+    def chunks(self, shape: Sequence[int], dtype: torch.dtype) -> pack.Dst:
+        """The chunks as `shape` `[P, ...]` of `dtype`; pushed, the kernel places chunk j in rank j's buffer."""
+        if self.rank is None:
+            return _typed(self.buffer, self.offset, shape, dtype)
+        chunk_bytes = math.prod(shape[1:]) * dtype.itemsize
+        base = _typed(self.buffer, self.offset + self.rank * chunk_bytes, shape[1:], dtype)
+        own = self.addresses[self.rank]
+        return pack.Shifted(base, tuple((a - own) // dtype.itemsize for a in self.addresses))
+
+
+def _typed(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """`shape` of `dtype` at byte `offset` of a uint8 buffer."""
+    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of an exchange: `pack(destination)` writes this stage's chunks from byte `src_offset`
+    of the exchange buffers; the copy places them from byte `out_offset` of the output."""
+
+    pack: Callable[[Destination], object]
     placement: Placement
     src_offset: int
     out_offset: int
+    pushable: bool = False  # the pack can write a pushed destination (graphar.kernels.pack.kernel_serves)
 
 
 class _DeviceMemory:
@@ -82,7 +116,9 @@ class IpcExchange:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
+        self.push = settings.ALLTOALL_ALGO.get() == "push"  # agreed at set-up: equal on every rank
         self._buffer: torch.Tensor | None = None
+        self._addresses: list[int] = []  # every rank's buffer, as this process maps them (for a push)
         self._captured = False  # a capture used the current buffer: retire it rather than free it
         self._warned = False
         self._blocks = pull_blocks()
@@ -98,10 +134,11 @@ class IpcExchange:
         return t.device.type == "cuda" and t.device.index == self.comm.device
 
     def run(self, out: torch.Tensor, stages: Sequence[Stage], nbytes: int) -> bool:
-        """Pack every stage into this rank's exchange buffer (`nbytes` in all) and pull it into `out`;
-        this stream continues after the last pull. False, with nothing done, when the stages cannot
-        run here (a placement the kernel cannot copy, or a capture the buffer is too small for):
-        the caller then uses NCCL. Collective when the buffer grows."""
+        """Exchange every stage (`nbytes` of chunks per rank in all) into `out`, pushed when the setting
+        asks and every stage's pack can push, else pulled; this stream continues after the last copy.
+        False, with nothing done, when the stages cannot run here (a placement the kernel cannot copy,
+        or a capture the buffer is too small for): the caller then uses NCCL. Collective when the
+        buffer grows."""
         self.comm.check()
         if not all(stage.placement.supported() for stage in stages):
             return False
@@ -115,25 +152,30 @@ class IpcExchange:
             self._captured = True
         else:  # the communicator's previous op may still read the buffer from another stream
             self.comm.order(_stream(self.comm.device))
-        buffer = self._buffer
         mode = CAPTURED_COPY if capturing else EAGER
+        push = self.push and all(stage.pushable for stage in stages)  # shapes and dtypes: equal on every rank
         if len(stages) == 1:
-            stages[0].pack(buffer)
-            self._pull(out, stages[0], mode)
+            stages[0].pack(self._destination(stages[0], push))
+            self._gather(out, stages[0], mode, push)
             return True
         main = torch.cuda.current_stream(self.comm.device)
         for stage in stages:
-            stage.pack(buffer)
+            stage.pack(self._destination(stage, push))
             self._side.wait_stream(main)  # in a capture this forks the side stream into it
             with torch.cuda.stream(self._side):
-                self._pull(out, stage, mode)
+                self._gather(out, stage, mode, push)
         main.wait_stream(self._side)
         return True
 
-    def _pull(self, out: torch.Tensor, stage: Stage, mode: int) -> None:
+    def _destination(self, stage: Stage, push: bool) -> Destination:
+        if push:
+            return Destination(self._buffer, stage.src_offset, self.comm.rank, self._addresses)
+        return Destination(self._buffer, stage.src_offset)
+
+    def _gather(self, out: torch.Tensor, stage: Stage, mode: int, push: bool) -> None:
         p = stage.placement
         self.comm.launch_all_to_all(mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes,
-                                    p.row_bytes, p.dst_row_stride, p.dst_chunk_stride, self._blocks,
+                                    p.row_bytes, p.dst_row_stride, p.dst_chunk_stride, push, self._blocks,
                                     _stream(self.comm.device))  # fmt: skip
 
     def reserve(self, nbytes: int) -> None:
@@ -148,7 +190,7 @@ class IpcExchange:
         comm = self.comm
         what = f"graphar all_to_all exchange buffer of group {comm.group_name!r}"
         capacity = pool.capacity(nbytes, self.capacity)
-        self._buffer = None
+        self._buffer, self._addresses = None, []
         ptr, handle, error = 0, b"", None
         try:
             ptr, handle = comm.alloc_exchange(capacity, self._captured, what)
@@ -158,7 +200,7 @@ class IpcExchange:
         failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
         if failed:
             raise GrapharCommError(f"{what}: allocation failed on {'; '.join(failed)}")
-        comm.open_exchange(capacity, [h for h, _ in gathered], what)
+        self._addresses = comm.open_exchange(capacity, [h for h, _ in gathered], what)
         device = torch.device("cuda", comm.device)
         self._buffer = torch.as_tensor(_DeviceMemory(ptr, capacity), device=device)
         if self._side is None:  # high priority: a pull's blocks go first when the next pack leaves room

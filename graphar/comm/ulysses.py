@@ -18,7 +18,8 @@ world size, equal on every rank.
 
 Transport: a group with a graphar communicator (`graphar.init(group)`) exchanges over CUDA IPC
 (`graphar.comm.exchange`): the pack writes into the rank's registered exchange buffer and each rank
-pulls its chunks from the peers straight into the result, the receive relayout folded into the copy.
+pulls its chunks from the peers straight into the result, the receive relayout folded into the copy;
+or (`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores each chunk straight into its rank's buffer.
 Other groups, and captures whose exchange buffer is too small, use NCCL's `all_to_all_single`
 through staging buffers from `graphar.pool`.
 """
@@ -26,7 +27,6 @@ through staging buffers from `graphar.pool`.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -83,18 +83,13 @@ def _slices(length: int, nbytes: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def _typed(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """`shape` of `dtype` at byte `offset` of a uint8 buffer."""
-    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+def _pack_heads_at(xs: Sequence[torch.Tensor], world_size: int, shape: Sequence[int],
+                   dest: exchange.Destination) -> None:
+    pack.pack_heads(xs, world_size, dest.chunks(shape, xs[0].dtype))
 
 
-def _pack_heads_at(xs: Sequence[torch.Tensor], world_size: int, offset: int, shape: Sequence[int],
-                   buffer: torch.Tensor) -> None:
-    pack.pack_heads(xs, world_size, _typed(buffer, offset, shape, xs[0].dtype))
-
-
-def _relayout_at(src: torch.Tensor, offset: int, buffer: torch.Tensor) -> None:
-    pack.relayout([(_typed(buffer, offset, src.shape, src.dtype), src)])
+def _relayout_at(src: torch.Tensor, dest: exchange.Destination) -> None:
+    pack.relayout([(dest.chunks(src.shape, src.dtype), src)])
 
 
 def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange.Stage]:
@@ -102,11 +97,12 @@ def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange
     b, s_local, _, d = xs[0].shape
     unit = heads * d * xs[0].element_size()  # one token's packed heads
     stages, offset = [], 0
+    pushable = pack.kernel_serves(xs)
     for s0, s1 in _slices(s_local, p * b * s_local * unit):
         n = s1 - s0
-        pack_fn = functools.partial(_pack_heads_at, [x[:, s0:s1] for x in xs], p, offset, (p, b, n, heads, d))
+        pack_fn = functools.partial(_pack_heads_at, [x[:, s0:s1] for x in xs], p, (p, b, n, heads, d))
         placement = exchange.Placement(b * n * unit, n * unit, p * s_local * unit, s_local * unit)
-        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * unit))
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * unit, pushable))
         offset += p * b * n * unit
     return stages
 
@@ -119,12 +115,13 @@ def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
     unit = h * d * o.element_size()  # one token's heads
     chunks = o.unflatten(1, (p, s_local)).permute(1, 0, 2, 3, 4)  # [P, b, S, h, d]: sequence block j to rank j
     slices = _slices(s_local, p * b * s_local * unit) if b == 1 else [(0, s_local)]
+    pushable = pack.kernel_serves([o])
     stages, offset = [], 0
     for s0, s1 in slices:
         n = s1 - s0
-        pack_fn = functools.partial(_relayout_at, chunks[:, :, s0:s1], offset)
+        pack_fn = functools.partial(_relayout_at, chunks[:, :, s0:s1])
         placement = exchange.Placement(b * n * unit, unit, p * unit, unit)
-        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit))
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit, pushable))
         offset += p * b * n * unit
     return stages
 
@@ -254,7 +251,8 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     pieces = [x.reshape(p, w) for x, w in zip(xs, widths)]
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
     row = total * dtype.itemsize
-    stage = exchange.Stage(lambda buffer: torch.cat(pieces, dim=1, out=_typed(buffer, 0, (p, total), dtype)),
+    # torch.cat packs: only a pull (pushable=False) can move it
+    stage = exchange.Stage(lambda dest: torch.cat(pieces, dim=1, out=dest.chunks((p, total), dtype)),
                            exchange.Placement(row, row, p * row, row), 0, 0)  # fmt: skip
     if not _ipc(group_name, xs[0], recv, lambda: [stage], p * row):
         send = pool.staging(_A2A_SEND, (p, total), dtype, device)

@@ -3,7 +3,10 @@
 Every relayout here is a copy between 5-D views `[P, b, s, h, d]` (P: peer rank, b: batch, s: sequence
 block, h: heads, d: head dim, d contiguous): `relayout(pairs)` copies up to three (dst, src) pairs of
 such views in one Triton launch on CUDA tensors (and on CPU tensors under `TRITON_INTERPRET=1`), and
-with `Tensor.copy_` elsewhere. Both only move bits, so both give the same result.
+with `Tensor.copy_` elsewhere. Both only move bits, so both give the same result. A destination may
+also be `Shifted`: chunk j lies `shifts[j]` elements from a `[b, s, h, d]` view, in memory torch does
+not see as a tensor (another rank's buffer, mapped over CUDA IPC); only the kernel writes it, so a
+pushing exchange packs chunk j straight into rank j's buffer over the link.
 
 The layouts (P = world size, S = local sequence length, h_c = heads of tensor c):
 - `pack_heads`: send side of sequence -> heads. `packed[j, bi, si, o_c + l, e] = X_c[bi, si, j*h_c/P + l, e]`,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,17 +38,38 @@ _INT32_MAX = 2**31 - 1
 # The kernel's dtypes; others move through torch (same bits, slower).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-Pair = tuple[torch.Tensor, torch.Tensor]
+_MAX_PEERS = 8  # the chunk shifts the kernel takes
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """P chunks like `base` (`[b, s, h, d]`): chunk j starts `shifts[j]` elements after `base`'s start."""
+
+    base: torch.Tensor
+    shifts: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.shifts), *self.base.shape)
+
+    def stride(self) -> tuple[int, ...]:
+        """As a `[P, ...]` view of `base`; the shifts place each chunk."""
+        return (0, *self.base.stride())
+
+
+Dst = torch.Tensor | Shifted  # a relayout's destination `[P, b, s, h, d]`
+Pair = tuple[Dst, torch.Tensor]
 
 
 if triton is not None:
 
     @triton.jit
     def _copy_tile(
-        dst, src, heads, row_block, head_block, j,
+        dst, src, heads, row_block, head_block, j, shift,
         s_j, s_b, s_s, s_h, d_j, d_b, d_s, d_h,
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
+        SHIFTED: tl.constexpr,
     ):
         r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
         l = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,6 +82,8 @@ if triton is not None:
         si = r - bi * seq
         src_row = j * s_j + bi * s_b + si * s_s
         dst_row = j * d_j + bi * d_b + si * d_s
+        if SHIFTED:  # chunk j lives elsewhere (another rank's buffer): `shift` elements from dst
+            dst_row = dst_row + shift
         mask = (r < rows)[:, None, None] & (l < heads)[None, :, None] & (e < D)[None, None, :]
         src_off = src_row[:, None, None] + (l * s_h)[None, :, None] + e[None, None, :]
         dst_off = dst_row[:, None, None] + (l * d_h)[None, :, None] + e[None, None, :]
@@ -67,28 +94,36 @@ if triton is not None:
     # (IDX64 flips once, at 2**31 elements). rows and seq are not specialised at all. Strides are
     # specialised only on divisibility by 16 (aligned vector loads): a stride that grows with the
     # sequence, S*h*d, keeps it for every S when h*d is a multiple of 16, as with any real head dim.
+    # The shifts of a push are distances between the ranks' buffers, fixed until a buffer grows.
     @triton.jit(do_not_specialize=["rows", "seq"])
     def _relayout_kernel(
         dst0, src0, heads0, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
         dst1, src1, heads1, s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
         dst2, src2, heads2, s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
+        shift0, shift1, shift2, shift3, shift4, shift5, shift6, shift7,
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
+        SHIFTED: tl.constexpr,
     ):
         row_block = tl.program_id(0)
         j = tl.program_id(1)
         block = tl.program_id(2)
+        shift = 0
+        if SHIFTED:  # shift_j without indexing the arguments by a runtime j
+            shift = tl.where(j == 0, shift0, tl.where(j == 1, shift1, tl.where(j == 2, shift2, tl.where(
+                j == 3, shift3, tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7)))))))
+            shift = shift.to(tl.int64)
         blocks0 = tl.cdiv(heads0, BLOCK_H)
         blocks1 = tl.cdiv(heads1, BLOCK_H)
         if block < blocks0:
-            _copy_tile(dst0, src0, heads0, row_block, block, j, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
-                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+            _copy_tile(dst0, src0, heads0, row_block, block, j, shift, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
         elif block < blocks0 + blocks1:
-            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, s1_j, s1_b, s1_s, s1_h,
-                       d1_j, d1_b, d1_s, d1_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, shift, s1_j, s1_b, s1_s, s1_h,
+                       d1_j, d1_b, d1_s, d1_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
         else:
-            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, s2_j, s2_b, s2_s, s2_h,
-                       d2_j, d2_b, d2_s, d2_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64)
+            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, s2_j, s2_b, s2_s, s2_h,
+                       d2_j, d2_b, d2_s, d2_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
 
 
 def triton_available() -> bool:
@@ -99,29 +134,46 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _use_triton(pairs: Sequence[Pair]) -> bool:
-    if triton is None or not 1 <= len(pairs) <= 3 or pairs[0][0].dtype not in KERNEL_DTYPES:
+def _base(dst: Dst) -> torch.Tensor:
+    return dst.base if isinstance(dst, Shifted) else dst
+
+
+def _shifts(pairs: Sequence[Pair]) -> tuple[int, ...] | None:
+    """The chunk shifts every pair shares; () for tensor destinations; None when they differ."""
+    shifts = {dst.shifts if isinstance(dst, Shifted) else () for dst, _ in pairs}
+    return shifts.pop() if len(shifts) == 1 else None
+
+
+def kernel_serves(srcs: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernel copies from these sources (so it can write a `Shifted` destination)."""
+    if triton is None or not srcs or srcs[0].dtype not in KERNEL_DTYPES:
         return False
-    on_device = all(t.is_cuda for pair in pairs for t in pair) or _interpreting()
-    return on_device and all(t.stride(-1) == 1 for pair in pairs for t in pair)
+    return all((t.is_cuda or _interpreting()) and t.stride(-1) == 1 for t in srcs)
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    """The largest element offset the kernel computes for `t` (relative to its first element)."""
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+def _use_triton(pairs: Sequence[Pair]) -> bool:
+    if not 1 <= len(pairs) <= 3 or not kernel_serves([src for _, src in pairs]):
+        return False
+    shifts = _shifts(pairs)
+    return shifts is not None and len(shifts) <= _MAX_PEERS and all(_base(dst).stride(-1) == 1 for dst, _ in pairs)
+
+
+def _max_offset(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """The largest element offset the kernel computes for a view (relative to its first element)."""
+    return sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)
 
 
 def _check_pairs(pairs: Sequence[Pair]) -> None:
     if not pairs:
         raise ValueError("relayout needs at least one (dst, src) pair")
     p, b, s, _, d = pairs[0][0].shape
-    device = pairs[0][0].device
+    device = _base(pairs[0][0]).device
     for dst, src in pairs:
-        if dst.device != device or src.device != device:
+        if _base(dst).device != device or src.device != device:
             raise ValueError(f"relayout: all tensors must be on {device}")
-        if dst.dim() != 5 or dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"relayout: dst {tuple(dst.shape)}/{dst.dtype} and src {tuple(src.shape)}/{src.dtype} "
-                             "must be equal 5-D [P, b, s, h, d] views")
+        if len(dst.shape) != 5 or tuple(dst.shape) != tuple(src.shape) or _base(dst).dtype != src.dtype:
+            raise ValueError(f"relayout: dst {tuple(dst.shape)}/{_base(dst).dtype} and src {tuple(src.shape)}/"
+                             f"{src.dtype} must be equal 5-D [P, b, s, h, d] views")
         if (dst.shape[0], dst.shape[1], dst.shape[2], dst.shape[4]) != (p, b, s, d):
             raise ValueError("relayout: all pairs must share P, b, s and d")
 
@@ -129,10 +181,13 @@ def _check_pairs(pairs: Sequence[Pair]) -> None:
 def relayout(pairs: Sequence[Pair]) -> bool:
     """`dst.copy_(src)` for each (dst, src) pair of 5-D views `[P, b, s, h_c, d]`; one launch on CUDA.
 
-    Returns True when the Triton kernel did the copy, False when torch did.
+    Returns True when the Triton kernel did the copy, False when torch did. A `Shifted` destination
+    needs the kernel (`kernel_serves`): ValueError otherwise.
     """
     _check_pairs(pairs)
     if not _use_triton(pairs):
+        if any(isinstance(dst, Shifted) for dst, _ in pairs):
+            raise ValueError("relayout: only the Triton kernel writes shifted chunks (see kernel_serves)")
         for dst, src in pairs:
             dst.copy_(src)
         return False
@@ -140,7 +195,7 @@ def relayout(pairs: Sequence[Pair]) -> bool:
     if launch is None:
         return True
     grid, args, constants = launch
-    device = pairs[0][0].device
+    device = _base(pairs[0][0]).device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _relayout_kernel[grid](*args, **constants, num_warps=4)
     return True
@@ -160,15 +215,16 @@ def _launch(pairs: Sequence[Pair]) -> tuple[tuple[int, int, int], list[object], 
         common |= h
     block_h = min(common & -common if common else 1, max(1, _TILE_ELEMENTS // d_pad // 4))
     block_r = max(1, _TILE_ELEMENTS // (block_h * d_pad))
-    idx64 = any(_max_offset(t) > _INT32_MAX for pair in pairs for t in pair)
+    idx64 = any(_max_offset(t.shape, t.stride()) > _INT32_MAX for pair in pairs for t in pair)
     args: list[object] = []
     for i in range(3):
         dst, src = pairs[min(i, len(pairs) - 1)]
         h = dst.shape[3] if i < len(pairs) else 0
-        args += [dst, src, h, *(src.stride(k) for k in (0, 1, 2, 3)), *(dst.stride(k) for k in (0, 1, 2, 3))]
+        args += [_base(dst), src, h, *src.stride()[:4], *dst.stride()[:4]]
+    shifts = _shifts(pairs) or ()
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
-    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64)
-    return grid, [*args, rows, s], constants
+    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts))
+    return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), rows, s], constants
 
 
 def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
@@ -176,14 +232,21 @@ def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
     return sum(h // world_size for h in head_counts)
 
 
-def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: torch.Tensor) -> bool:
+def _heads(out: Dst, start: int, stop: int) -> Dst:
+    """Heads [start, stop) of every chunk of `out` `[P, b, S, H, d]`."""
+    if isinstance(out, Shifted):
+        return Shifted(out.base[:, :, start:stop], out.shifts)
+    return out[:, :, :, start:stop]
+
+
+def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst) -> bool:
     """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]`."""
     offset = 0
-    pairs = []
+    pairs: list[Pair] = []
     for x in xs:
         h_local = x.shape[2] // world_size
         src = x.unflatten(2, (world_size, h_local)).permute(2, 0, 1, 3, 4)
-        pairs.append((out[:, :, :, offset : offset + h_local], src))
+        pairs.append((_heads(out, offset, offset + h_local), src))
         offset += h_local
     return relayout(pairs)
 

@@ -1,6 +1,6 @@
 """The packed Ulysses exchanges: eager, captured (torch.cuda.graph and graphar.graph) and compiled
 with mode="reduce-overhead", bitwise against the separate NCCL exchanges and the spec. Each runs on
-both transports: NCCL (no graphar communicator) and CUDA IPC (after `graphar.init`).
+both transports: NCCL (no graphar communicator) and CUDA IPC (after `graphar.init`), pulled and pushed.
 
 Every rank draws the same full tensors from a seeded generator and keeps its shard, so the expected
 result on each rank is a slice of a tensor it holds. Outputs land in memory that was filled with NaN
@@ -10,6 +10,7 @@ just before (`_poison_allocator`), so an element the exchange fails to write can
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -29,15 +30,18 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Whether the pool can tell which graph is being captured; without it capture memory is transient.
 TRACKED = hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
-TRANSPORTS = ("nccl", "ipc")
+TRANSPORTS = ("nccl", "ipc", "ipc-push")
 
 
 def _set_transport(transport: str) -> exchange.IpcExchange | None:
-    """For "ipc", set up the world's graphar communicator, whose IPC exchange the ops then take."""
+    """For "ipc" and "ipc-push", set up the world's graphar communicator, whose IPC exchange the ops
+    then take (pulled, or pushed: GRAPHAR_ALLTOALL_ALGO is read when the communicator is made)."""
     if transport == "nccl":
         return None
+    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if transport == "ipc-push" else "pull"
     comm = graphar.init()
     assert comm is not None, "no graphar communicator on this machine"
+    assert comm.exchange.push == (transport == "ipc-push")
     return comm.exchange
 
 
