@@ -317,6 +317,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
             facts["plan"] = {n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes}
             pdl = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
             facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max, "pdl": pdl}
+            facts["alltoall"] = "push" if comm.exchange.push else "pull"
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.
             facts["shareable"] = comm.pointer_info(torch.empty(MB, device="cuda").data_ptr())[1]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
@@ -376,7 +377,8 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
         staged = [r for r, f in enumerate(facts) if not f.get("shareable", True)]
         items.append(("graphar.graph inputs", f"staged (copied in) on ranks {staged}: expandable segments"
                       if staged else "zero copy"))  # fmt: skip
-    items.append(("Ulysses exchange", "CUDA IPC (the group has a communicator)" if on else "NCCL (no communicator)"))
+    ulysses = f"CUDA IPC, {first['alltoall']} (GRAPHAR_ALLTOALL_ALGO)" if on else "NCCL (no communicator)"
+    items.append(("Ulysses exchange", ulysses))
     _items(f"What graphar does for the group of {world_size} GPUs (the world group of the spawned processes)", items)
     return EXIT_ON if on else EXIT_OFF
 

@@ -50,7 +50,7 @@ def _facts(verdict: str, warnings: list[str], shareable: bool = True) -> list[di
         plan = {str(n): ["1stage"] * 3 for n in doctor.PLAN_SIZES if n <= 8 << 20}
         plan[str(256 << 10)] = ["push-oneshot", "push-oneshot", "1stage"]
         push = {"one_shot": 8 << 20, "fused_norm": 512 << 10, "pdl": True}
-        one.update(max_bytes=8 << 20, shareable=shareable, plan=plan, push=push)
+        one.update(max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, alltoall="pull")
     return [one, dict(one)]
 
 
@@ -71,7 +71,7 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
                  "push kernels: one-shot up to 8 MB, fused norm up to 512 KB, programmatic dependent launch on",
                  "all-reduce of 16 MB: NCCL (over the limit)",
                  "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",
-                 "Ulysses exchange: CUDA IPC (the group has a communicator)",
+                 "Ulysses exchange: CUDA IPC, pull (GRAPHAR_ALLTOALL_ALGO)",
                  "graphar doctor: custom all-reduce and IPC all-to-all ON (exit status 0)"):
         assert line in out, line  # fmt: skip
 
