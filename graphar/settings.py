@@ -102,15 +102,27 @@ ALLREDUCE_ALGO = Setting(
     "force one all-reduce kernel (a call it cannot take runs on NCCL); unset, graphar picks from its measured "
     "table by GPU, world size, size and capture mode",
 )  # fmt: skip
-PDL = Setting(
-    "GRAPHAR_PDL", True, _flag, "1/0, true/false, yes/no or on/off",
+
+
+def _switch(name: str, default: bool, meaning: str) -> Setting[bool]:
+    return Setting(name, default, _flag, "1/0, true/false, yes/no or on/off", meaning)
+
+
+PDL = _switch(
+    "GRAPHAR_PDL", True,
     "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later), so that a "
     "kernel's start overlaps the end of the kernel before it",
 )  # fmt: skip
-BLOCK_LIMIT = Setting(
-    "GRAPHAR_BLOCK_LIMIT", None, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
-    "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
-)  # fmt: skip
+
+
+def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]:
+    """A count of blocks per launch: one barrier slot each, so at most MAX_BLOCKS."""
+    return Setting(name, default, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]", meaning)
+
+
+BLOCK_LIMIT = _blocks(
+    "GRAPHAR_BLOCK_LIMIT", None, "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)"
+)
 ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.comm.exchange)
 ALLTOALL_ALGO = Setting(
     "GRAPHAR_ALLTOALL_ALGO", "pull", _choice(*ALLTOALL_ALGOS), ", ".join(f"'{a}'" for a in ALLTOALL_ALGOS),
@@ -118,10 +130,7 @@ ALLTOALL_ALGO = Setting(
     "buffers (pull), or the pack stores each chunk straight into its rank's buffer (push); every rank "
     "must set the same",
 )  # fmt: skip
-PULL_BLOCKS = Setting(
-    "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]",
-    "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)",
-)  # fmt: skip
+PULL_BLOCKS = _blocks("GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)")
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
 TIMEOUT_S = Setting(
@@ -142,8 +151,8 @@ CUDA_ARCHS = Setting(
     "GRAPHAR_CUDA_ARCHS", ("90a", "80"), _archs, "compute capabilities like '90a;80'",
     "targets of the CUDA library's build (setup.py and the build on first use)",
 )  # fmt: skip
-SKIP_CUDA_BUILD = Setting(
-    "GRAPHAR_SKIP_CUDA_BUILD", False, _flag, "1/0, true/false, yes/no or on/off",
+SKIP_CUDA_BUILD = _switch(
+    "GRAPHAR_SKIP_CUDA_BUILD", False,
     "install without building the CUDA library (it is then built on first use where nvcc exists)",
 )  # fmt: skip
 
