@@ -173,6 +173,41 @@ __device__ __forceinline__ void push_packs(const uint4* in, int packs, int first
   }
 }
 
+// For each of this thread's packs i < n: waits for every peer's pack i in this rank's region (rank r's
+// at mine + r * span + i), sums it with own[i] in rank order, hands the sum to done(i, sum) and
+// resets the peers' slots for a later call; kBatch packs in flight at a time. False on a timeout
+// (recorded at `where`).
+template <typename T, int kRanks, int kBatch, typename Call, typename Done>
+__device__ __forceinline__ bool receive_sums(const uint4* own, uint4* mine, int span, int n, const Call& c,
+                                             const BarrierParams& bp, Where where, Done done) {
+  for (int base = c.first; base < n; base += kBatch * c.stride) {
+    uint4 got[kBatch][kRanks];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int i = base + b * c.stride;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (i < n) got[b][r] = r == bp.rank ? sendable(own[i]) : ld_slot(mine + r * span + i);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int i = base + b * c.stride;
+      if (i >= n) continue;
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank && !await_slot(mine + r * span + i, got[b][r], bp, where, r)) return false;
+      }
+      done(i, sum_in_order<T, kRanks>(got[b]));
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (r != bp.rank) reset_slot(mine + r * span + i);
+      }
+    }
+  }
+  return true;
+}
+
 // ---- one shot: every rank receives every rank's whole input and sums it ----------------------------
 //
 // Epoch region: rank r's slot at r * packs.
@@ -188,31 +223,9 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
     }
   });
 
-  for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
-    uint4 got[kBatch][kRanks];
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * c.stride;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (idx < p.packs) got[b][r] = r == bp.rank ? sendable(c.in[idx]) : ld_slot(c.mine + r * p.packs + idx);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * c.stride;
-      if (idx >= p.packs) continue;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !await_slot(c.mine + r * p.packs + idx, got[b][r], bp, kPushOneShot, r)) return;
-      }
-      c.out[idx] = sum_in_order<T, kRanks>(got[b]);
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank) reset_slot(c.mine + r * p.packs + idx);
-      }
-    }
-  }
+  const bool received = receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
+                                                         [&](int idx, const uint4& sum) { c.out[idx] = sum; });
+  if (!received) return;
   leave_epoch(bp, c.epoch);
 }
 
@@ -247,34 +260,16 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   });
 
   // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
-  for (int base = c.first; base < size; base += kBatch * c.stride) {
-    uint4 got[kBatch][kRanks];
+  const bool received = receive_sums<T, kRanks, kBatch>(
+      c.in + start, c.mine, sh.largest, size, c, bp, kPushScatter, [&](int i, const uint4& total) {
+        const uint4 sum = sendable(total);  // a sum is never kEmpty; kept uniform
+        c.out[start + i] = sum;
 #pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int i = base + b * c.stride;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (i < size) got[b][r] = r == bp.rank ? sendable(c.in[start + i]) : ld_slot(c.mine + r * sh.largest + i);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int i = base + b * c.stride;
-      if (i >= size) continue;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !await_slot(c.mine + r * sh.largest + i, got[b][r], bp, kPushScatter, r)) return;
-      }
-      const uint4 sum = sendable(sum_in_order<T, kRanks>(got[b]));  // a sum is never kEmpty; kept uniform
-      c.out[start + i] = sum;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r == bp.rank) continue;
-        st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
-        reset_slot(c.mine + r * sh.largest + i);
-      }
-    }
-  }
+        for (int r = 0; r < kRanks; r++) {
+          if (r != bp.rank) st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
+        }
+      });
+  if (!received) return;
 
   // 3. Gather the other shards' sums.
   for (int base = c.first; base < p.packs; base += kBatch * c.stride) {

@@ -115,15 +115,19 @@ def _check_overlap(comm, rank: int) -> None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
         return ulysses.heads_to_seq(o, name)
 
-    for chunks in (1, 2):
-        assert torch.equal(torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks), unchunked())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
-    q.copy_(torch.randn_like(q))
-    out.fill_(float("nan"))
-    graph.replay()
-    assert torch.equal(out, unchunked()), "captured pipelined attention"
+    for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
+        comm.exchange.push = push
+        for chunks in (1, 2):
+            got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks)
+            assert torch.equal(got, unchunked()), f"push={push} chunks={chunks}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, unchunked()), f"captured pipelined attention, push={push}"
+    comm.exchange.push = False
 
 
 def _check_graphs(comm, rank: int) -> None:
