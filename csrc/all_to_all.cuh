@@ -26,7 +26,8 @@ struct AllToAllParams {
   void* out;
   int64_t src_offset;  // packs into every exchange buffer where this call's chunks start
   Placement place;
-  int pushed;  // the peers pushed into this rank's buffer (chunk i from rank i) instead of packing into theirs
+  int pushed;      // the peers pushed into this rank's buffer (chunk i from rank i) instead of packing into theirs
+  int own_placed;  // this rank's own chunk is already in the output
 };
 
 // Packs per thread per rank in flight: 16 loads per thread at ws 2 and 4, 8 at ws 6 and 8.
@@ -63,7 +64,8 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t idx = base + u * stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (idx < pl.chunk_packs) v[u][r] = src[r][idx];  // every load in flight before any store
+        const bool skip = p.own_placed && r == bp.rank;
+        if (idx < pl.chunk_packs && !skip) v[u][r] = src[r][idx];  // every load in flight before any store
       }
     }
 #pragma unroll
@@ -73,7 +75,9 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t row = idx / pl.row_packs;
       const int64_t at = row * pl.dst_row_stride + (idx - row * pl.row_packs);
 #pragma unroll
-      for (int r = 0; r < kRanks; r++) out[r * pl.dst_chunk_stride + at] = v[u][r];
+      for (int r = 0; r < kRanks; r++) {
+        if (!(p.own_placed && r == bp.rank)) out[r * pl.dst_chunk_stride + at] = v[u][r];
+      }
     }
   }
   multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit);

@@ -26,6 +26,11 @@ enum {
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
   GRAPHAR_STAGED = 3,         // copy into the registered buffer first, then read through a graph slot
 };
+// flags of graphar_comm_all_to_all
+enum {
+  GRAPHAR_A2A_PUSHED = 1,      // rank i pushed its chunk j into rank j's buffer (else packed it into its own)
+  GRAPHAR_A2A_OWN_PLACED = 2,  // this rank's pack already wrote its own chunk into the output: skip it
+};
 
 const char* graphar_last_error(void);
 // Hash of the sources this library was built from.
@@ -97,12 +102,13 @@ int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint6
 // ptrs_out[r]: rank r's buffer as this process maps it (a pushing pack writes there).
 int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles, uint64_t* ptrs_out);
 // All-to-all of chunks in the exchange buffers: chunk j of rank i goes to rank j, where chunk i
-// arrives as rows of row_bytes, row k at output + i * dst_chunk_stride + k * dst_row_stride.
-// pushed == 0: chunk j was packed at src_offset + j * chunk_bytes of rank i's own buffer (pulled over
-// the link); pushed != 0: rank i pushed it to src_offset + i * chunk_bytes of rank j's buffer.
-// blocks: at most this many (1..64). mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY (inside any capture).
+// arrives as rows of row_bytes, row k at output + i * dst_chunk_stride + k * dst_row_stride. Without
+// GRAPHAR_A2A_PUSHED in flags, chunk j was packed at src_offset + j * chunk_bytes of rank i's own
+// buffer (pulled over the link); with it, rank i pushed it to src_offset + i * chunk_bytes of rank
+// j's buffer. blocks: at most this many (1..64). mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY
+// (inside any capture).
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
-                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int pushed,
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int flags,
                             int blocks, uint64_t stream);
 // Fill slots[0..count) after a capture (each in [1, graph_slots); a slot of a destroyed graph may be
 // filled again: the device is synchronized first). Per call i and rank r (index i*ws+r):

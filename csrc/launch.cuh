@@ -255,13 +255,14 @@ int graphar_comm_order(void* comm, uint64_t stream_handle) {
 }
 
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
-                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int pushed,
+                            uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int flags,
                             int blocks, uint64_t stream_handle) {
   Comm* c = as_comm(comm);
   const GatherKernel kernel = gather_kernel_for(c->ranks);
   if (kernel == nullptr || c->exchange_bytes == 0) return fail(GRAPHAR_EINVAL, "no exchange buffers are open");
   if (mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) return fail(GRAPHAR_EINVAL, "unknown path %d", mode);
   if (blocks < 1 || blocks > kMaxBlocks) return fail(GRAPHAR_EINVAL, "%d blocks out of [1, %d]", blocks, kMaxBlocks);
+  if ((flags & ~(GRAPHAR_A2A_PUSHED | GRAPHAR_A2A_OWN_PLACED)) != 0) return fail(GRAPHAR_EINVAL, "unknown flags %d", flags);
   if (chunk_bytes == 0 || row_bytes == 0 || chunk_bytes % row_bytes != 0 || src_offset > c->exchange_bytes ||
       chunk_bytes > (c->exchange_bytes - src_offset) / c->ranks) {
     return fail(GRAPHAR_EINVAL, "%d chunks of %llu bytes in rows of %llu from offset %llu do not fit %llu bytes",
@@ -276,7 +277,8 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   p.barrier = barrier_params(c);
   p.out = reinterpret_cast<void*>(output);
   for (int r = 0; r < c->ranks; r++) p.buffers.ptrs[r] = c->exchange_ptrs[r];
-  p.pushed = pushed != 0;
+  p.pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
+  p.own_placed = (flags & GRAPHAR_A2A_OWN_PLACED) != 0;
   p.src_offset = static_cast<int64_t>(src_offset / 16);
   p.place = {static_cast<int64_t>(chunk_bytes / 16), static_cast<int64_t>(row_bytes / 16),
              static_cast<int64_t>(dst_row_stride / 16), static_cast<int64_t>(dst_chunk_stride / 16)};

@@ -41,6 +41,11 @@ def test_algorithm_codes() -> None:
     assert tuple(abi.ALGO_CODES) == settings.ALGOS  # GRAPHAR_ALLREDUCE_ALGO names every kernel
 
 
+def test_all_to_all_flags() -> None:
+    codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_A2A_")
+    assert codes == {"GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED, "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED}
+
+
 def test_launch_modes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
     python = {"GRAPHAR_EAGER": abi.EAGER, "GRAPHAR_CAPTURED_COPY": abi.CAPTURED_COPY,

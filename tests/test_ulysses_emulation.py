@@ -8,8 +8,9 @@ Every `torch.empty` is poisoned with NaN, so an output the exchange fails to wri
 
 The IPC exchange is emulated both ways: pulled (a rank's pack fills its own buffer) and pushed (the
 pack kernel stores chunk j into "rank j's buffer", here a host buffer per rank, through the same
-shifts it uses across GPUs). The pushed cases need the Triton kernel, so they run under the
-interpreter in a subprocess (`test_push_under_interpreter`) and skip themselves elsewhere.
+shifts it uses across GPUs); with the pack kernel, a rank's own chunk goes straight into its result
+where it is one run of bytes there. Those cases need the Triton kernel, so they run under the
+interpreter in a subprocess (`test_kernel_packs_under_interpreter`) and skip themselves elsewhere.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _FakeIpc:
         self.world_size = world_size
         self.push = push
         self.pushes = 0
+        self.own_placed = 0  # stages whose pack put this rank's own chunk straight into the output
         self.rank = 0  # set by EmulatedWorld for the rank it runs
 
     def serves(self, t: torch.Tensor) -> bool:
@@ -61,21 +63,26 @@ class _FakeIpc:
         if not all(stage.placement.supported() for stage in stages):
             return False
         rank, world = self.rank, self.world_size
-        if self.push and all(stage.pushable for stage in stages):
-            self.pushes += 1
-            # What this rank stores into every rank's buffer; rank j receives row j of every rank's block.
-            block = torch.full((world, nbytes), 0x7F, dtype=torch.uint8)
-            addresses = [row.data_ptr() for row in block]
-            for stage in stages:
-                stage.pack(exchange.Destination(block[rank], stage.src_offset, rank, addresses))
-            self._exchange_bytes(block.view(-1), lambda blocks: [
-                _place(lambda i: (blocks[i].view(world, nbytes)[rank], i), world, out, stage) for stage in stages])
-            return True
-        buffer = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
-        for stage in stages:
-            stage.pack(exchange.Destination(buffer, stage.src_offset))
-        self._exchange_bytes(buffer, lambda buffers: [
-            _place(lambda i: (buffers[i], rank), world, out, stage) for stage in stages])
+        push = self.push and all(stage.kernel_pack for stage in stages)
+        self.pushes += push
+        # Pushed: what this rank stores into every rank's buffer (rank j receives row j of every
+        # rank's block); pulled: this rank's own buffer, which every rank reads.
+        block = torch.full((world if push else 1, nbytes), 0x7F, dtype=torch.uint8)
+        addresses = [row.data_ptr() for row in block] if push else ()
+        owns = [exchange.own_chunk(out, stage, rank) for stage in stages]
+        self.own_placed += sum(own is not None for own in owns)
+        for stage, own in zip(stages, owns):
+            stage.pack(exchange.Destination(block[rank if push else 0], stage.src_offset, rank, addresses, own))
+
+        def receive(blocks: list[torch.Tensor]) -> None:
+            for stage, own in zip(stages, owns):
+                skip = rank if own is not None else None
+                if push:
+                    _place(lambda i: (blocks[i].view(world, nbytes)[rank], i), world, out, stage, skip)
+                else:
+                    _place(lambda i: (blocks[i], rank), world, out, stage, skip)
+
+        self._exchange_bytes(block.view(-1), receive)
         return True
 
 
@@ -141,15 +148,17 @@ class EmulatedWorld:
 
 
 def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: torch.Tensor,
-           stage: exchange.Stage) -> None:
+           stage: exchange.Stage, skip: int | None) -> None:
     """What the copy kernel does for one stage on this rank: the chunk from rank i becomes rows of
     row_bytes at the placement's strides from byte out_offset of the output. `source(i)` is the
     buffer holding that chunk and its slot there: rank i's buffer, slot `rank` (pulled), or this
-    rank's buffer, slot i (pushed)."""
+    rank's buffer, slot i (pushed). Chunk `skip` is in the output already (the pack placed it)."""
     p = stage.placement
     rows = p.chunk_bytes // p.row_bytes
     dst = _bytes(out)
     for i in range(world):
+        if i == skip:
+            continue
         buffer, slot = source(i)
         start = stage.src_offset + slot * p.chunk_bytes
         dst.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), stage.out_offset + i * p.dst_chunk_stride).copy_(
@@ -192,6 +201,8 @@ class SeqToHeadsTest(TestCase):
         self.assertEqual(emulated.calls, 1, "Q, K and V must move in one exchange")
         self.assertEqual(emulated.ipc_calls, int(self.transport != "nccl"))
         self.assertEqual(emulated.fake.pushes > 0, self.transport == "push")
+        # With the pack kernel, b == 1 places each rank's own chunk straight into its result.
+        self.assertEqual(emulated.fake.own_placed > 0, INTERPRETED and self.transport != "nccl" and b == 1)
         if heads_dim == 1:
             packed = [[x.transpose(1, 2) for x in out] for out in packed]
         unpacked = EmulatedWorld(world).run(lambda r: [_three_collectives(shard(r, t), world) for t in full])
@@ -292,16 +303,25 @@ class PackedAllToAllSingleIpcTest(PackedAllToAllSingleTest):
     transport = "ipc"
 
 
-class _Pushed:
-    """The IPC checks pushed: the pack kernel stores chunk j into rank j's buffer (interpreter only)."""
+class _Interpreted:
+    """Checks that need the pack kernel (shifted chunks): they run under the interpreter only."""
 
-    transport = "push"
     dtypes = (torch.bfloat16,)  # the kernel moves bits; tests/test_pack_kernels.py covers every dtype
 
     def setUp(self) -> None:
         if not INTERPRETED:
-            self.skipTest("a pushed pack needs the Triton kernel: test_push_under_interpreter runs it")
+            self.skipTest("needs the Triton pack kernel: test_kernel_packs_under_interpreter runs it")
         super().setUp()
+
+
+class _Pushed(_Interpreted):
+    """The IPC checks pushed: the pack kernel stores chunk j into rank j's buffer."""
+
+    transport = "push"
+
+
+class SeqToHeadsKernelTest(_Interpreted, SeqToHeadsIpcTest):
+    """Pulled, with the pack kernel placing each rank's own chunk in its result (b == 1)."""
 
 
 class SeqToHeadsPushTest(_Pushed, SeqToHeadsTest):
@@ -316,13 +336,14 @@ class PackedAllToAllSinglePushTest(_Pushed, PackedAllToAllSingleTest):
     pass
 
 
-def test_push_under_interpreter() -> None:
-    """The pushed cases, in a subprocess where Triton interprets (it decides when a kernel is defined)."""
+def test_kernel_packs_under_interpreter() -> None:
+    """The cases that need the pack kernel, in a subprocess where Triton interprets (it decides when a
+    kernel is defined)."""
     if INTERPRETED:
         pytest.skip("this is the interpreter subprocess")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "PushTest", __file__]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "PushTest or KernelTest", __file__]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
@@ -351,6 +372,10 @@ class SeqToHeadsStagedPushTest(_Staged, SeqToHeadsPushTest):
 
 
 class HeadsToSeqStagedPushTest(_Staged, HeadsToSeqPushTest):
+    pass
+
+
+class SeqToHeadsStagedKernelTest(_Staged, SeqToHeadsKernelTest):
     pass
 
 

@@ -22,6 +22,9 @@ PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Launch paths (GRAPHAR_EAGER ...): copy-in eager, copy-in inside a foreign capture, zero copy
 # through a graph slot, copy into the registered buffer then a graph slot.
 EAGER, CAPTURED_COPY, ZERO_COPY, STAGED = 0, 1, 2, 3
+# Flags of an all-to-all (GRAPHAR_A2A_PUSHED ...): the chunks were pushed into the receivers' buffers;
+# this rank's pack already placed its own chunk in the output.
+A2A_PUSHED, A2A_OWN_PLACED = 1, 2
 # kMaxBlocks: one barrier slot per block.
 MAX_BLOCKS = settings.MAX_BLOCKS
 # The barrier a spin loop gave up in (enum Where), as error messages name it.

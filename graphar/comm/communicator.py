@@ -134,10 +134,11 @@ class Communicator:
         self._call("all_to_all", "graphar_comm_order", stream)
 
     def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
-                          dst_row_stride: int, dst_chunk_stride: int, pushed: bool, blocks: int,
+                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int,
                           stream: int) -> None:  # fmt: skip
+        """Copy a stage's chunks into the output (csrc graphar_comm_all_to_all; flags: abi.A2A_*)."""
         self._call("all_to_all", "graphar_comm_all_to_all", mode, output, src_offset, chunk_bytes, row_bytes,
-                   dst_row_stride, dst_chunk_stride, int(pushed), blocks, stream)  # fmt: skip
+                   dst_row_stride, dst_chunk_stride, flags, blocks, stream)  # fmt: skip
 
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphar import _cuda, pool, settings
-from graphar.comm.abi import CAPTURED_COPY, EAGER
+from graphar.comm.abi import A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
 from graphar.errors import GrapharCommError
 from graphar.kernels import pack
 
@@ -58,6 +58,10 @@ class Placement:
     dst_row_stride: int
     dst_chunk_stride: int
 
+    def contiguous(self) -> bool:
+        """Whether a chunk lands as one run of bytes."""
+        return self.chunk_bytes == self.row_bytes or self.dst_row_stride == self.row_bytes
+
     def supported(self) -> bool:
         """Whether the kernel can copy it: 16-byte packs throughout."""
         values = (self.chunk_bytes, self.row_bytes, self.dst_row_stride, self.dst_chunk_stride)
@@ -67,22 +71,32 @@ class Placement:
 @dataclass(frozen=True)
 class Destination:
     """Where a stage's pack writes its P chunks (chunk j for rank j), from byte `offset` of the
-    exchange buffers: pull, destination-major in this rank's `buffer`; push, chunk j at this rank's
-    slot of rank j's buffer (`addresses`: every rank's, as this process maps them)."""
+    exchange buffers: pulled, destination-major in this rank's `buffer`; pushed, chunk j at this
+    rank's slot of rank j's buffer (`addresses`: every rank's buffer, as this process maps it). With
+    `own` (bytes of the output), this rank's own chunk goes straight there instead."""
 
     buffer: torch.Tensor  # uint8: this rank's exchange buffer
     offset: int
-    rank: int | None = None  # push: this rank
+    rank: int
     addresses: Sequence[int] = ()
+    own: torch.Tensor | None = None
 
     def chunks(self, shape: Sequence[int], dtype: torch.dtype) -> pack.Dst:
-        """The chunks as `shape` `[P, ...]` of `dtype`; pushed, the kernel places chunk j in rank j's buffer."""
-        if self.rank is None:
+        """The chunks as `shape` `[P, ...]` of `dtype`: a tensor when they lie destination-major in this
+        rank's buffer, else shifted views that only the pack kernel writes."""
+        if not self.addresses and self.own is None:
             return _typed(self.buffer, self.offset, shape, dtype)
         chunk_bytes = math.prod(shape[1:]) * dtype.itemsize
-        base = _typed(self.buffer, self.offset + self.rank * chunk_bytes, shape[1:], dtype)
-        own = self.addresses[self.rank]
-        return pack.Shifted(base, tuple((a - own) // dtype.itemsize for a in self.addresses))
+        if self.addresses:
+            starts = [a + self.offset + self.rank * chunk_bytes for a in self.addresses]
+        else:
+            starts = [self.buffer.data_ptr() + self.offset + j * chunk_bytes for j in range(shape[0])]
+        if self.own is not None:
+            base = _typed(self.own, 0, shape[1:], dtype)
+            starts[self.rank] = base.data_ptr()
+        else:
+            base = _typed(self.buffer, self.offset + self.rank * chunk_bytes, shape[1:], dtype)
+        return pack.Shifted(base, tuple((a - base.data_ptr()) // dtype.itemsize for a in starts))
 
 
 def _typed(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +113,19 @@ class Stage:
     placement: Placement
     src_offset: int
     out_offset: int
-    pushable: bool = False  # the pack can write a pushed destination (graphar.kernels.pack.kernel_serves)
+    # The pack is graphar's kernel (graphar.kernels.pack.kernel_serves), which places chunks anywhere:
+    # into the peers' buffers (push), this rank's own chunk straight into the output.
+    kernel_pack: bool = False
+
+
+def own_chunk(out: torch.Tensor, stage: Stage, rank: int) -> torch.Tensor | None:
+    """The bytes of `out` where this rank's own chunk of `stage` lands, when its pack can write them
+    directly (the pack kernel, one run of bytes); else None."""
+    p = stage.placement
+    if not stage.kernel_pack or not p.contiguous():
+        return None
+    start = stage.out_offset + rank * p.dst_chunk_stride
+    return out.view(-1).view(torch.uint8)[start : start + p.chunk_bytes]
 
 
 class _DeviceMemory:
@@ -153,30 +179,33 @@ class IpcExchange:
         else:  # the communicator's previous op may still read the buffer from another stream
             self.comm.order(_stream(self.comm.device))
         mode = CAPTURED_COPY if capturing else EAGER
-        push = self.push and all(stage.pushable for stage in stages)  # shapes and dtypes: equal on every rank
+        push = self.push and all(stage.kernel_pack for stage in stages)  # shapes and dtypes: equal on every rank
         if len(stages) == 1:
-            stages[0].pack(self._destination(stages[0], push))
-            self._gather(out, stages[0], mode, push)
+            self._exchange(out, stages[0], mode, push)
             return True
         main = torch.cuda.current_stream(self.comm.device)
         for stage in stages:
-            stage.pack(self._destination(stage, push))
-            self._side.wait_stream(main)  # in a capture this forks the side stream into it
-            with torch.cuda.stream(self._side):
-                self._gather(out, stage, mode, push)
+            self._exchange(out, stage, mode, push, side=main)
         main.wait_stream(self._side)
         return True
 
-    def _destination(self, stage: Stage, push: bool) -> Destination:
-        if push:
-            return Destination(self._buffer, stage.src_offset, self.comm.rank, self._addresses)
-        return Destination(self._buffer, stage.src_offset)
-
-    def _gather(self, out: torch.Tensor, stage: Stage, mode: int, push: bool) -> None:
+    def _exchange(self, out: torch.Tensor, stage: Stage, mode: int, push: bool,
+                  side: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+        """Pack one stage, then copy it into `out`: on the side stream, forked from `side`, when given.
+        The own chunk skips the buffer when the pack kernel can place it in `out` directly (one run of
+        bytes there; only this rank reads or writes it, so ranks need not agree on it)."""
         p = stage.placement
-        self.comm.launch_all_to_all(mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes,
-                                    p.row_bytes, p.dst_row_stride, p.dst_chunk_stride, push, self._blocks,
-                                    _stream(self.comm.device))  # fmt: skip
+        own = own_chunk(out, stage, self.comm.rank)
+        stage.pack(Destination(self._buffer, stage.src_offset, self.comm.rank, self._addresses if push else (), own))
+        flags = (A2A_PUSHED if push else 0) | (A2A_OWN_PLACED if own is not None else 0)
+        args = (mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes, p.row_bytes,
+                p.dst_row_stride, p.dst_chunk_stride, flags, self._blocks)  # fmt: skip
+        if side is None:
+            self.comm.launch_all_to_all(*args, _stream(self.comm.device))
+            return
+        self._side.wait_stream(side)  # in a capture this forks the side stream into it
+        with torch.cuda.stream(self._side):
+            self.comm.launch_all_to_all(*args, _stream(self.comm.device))
 
     def reserve(self, nbytes: int) -> None:
         """Collective, outside capture: grow the buffer to at least `nbytes` now."""

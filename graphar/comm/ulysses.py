@@ -97,12 +97,12 @@ def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange
     b, s_local, _, d = xs[0].shape
     unit = heads * d * xs[0].element_size()  # one token's packed heads
     stages, offset = [], 0
-    pushable = pack.kernel_serves(xs)
+    kernel_pack = pack.kernel_serves(xs)
     for s0, s1 in _slices(s_local, p * b * s_local * unit):
         n = s1 - s0
         pack_fn = functools.partial(_pack_heads_at, [x[:, s0:s1] for x in xs], p, (p, b, n, heads, d))
         placement = exchange.Placement(b * n * unit, n * unit, p * s_local * unit, s_local * unit)
-        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * unit, pushable))
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * unit, kernel_pack))
         offset += p * b * n * unit
     return stages
 
@@ -115,13 +115,13 @@ def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
     unit = h * d * o.element_size()  # one token's heads
     chunks = o.unflatten(1, (p, s_local)).permute(1, 0, 2, 3, 4)  # [P, b, S, h, d]: sequence block j to rank j
     slices = _slices(s_local, p * b * s_local * unit) if b == 1 else [(0, s_local)]
-    pushable = pack.kernel_serves([o])
+    kernel_pack = pack.kernel_serves([o])
     stages, offset = [], 0
     for s0, s1 in slices:
         n = s1 - s0
         pack_fn = functools.partial(_relayout_at, chunks[:, :, s0:s1])
         placement = exchange.Placement(b * n * unit, unit, p * unit, unit)
-        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit, pushable))
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit, kernel_pack))
         offset += p * b * n * unit
     return stages
 
@@ -251,7 +251,7 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     pieces = [x.reshape(p, w) for x, w in zip(xs, widths)]
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
     row = total * dtype.itemsize
-    # torch.cat packs: only a pull (pushable=False) can move it
+    # a torch.cat pack: only pulled, every chunk through the buffer
     stage = exchange.Stage(lambda dest: torch.cat(pieces, dim=1, out=dest.chunks((p, total), dtype)),
                            exchange.Placement(row, row, p * row, row), 0, 0)  # fmt: skip
     if not _ipc(group_name, xs[0], recv, lambda: [stage], p * row):
