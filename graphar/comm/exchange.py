@@ -142,7 +142,9 @@ class IpcExchange:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-        self.push = settings.ALLTOALL_ALGO.get() == "push"  # agreed at set-up: equal on every rank
+        # Push or pull: GRAPHAR_ALLTOALL_ALGO, agreed at set-up. A benchmark or test that flips it must
+        # flip it on every rank between the same two calls.
+        self.push = settings.ALLTOALL_ALGO.get() == "push"
         self._buffer: torch.Tensor | None = None
         self._addresses: list[int] = []  # every rank's buffer, as this process maps them (for a push)
         self._captured = False  # a capture used the current buffer: retire it rather than free it
