@@ -4,9 +4,10 @@ Every relayout here is a copy between 5-D views `[P, b, s, h, d]` (P: peer rank,
 block, h: heads, d: head dim, d contiguous): `relayout(pairs)` copies up to three (dst, src) pairs of
 such views in one Triton launch on CUDA tensors (and on CPU tensors under `TRITON_INTERPRET=1`), and
 with `Tensor.copy_` elsewhere. Both only move bits, so both give the same result. A destination may
-also be `Shifted`: chunk j lies `shifts[j]` elements from a `[b, s, h, d]` view, in memory torch does
-not see as a tensor (another rank's buffer, mapped over CUDA IPC); only the kernel writes it, so a
-pushing exchange packs chunk j straight into rank j's buffer over the link.
+also be `Shifted`: chunk j lies `shifts[j]` elements from a `[b, s, h, d]` view, anywhere the GPU can
+store: in rank j's buffer mapped over CUDA IPC (which torch cannot hold as a tensor of this GPU), or
+in the exchange's output. Only the kernel writes it: so a pushing exchange packs chunk j straight
+into rank j's buffer over the link, and a rank's own chunk goes straight into its result.
 
 The layouts (P = world size, S = local sequence length, h_c = heads of tensor c):
 - `pack_heads`: send side of sequence -> heads. `packed[j, bi, si, o_c + l, e] = X_c[bi, si, j*h_c/P + l, e]`,
