@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
   for (int i = 0; i < kRanks; i++) {
     const int target = (bp.rank + i) % kRanks;
     src[i] = static_cast<const uint4*>(p.data->ptrs[target]);  // in a graph: filled after capture
-    tmps[i] = tmp_buffer<uint4>(select<kRanks>(bp.signals, target));
+    tmps[i] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, target));
   }
   uint4* tmp_out = tmp_buffer<uint4>(bp.self);
   bool ok;

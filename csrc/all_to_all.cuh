@@ -22,12 +22,12 @@ struct Placement {
 
 struct AllToAllParams {
   BarrierParams barrier;
-  RankData buffers;  // every rank's exchange buffer, by value: a captured launch keeps the buffers it saw
+  // Where chunk i (from rank i) starts: in rank i's buffer (pulled) or in this rank's (pushed). By
+  // value, so a captured launch keeps the buffers it saw.
+  RankData chunks;
   void* out;
-  int64_t src_offset;  // packs into every exchange buffer where this call's chunks start
   Placement place;
-  int pushed;      // the peers pushed into this rank's buffer (chunk i from rank i) instead of packing into theirs
-  int own_placed;  // this rank's own chunk is already in the output
+  int skip;  // the rank whose chunk the pack already placed in the output (this one), or -1
 };
 
 // Packs per thread per rank in flight: 16 loads per thread at ws 2 and 4, 8 at ws 6 and 8.
@@ -50,10 +50,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll
-  for (int r = 0; r < kRanks; r++) {
-    src[r] = p.pushed ? static_cast<const uint4*>(p.buffers.ptrs[bp.rank]) + p.src_offset + r * pl.chunk_packs
-                      : static_cast<const uint4*>(p.buffers.ptrs[r]) + p.src_offset + bp.rank * pl.chunk_packs;
-  }
+  for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(p.chunks.ptrs[r]);
   uint4* out = static_cast<uint4*>(p.out);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < pl.chunk_packs;
@@ -64,8 +61,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t idx = base + u * stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        const bool skip = p.own_placed && r == bp.rank;
-        if (idx < pl.chunk_packs && !skip) v[u][r] = src[r][idx];  // every load in flight before any store
+        if (idx < pl.chunk_packs && r != p.skip) v[u][r] = src[r][idx];  // every load in flight before any store
       }
     }
 #pragma unroll
@@ -76,7 +72,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t at = row * pl.dst_row_stride + (idx - row * pl.row_packs);
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (!(p.own_placed && r == bp.rank)) out[r * pl.dst_chunk_stride + at] = v[u][r];
+        if (r != p.skip) out[r * pl.dst_chunk_stride + at] = v[u][r];
       }
     }
   }

@@ -134,14 +134,15 @@ __device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierPar
   return true;
 }
 
-// signals.signals[i] without a runtime index into the kernel parameters, which would copy them
-// to local memory in every thread.
-template <int kRanks>
-__device__ __forceinline__ Signal* select(const RankSignals& signals, int i) {
-  Signal* s = signals.signals[0];
+// a[i] for i < kRanks without a runtime index into the array (kernel parameters or registers),
+// which would copy it to local memory in every thread.
+template <int kRanks, typename P, int N>
+__device__ __forceinline__ P nth(const P (&a)[N], int i) {
+  static_assert(kRanks <= N, "more ranks than entries");
+  P x = a[0];
 #pragma unroll
-  for (int r = 1; r < kRanks; r++) s = i == r ? signals.signals[r] : s;
-  return s;
+  for (int r = 1; r < kRanks; r++) x = i == r ? a[r] : x;
+  return x;
 }
 
 // ---- barrier -------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
     const int peer = threadIdx.x;
     const Flag val = p.self->self_counter[blockIdx.x][peer] + 1;
     p.self->self_counter[blockIdx.x][peer] = val;
-    Flag* theirs = &select<kRanks>(p.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
+    Flag* theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
     Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
     st_flag<kOrdered>(theirs, val);
     timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);

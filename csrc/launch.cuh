@@ -276,10 +276,12 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   AllToAllParams p{};
   p.barrier = barrier_params(c);
   p.out = reinterpret_cast<void*>(output);
-  for (int r = 0; r < c->ranks; r++) p.buffers.ptrs[r] = c->exchange_ptrs[r];
-  p.pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
-  p.own_placed = (flags & GRAPHAR_A2A_OWN_PLACED) != 0;
-  p.src_offset = static_cast<int64_t>(src_offset / 16);
+  const bool pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
+  for (int r = 0; r < c->ranks; r++) {  // pushed: slot r of this rank's buffer; pulled: slot `rank` of rank r's
+    const auto* buffer = static_cast<const char*>(c->exchange_ptrs[pushed ? c->rank : r]);
+    p.chunks.ptrs[r] = buffer + src_offset + (pushed ? r : c->rank) * chunk_bytes;
+  }
+  p.skip = (flags & GRAPHAR_A2A_OWN_PLACED) != 0 ? c->rank : -1;
   p.place = {static_cast<int64_t>(chunk_bytes / 16), static_cast<int64_t>(row_bytes / 16),
              static_cast<int64_t>(dst_row_stride / 16), static_cast<int64_t>(dst_chunk_stride / 16)};
   const int64_t wanted = (p.place.chunk_packs + kPullThreads - 1) / kPullThreads;

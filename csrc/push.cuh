@@ -97,15 +97,6 @@ __device__ __forceinline__ bool await_slot(const uint4* slot, uint4& v, const Ba
   return true;
 }
 
-// a[i] without a runtime index into a register array (which would move it to local memory).
-template <int kRanks, typename P>
-__device__ __forceinline__ P nth(const P (&a)[kRanks], int i) {
-  P x = a[0];
-#pragma unroll
-  for (int r = 1; r < kRanks; r++) x = i == r ? a[r] : x;
-  return x;
-}
-
 // Each rank's receive region at this call's epoch.
 template <int kRanks>
 __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoch, uint4* (&out)[kRanks]) {

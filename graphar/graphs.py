@@ -70,13 +70,15 @@ def graph(
 def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     """Register every recorded call (collective), and tie the tensors the graph reads in place to
     the graph's lifetime: freed and reused, their memory would feed other data to every replay."""
+    # The graph's slots are reused once it is gone (the finalizer holds no tensor); set first, so that
+    # a registration that fails still hands them back.
+    if capture.calls:
+        weakref.finalize(cuda_graph, _release, _slots(capture))
     # Group names are equal on every rank, so every rank registers its groups in the same order.
     for comm in sorted(capture.calls, key=lambda c: c.group_name):
         comm.register_graph(capture.calls[comm])
     inputs = [call.tensor for calls in capture.calls.values() for call in calls]
     cuda_graph._graphar_inputs = getattr(cuda_graph, "_graphar_inputs", ()) + tuple(inputs)
-    if capture.calls:  # the graph's slots are reused once it is gone (the finalizer holds no tensor)
-        weakref.finalize(cuda_graph, _release, _slots(capture))
 
 
 def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:

@@ -151,8 +151,9 @@ def all_reduce_add_rms_norm(
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
     shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
     comm = communicator(group_name)
+    x = x.contiguous()  # once: all_reduce's own .contiguous() is then free
     if comm is not None:
-        fused = comm.allreduce.try_all_reduce_norm(x.contiguous(), residual, weight, eps, weight_first)
+        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused
     return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)

@@ -39,6 +39,13 @@ def test_rows_ascend_and_name_known_kernels() -> None:
             assert bounds == sorted(bounds) and all(algo in abi.ALGO_CODES for _, algo in rows)
 
 
+def test_forcing_another_kernel_turns_the_fused_norm_off() -> None:
+    assert policy.Policy(9, 2, LIMITS).fused_norm_max > 0
+    assert policy.Policy(9, 2, LIMITS, forced="push-oneshot").fused_norm_max > 0
+    for other in ("1stage", "2stage", "push-twoshot"):
+        assert policy.Policy(9, 2, LIMITS, forced=other).fused_norm_max == 0, other
+
+
 def test_forced_kernel_within_its_limit_else_none() -> None:
     forced = policy.Policy(9, 8, LIMITS, forced="push-oneshot")
     assert forced.pick(2 * MB, policy.EAGER) == "push-oneshot"

@@ -49,8 +49,10 @@ def _layouts(b: int, s: int, d: int) -> dict[str, list[pack.Pair]]:
         offset += h
     o = torch.empty(b, P * s, HEADS // P, d)
     recv = torch.empty(P, b, s, HEADS // P, d)
-    # Pushed: chunk j shifted into rank j's buffer by the buffers' distances (fixed while they live).
-    shifts = tuple(j * (3 << 30) - (1 << 28) for j in range(P))
+    # Pushed: chunk j shifted into rank j's buffer, or into the output, by distances between
+    # allocations, which move with every output: small here, past 2**31 elements there.
+    far = 3 << 30 if (b + s) % 2 else 16
+    shifts = tuple(j * far - (1 << 28) for j in range(P))
     pushed = [(pack.Shifted(dst[0], shifts), src) for dst, src in pairs]
     return {
         "pack_heads": pairs,

@@ -163,7 +163,7 @@ class AllReduce:
         capture = graphs.current_capture()
         if capture is not None:
             chosen = picks.graphar_graph
-        elif picks.eager != picks.graph and torch.cuda.is_current_stream_capturing():
+        elif picks.depend_on_capture and torch.cuda.is_current_stream_capturing():
             chosen = picks.graph
         else:
             chosen = picks.eager

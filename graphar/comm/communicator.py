@@ -30,6 +30,7 @@ from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce, block_limit
 from graphar.comm.exchange import IpcExchange
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
 from graphar.errors import GrapharCommError, GrapharTimeoutError
+from graphar.kernels import pack
 
 logger = logging.getLogger("graphar")
 
@@ -57,11 +58,14 @@ class Communicator:
         self._call("create", "graphar_comm_create", rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
                    GRAPH_SLOTS, ctypes.byref(handle), handle=False)  # fmt: skip
         self._handle: int | None = handle.value
-        record = ctypes.c_void_p()
-        self._call("create", "graphar_comm_error_record", ctypes.byref(record))
+        record, one_shot, two_shot = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_uint64()
+        try:
+            self._call("create", "graphar_comm_error_record", ctypes.byref(record))
+            self._call("create", "graphar_comm_push_limits", ctypes.byref(one_shot), ctypes.byref(two_shot))
+        except BaseException:  # nobody else holds the handle yet: free its buffers here
+            self.close()
+            raise
         self._record = abi.ErrorRecord.from_address(record.value)
-        one_shot, two_shot = ctypes.c_uint64(), ctypes.c_uint64()
-        self._call("create", "graphar_comm_push_limits", ctypes.byref(one_shot), ctypes.byref(two_shot))
         limits = policy.Limits(max_bytes=min(max_bytes, two_shot.value), push_one_shot=one_shot.value)
         self.allreduce = AllReduce(self, policy.Policy(capability_major, world_size, limits, forced_algo))
         self.exchange = IpcExchange(self)
@@ -296,8 +300,7 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
         return f"ranks share a GPU: {buses}"
     if len({f["settings"] for f in facts}) != 1:
         return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GRAPHAR_ALLTOALL_ALGO, "
-                f"GPU architecture): "
-                f"{[f['settings'] for f in facts]}")
+                f"GRAPHAR_PULL_BLOCKS, Triton, GPU architecture): {[f['settings'] for f in facts]}")
     return None
 
 
@@ -326,7 +329,10 @@ def _set_up(
     capability_major = torch.cuda.get_device_capability(device)[0]
     blocks = block_limit(capability_major)
     forced = settings.ALLREDUCE_ALGO.get()
-    shared = (max_bytes, blocks, forced, settings.ALLTOALL_ALGO.get(), capability_major)  # must be equal
+    # Every rank must launch alike: the same kernels, block counts (barriers meet block by block) and
+    # transport, which a Triton-less rank would choose differently (its Ulysses packs could not push).
+    shared = (max_bytes, blocks, forced, settings.ALLTOALL_ALGO.get(), settings.PULL_BLOCKS.get(),
+              pack.triton_available(), capability_major)  # fmt: skip
     facts = exchange.all_gather(_local_facts(device, shared), what)
     reason = _shared_reason(facts)
     if reason is None and world_size > 2:

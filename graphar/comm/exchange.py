@@ -33,6 +33,7 @@ import torch
 
 from graphar import _cuda, pool, settings
 from graphar.comm.abi import A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
+from graphar.comm.rendezvous import first_reason
 from graphar.errors import GrapharCommError
 from graphar.kernels import pack
 
@@ -228,9 +229,9 @@ class IpcExchange:
         except _cuda.GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
             error = str(e)
         gathered = comm.all_gather((handle, error), what)
-        failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e is not None]
-        if failed:
-            raise GrapharCommError(f"{what}: allocation failed on {'; '.join(failed)}")
+        failed = first_reason([e for _, e in gathered])
+        if failed is not None:
+            raise GrapharCommError(f"{what}: allocation failed on {failed}")
         self._addresses = comm.open_exchange(capacity, [h for h, _ in gathered], what)
         device = torch.device("cuda", comm.device)
         self._buffer = torch.as_tensor(_DeviceMemory(ptr, capacity), device=device)

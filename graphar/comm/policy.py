@@ -76,6 +76,11 @@ class Picks(NamedTuple):
     def of(self, mode: str) -> str | None:
         return self[MODES.index(mode)]
 
+    @property
+    def depend_on_capture(self) -> bool:
+        """Whether eager calls and calls in a foreign capture get different kernels."""
+        return self.eager != self.graph
+
 
 class Policy:
     """The kernel per (size, capture mode) for one communicator; picks are cached per size."""
@@ -86,7 +91,10 @@ class Policy:
         self.limits = limits
         self.forced = forced
         measured = FUSED_NORM_MAX.get((capability_major, world_size), _FUSED_NORM_UNMEASURED)
-        self.fused_norm_max = min(measured, limits.push_one_shot)  # bytes of the all-reduce's input
+        # Bytes of the all-reduce's input; the fused kernel is the push one-shot's, so forcing another
+        # kernel turns it off (the all-reduce and the norm then run apart, the all-reduce as forced).
+        fused = forced in (None, PUSH_ONE_SHOT)
+        self.fused_norm_max = min(measured, limits.push_one_shot) if fused else 0
         self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
         self._cache: dict[tuple[int, str | None], Picks] = {}
 
@@ -112,8 +120,7 @@ class Policy:
 
     def depends_on_capture(self, nbytes: int) -> bool:
         """Whether eager calls and calls in a foreign capture get different kernels at this size."""
-        picks = self.picks(nbytes)
-        return picks.eager != picks.graph
+        return self.picks(nbytes).depend_on_capture
 
     def _from_table(self, nbytes: int, mode: str) -> str:
         algo = next(a for bound, a in self._rows[mode] if nbytes <= bound)

@@ -95,13 +95,16 @@ if triton is not None:
     # (IDX64 flips once, at 2**31 elements). rows and seq are not specialised at all. Strides are
     # specialised only on divisibility by 16 (aligned vector loads): a stride that grows with the
     # sequence, S*h*d, keeps it for every S when h*d is a multiple of 16, as with any real head dim.
-    # The shifts of a push are distances between the ranks' buffers, fixed until a buffer grows.
+    # The shifts are distances between allocations (the ranks' buffers, the output), so they change
+    # with every output: typed int64, not by value (a distance past 2**31 elements would flip the
+    # type and recompile), and specialised only on divisibility, which keeps the stores vectorised.
     @triton.jit(do_not_specialize=["rows", "seq"])
     def _relayout_kernel(
         dst0, src0, heads0, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
         dst1, src1, heads1, s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
         dst2, src2, heads2, s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
-        shift0, shift1, shift2, shift3, shift4, shift5, shift6, shift7,
+        shift0: tl.int64, shift1: tl.int64, shift2: tl.int64, shift3: tl.int64,
+        shift4: tl.int64, shift5: tl.int64, shift6: tl.int64, shift7: tl.int64,
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
         SHIFTED: tl.constexpr,
@@ -113,7 +116,6 @@ if triton is not None:
         if SHIFTED:  # shift_j without indexing the arguments by a runtime j
             shift = tl.where(j == 0, shift0, tl.where(j == 1, shift1, tl.where(j == 2, shift2, tl.where(
                 j == 3, shift3, tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7)))))))
-            shift = shift.to(tl.int64)
         blocks0 = tl.cdiv(heads0, BLOCK_H)
         blocks1 = tl.cdiv(heads1, BLOCK_H)
         if block < blocks0:
