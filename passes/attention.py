@@ -18,7 +18,7 @@ efficient, cudnn, the CPU flash). Heads are independent in attention, so the res
 K and V may reach the kernel repeated for GQA as HF's repeat_kv writes it (the op then attends with
 fewer K/V heads, which reads the same values). Anything else is left alone with the reason logged: a
 mask or dropout, an attention output other than the first used, an intermediate used elsewhere,
-another group, or head counts that do not split into two chunks per rank.
+another group, V with other heads than K, or head counts that do not split into two chunks per rank.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ import torch
 from graphar.comm.overlap import chunk_count
 from graphar.config import Config
 
+from .layout import HEADS_SWAP, same
+
 log = logging.getLogger("graphar")
 
 aten = torch.ops.aten
 graphar_ops = torch.ops.graphar
-_HEADS_LAST = [0, 2, 1, 3]  # [b, S, h, d] <-> [b, h, S, d]
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
@@ -102,7 +103,7 @@ def is_attention_output(node: Any) -> bool:
 
 
 def _is_permute(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and node.target == aten.permute.default and list(node.args[1]) == _HEADS_LAST
+    return isinstance(node, torch.fx.Node) and node.target == aten.permute.default and list(node.args[1]) == HEADS_SWAP
 
 
 def _match(output: torch.fx.Node) -> _AttentionMatch | str:
@@ -151,7 +152,7 @@ def _repeated_kv(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node
         node = node.args[0]
     b, h, s, d = node.meta["val"].shape
     r = chain[-2].meta["val"].shape[2]
-    if chain[-1].args[1] != 2 or tuple(chain[0].meta["val"].shape) != (b, h * r, s, d):
+    if chain[-1].args[1] != 2 or not same(chain[0].meta["val"].shape, (b, h * r, s, d)):
         return None
     return node, chain
 
@@ -167,6 +168,8 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
     bounds = [sum(heads[:i]) for i in range(4)]
     if starts != [(2, bounds[i], bounds[i + 1]) for i in range(3)]:
         return f"the slices {starts} are not Q, K and V of the exchange"
+    if v.shape[2] != k.shape[2]:  # graphar.comm.overlap splits V's heads as K's
+        return f"V's {v.shape[2]} heads differ from K's {k.shape[2]}"
     if chunk_count(q.shape[2], k.shape[2], world_size, chunks) < 2:
         return f"{q.shape[2]} Q and {k.shape[2]} K/V heads do not split into 2 or more chunks per rank"
     return None

@@ -27,10 +27,11 @@ one exception is explicit: `tieable` says when two symbols may be guarded equal.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import sympy
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
@@ -50,6 +51,8 @@ ORDER_KEEPING = {
 }
 # Ops that reorder the dims.
 PERMUTING = {aten.permute.default, aten.transpose.int, aten.t.default}
+# [b, S, h, d] <-> [b, h, S, d]: heads and sequence swapped, its own inverse.
+HEADS_SWAP = [0, 2, 1, 3]
 
 
 def known(cond: bool | torch.SymBool) -> bool:
@@ -239,3 +242,32 @@ def accepts_strides(user: torch.fx.Node, t: torch.Tensor) -> bool:
     if user.target not in (aten.view.default, aten._unsafe_view.default):
         return True
     return viewable(t, shape_of(user))
+
+
+# Graph helpers the passes share.
+
+
+def new_node(graph: torch.fx.Graph, target: Callable, *args: object, **kwargs: object) -> torch.fx.Node:
+    """A new node computing target(*args, **kwargs), with its fake value for the passes after this one."""
+    node = graph.call_function(target, args, kwargs)
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    tensors = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    with detect_fake_mode(tensors):
+        node.meta["val"] = target(*vals, **kwargs)
+    return node
+
+
+def depends_on(node: torch.fx.Node, ancestor: torch.fx.Node,
+               position: Mapping[torch.fx.Node, int] | None = None) -> bool:
+    """Whether `node` is computed from `ancestor`. Given the graph's positions, the search stops at
+    nodes before `ancestor`: none of them can read it."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is ancestor:
+            return True
+        if n in seen or (position is not None and position[n] < position[ancestor]):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False

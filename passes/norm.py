@@ -26,8 +26,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from graphar.config import Config
 from graphar.ops import add_rms_norm_dtypes
 
-from .layout import same
-from .qkv import new_node
+from .layout import depends_on, new_node, same
 
 log = logging.getLogger("graphar")
 
@@ -203,18 +202,6 @@ def _residual_add(ar: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node
     return [], None
 
 
-def _depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        current = todo.pop()
-        if current is ancestor:
-            return True
-        if current not in seen:
-            seen.add(current)
-            todo.extend(current.all_input_nodes)
-    return False
-
-
 def _with_residual(ar: torch.fx.Node) -> _NormMatch | str | None:
     add_nodes, residual = _residual_add(ar)
     if residual is None:
@@ -226,9 +213,6 @@ def _with_residual(ar: torch.fx.Node) -> _NormMatch | str | None:
         return "the all-reduced value before the residual add is used elsewhere"
     if _val(residual) is None or not same(_val(residual).shape, ar.meta["val"].shape):
         return "the residual's shape differs from the all-reduced value's (a broadcast add)"
-    summed = ([ar] + add_nodes)[-2]
-    if add_nodes[-1].meta["val"].dtype != torch.promote_types(summed.meta["val"].dtype, _val(residual).dtype):
-        return "the residual add's dtype is not its operands' promoted dtype"
     return _NormMatch(ar, norm, residual, add_nodes)
 
 
@@ -240,12 +224,15 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
         return "not followed by a residual add or an RMSNorm"
     if isinstance(match, str):
         return match
-    if match.norm.weight is not None and _depends_on(match.norm.weight, match.norm.h):
+    if match.norm.weight is not None and depends_on(match.norm.weight, match.norm.h):
         return "the norm's weight is computed from its input"
-    expected = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight),
-                                   match.norm.weight_first)[0]
-    if match.norm.out.meta["val"].dtype != expected:
-        return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {expected}"
+    # The op sums x from before any upcast, in promote(x, residual): a wider upcast changes h's dtype.
+    normed, summed = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight),
+                                         match.norm.weight_first)
+    if match.norm.out.meta["val"].dtype != normed:
+        return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {normed}"
+    if match.norm.h.meta["val"].dtype != summed:
+        return f"the residual sum is {match.norm.h.meta['val'].dtype}, the fused op's would be {summed}"
     return match
 
 

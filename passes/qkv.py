@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
@@ -49,16 +48,14 @@ from graphar.config import Config
 
 from .attention import is_attention_output
 from .layout import (
-    Size, accepts_strides, all_to_all_received, apply, compose, contiguous, divides, flat, is_layout_op,
-    is_ulysses_relayout, known, same, shape_of, tieable,
+    HEADS_SWAP, Size, accepts_strides, all_to_all_received, apply, compose, contiguous, depends_on, divides, flat,
+    is_layout_op, is_ulysses_relayout, known, new_node, same, shape_of, tieable,
 )
 
 log = logging.getLogger("graphar")
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-_HEADS_SWAP = [0, 2, 1, 3]
 
 
 class _Relayout(NamedTuple):
@@ -210,26 +207,14 @@ def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive:
 
 
 class _GraphOrder:
-    """Graph positions and ancestor queries, for independence checks."""
+    """Graph positions, for independence checks."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
 
-    def depends_on(self, node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
-        floor = self.position[ancestor]
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n is ancestor:
-                return True
-            if n in seen or self.position[n] < floor:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-        return False
-
     def independent(self, members: Sequence[_AllToAllMatch]) -> bool:
-        return not any(self.depends_on(a.rewrite_input, b.wait) for a in members for b in members if a is not b)
+        return not any(depends_on(a.rewrite_input, b.wait, self.position)
+                       for a in members for b in members if a is not b)
 
 
 def _qkv_packable(a: _AllToAllMatch, b: _AllToAllMatch) -> bool:
@@ -276,16 +261,6 @@ def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
     return triplets, [m for m in matches if id(m) not in used]
 
 
-def new_node(graph: torch.fx.Graph, target: Callable, *args: object, **kwargs: object) -> torch.fx.Node:
-    """A new node computing target(*args, **kwargs), with its fake value for the passes after this one."""
-    node = graph.call_function(target, args, kwargs)
-    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    tensors = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
-    with detect_fake_mode(tensors):
-        node.meta["val"] = target(*vals, **kwargs)
-    return node
-
-
 class _Rewriter:
     """Applies rewrites one after another; a node a rewrite replaced is read through `replaced`."""
 
@@ -330,13 +305,13 @@ class _Rewriter:
         sources = [self.current(m.relayout.source) for m in triplet]
         with self.graph.inserting_before(self.after_last(sources)):
             swap = first.scatter_dim == 1
-            xs = [new_node(self.graph, aten.permute.default, x, _HEADS_SWAP) if swap else x for x in sources]
+            xs = [new_node(self.graph, aten.permute.default, x, HEADS_SWAP) if swap else x for x in sources]
             packed = new_node(self.graph, torch.ops.graphar.qkv_all_to_all.default, *xs, first.group_name)
             ys, start = [], 0
             for x in xs:
                 heads = shape_of(x)[2] // p
                 y = new_node(self.graph, aten.slice.Tensor, packed, 2, start, start + heads)
-                ys.append(new_node(self.graph, aten.permute.default, y, _HEADS_SWAP) if swap else y)
+                ys.append(new_node(self.graph, aten.permute.default, y, HEADS_SWAP) if swap else y)
                 start += heads
         for match, y in zip(triplet, ys):
             self.replace(match, match.relayout.result, y)
@@ -359,10 +334,10 @@ class _Rewriter:
         x = self.current(x)
         with self.graph.inserting_before(x.next):
             if heads_at_1:
-                x = new_node(self.graph, torch.ops.aten.permute.default, x, _HEADS_SWAP)
+                x = new_node(self.graph, torch.ops.aten.permute.default, x, HEADS_SWAP)
             out = new_node(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, match.group_name)
             if heads_at_1:
-                out = new_node(self.graph, torch.ops.aten.permute.default, out, _HEADS_SWAP)
+                out = new_node(self.graph, torch.ops.aten.permute.default, out, HEADS_SWAP)
         self.replace(match, y, out)
         log.info("graphar qkv: %s rewritten into %s on group %r", match.all_to_all.name, out.name, match.group_name)
 

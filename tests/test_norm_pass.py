@@ -53,12 +53,13 @@ class NormPassTest(TestCase):
         self.assertEqual((counts["all_reduce"], counts["fuse_norm"]), (1, 1))
         return after
 
-    def _left_alone(self, fn: Callable, reason: str, *args: torch.Tensor) -> None:
+    def _left_alone(self, fn: Callable, reason: str, *args: torch.Tensor) -> str:
         with self.assertLogs("graphar", "INFO") as logs:
             _, after, counts = post_grad_graphs(fn, *args, config=FUSE)
         self.assertEqual((counts["all_reduce"], counts["fuse_norm"]), (1, 0))
         self.assertIn(f"not fused with a norm: {reason}", "\n".join(logs.output))
         self.assertIn("graphar.all_reduce.default", after)
+        return after
 
     def test_hf_block_bf16_residual_flows_on(self) -> None:
         before, after, counts = post_grad_graphs(_hf_block, *_inputs(torch.bfloat16), config=FUSE)
@@ -184,6 +185,31 @@ class <lambda>(torch.nn.Module):
             return _hf_rms_norm(y + residual, weight), y
 
         self._left_alone(block, "the all-reduced value before the residual add is used elsewhere", *_inputs())
+
+    def test_upcast_all_reduce_into_narrower_residual(self) -> None:
+        """The op would add x before its upcast: the sum h that flows on would be bf16, not f32."""
+        def block(x, w, residual, weight):
+            h = _row_parallel(x, w).to(torch.float32) + residual
+            return _hf_rms_norm(h, weight), h
+
+        x, w, residual, weight = _inputs(torch.bfloat16)
+        after = self._left_alone(block, "the residual sum is torch.float32, the fused op's would be torch.bfloat16",
+                                 x, w, residual, weight.float())
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "f32[16]"):
+        mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
+        all_reduce_default: "bf16[4, 16]" = torch.ops.graphar.all_reduce.default(mm, '0');  mm = None
+        convert_element_type_2: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(all_reduce_default, torch.float32);  all_reduce_default = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(convert_element_type_2, arg2_1);  convert_element_type_2 = arg2_1 = None
+        pow_1: "f32[4, 16]" = torch.ops.aten.pow.Tensor_Scalar(add, 2)
+        mean: "f32[4, 1]" = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
+        add_1: "f32[4, 1]" = torch.ops.aten.add.Tensor(mean, 1e-06);  mean = None
+        rsqrt: "f32[4, 1]" = torch.ops.aten.rsqrt.default(add_1);  add_1 = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, rsqrt);  rsqrt = None
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, mul);  arg3_1 = mul = None
+        return (mul_1, add)
+""")
 
     def test_eps_not_a_constant(self) -> None:
         def block(x, w, residual, weight):
