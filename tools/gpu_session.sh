@@ -35,5 +35,5 @@ for stage in "$@"; do
     bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
   esac
 done
-cp bench/results/*.md "$OUT/" 2>/dev/null
+cp bench/results/*.md bench/results/*.png "$OUT/" 2>/dev/null  # the tables and their plots
 ls "$OUT"

@@ -1,8 +1,11 @@
-"""graphar's benchmarks, run as `python -m graphar bench allreduce|decode|ulysses` (graphar.benchmarks.cli).
+"""graphar's benchmarks, run as `python -m graphar bench allreduce|attention|decode|norm|ulysses`
+(graphar.benchmarks.cli).
 
     common     launch, CUDA-graph capture, timing, max over ranks, the report and where it goes
     plot       the PNG beside each table (matplotlib, an optional extra: graphar[plot])
     allreduce  all-reduce latency: NCCL, PyTorch symmetric memory and graphar, graphs and eager
+    attention  a Ulysses attention block compiled by Inductor + NCCL and by graphar, against its compute floor
     decode     one decode step of a tensor-parallel Llama-style model: Inductor + NCCL against graphar
+    norm       the fused all-reduce + residual add + RMSNorm against the all-reduce alone and unfused
     ulysses    the Ulysses exchanges: three all_to_all_singles against graphar's, over NCCL and IPC
 """

@@ -181,11 +181,8 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
         return
 
     def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        default, comm.allreduce.pdl = comm.allreduce.pdl, kernel.pdl  # read at launch: in graphs, at capture
-        try:
+        with common.overriding(comm.allreduce, "pdl", kernel.pdl):  # read at launch: in graphs, at capture
             return comm.all_reduce(x, algo=kernel.algo)
-        finally:
-            comm.allreduce.pdl = default
 
     for name, kernel in GRAPHAR_KERNELS.items():
         c.columns[name] = Column(
@@ -299,7 +296,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
 
 def ratio(row: dict[str, common.Cell], mode: str) -> str:
     num, den = (row.get(name) for name in ratio_pair(mode))
-    return f"{num / den:.2f}x" if isinstance(num, float) and isinstance(den, float) else "-"
+    return common.derived(num, den)
 
 
 def mode_heading(mode: str, s: Settings) -> str:

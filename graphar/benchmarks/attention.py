@@ -135,9 +135,6 @@ def variants(shape, rank: int, world_size: int, chunks: int, graphar_ok: bool) -
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
     reasons: dict[str, str] = {}
     try:
         import graphar
@@ -186,10 +183,6 @@ def _exposed(cells: dict, shape, v: str) -> common.Cell:
     return t - floor if isinstance(t, float) and isinstance(floor, float) else "-"
 
 
-def _ratio(a: common.Cell, b: common.Cell, fmt: str = "{:.2f}x") -> str:
-    return fmt.format(a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
-
-
 def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
     columns = ["shape (b x s x h x d)", *LABELS.values(), "exposed (a)", "exposed (c)", "exposed (c) / (a)",
                "(a) / (b)", "(a) / (c)"]  # fmt: skip
@@ -197,8 +190,9 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
     for shape in s.shapes:
         t = [cells[(shape, v)] for v in VARIANTS]
         exposed_a, exposed_c = _exposed(cells, shape, NCCL), _exposed(cells, shape, OVERLAPPED)
-        rows.append(["x".join(map(str, shape)), *t, exposed_a, exposed_c, _ratio(exposed_c, exposed_a, "{:.0%}"),
-                     _ratio(t[0], t[1]), _ratio(t[0], t[2])])  # fmt: skip
+        rows.append(["x".join(map(str, shape)), *t, exposed_a, exposed_c,
+                     common.derived(exposed_c, exposed_a, "{:.0%}"), common.derived(t[0], t[1]),
+                     common.derived(t[0], t[2])])  # fmt: skip
     notes = [
         f"bf16; us per block: median of {s.replays} replays of a CUDA graph of back-to-back blocks, max over "
         "ranks; s is the global sequence, each rank holds s / world size tokens.",

@@ -1,4 +1,4 @@
-"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|decode|ulysses`).
+"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|decode|norm|ulysses`).
 
     add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
     main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
@@ -11,6 +11,8 @@
     time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
     max_over_ranks(cells)               {key: float | str} -> the same keys, max over ranks (a str wins)
     all_ranks(flag)                     True on every rank iff flag is True on every rank
+    overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
+    derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
     header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
     markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
     report(title, info, sections, notes) + write_report(text, path, charts, title)   the file and its plot
@@ -23,12 +25,14 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import operator
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +50,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
 # Multicast (NVLS) stays off for every peer. The workers are spawned processes, which read these
 # when they set up NCCL and symmetric memory: setting them before the spawn is enough.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Benchmarks compile per shape (dynamic=False): past Dynamo's default of 8 recompilations of one
+# function it falls back to eager without a word, and the table would time eager code.
+DYNAMO_RECOMPILE_LIMIT = 64
 # About 50 us of GPU sleep on an H200 (1.98 GHz): the host enqueues the timed work meanwhile.
 _ALIGN_SLEEP_CYCLES = 100_000
 
@@ -76,10 +83,19 @@ def add_arguments(p: argparse.ArgumentParser, quick_help: str) -> None:
                         "of a source checkout, else the current folder)")  # fmt: skip
 
 
+def _raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    for name in ("cache_size_limit", "recompile_limit"):  # the name differs between torch versions
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, DYNAMO_RECOMPILE_LIMIT)
+
+
 def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float,
            args: tuple) -> None:  # fmt: skip
     global _progress
     _progress = _Progress(start, rank == 0)
+    _raise_recompile_limit()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group(
@@ -217,6 +233,24 @@ def all_ranks(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+@contextlib.contextmanager
+def overriding(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    """obj.attr = value within the block; the previous value comes back after it, even if it raises
+    (a switch left flipped would skew every later measurement)."""
+    previous = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, previous)
+
+
+def derived(a: Cell, b: Cell, fmt: str = "{:.2f}x", op: Callable[[float, float], float] = operator.truediv) -> str:
+    """fmt.format(op(a, b)): a ratio of two times by default; "-" unless both cells are numbers (not
+    n/a, err, WRONG, ...) and b is positive (an exposed time at or below its floor has no ratio)."""
+    return fmt.format(op(a, b)) if isinstance(a, float) and isinstance(b, float) and b > 0 else "-"
 
 
 def versions() -> dict[str, str]:

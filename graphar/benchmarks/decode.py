@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,17 +205,12 @@ def build_variants(step_nccl: Step, graphar_steps: dict[str, Step], s: Settings,
     return runs
 
 
-@contextlib.contextmanager
-def forced_kernel(algo: str | None) -> Iterator[None]:
+def forced_kernel(algo: str | None) -> contextlib.AbstractContextManager[None]:
     """Every all-reduce of the world group's communicator on `algo` (None: the policy's picks)."""
     from graphar.comm.communicator import communicator
 
-    kernels = communicator(dist.group.WORLD.group_name).allreduce.policy
-    default, kernels.forced = kernels.forced, algo or kernels.forced
-    try:
-        yield
-    finally:
-        kernels.forced = default
+    policy = communicator(dist.group.WORLD.group_name).allreduce.policy
+    return common.overriding(policy, "forced", algo or policy.forced)
 
 
 def ranks_equal(t: torch.Tensor) -> bool:
@@ -241,9 +236,6 @@ def checks(runs: dict, x: torch.Tensor, b: int) -> dict[str, common.Cell]:
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
     torch.manual_seed(1000 + rank)  # weights and caches are this rank's shards
     shape = s.shape
     blocks = nn.ModuleList(Block(shape, world_size, max(s.batches)) for _ in range(shape.layers))
@@ -291,10 +283,6 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
 CHECK_COLUMNS = ("max abs diff (a, b)", "max abs diff (a, d)", "(b) == (c) bits", "ranks equal")
 
 
-def speedup(a: common.Cell, b: common.Cell) -> str:
-    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
-
-
 def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
     ratios = [f"(a) / {label.split()[0]}" for label in list(LABELS.values())[1:]]
     columns = ["batch"] + list(LABELS.values()) + ratios + list(CHECK_COLUMNS)
@@ -302,7 +290,7 @@ def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
     for b in s.batches:
         timed = [cells[(b, v)] for v in VARIANTS]
         checked = [cells.get((b, c), "-") for c in CHECK_COLUMNS]
-        rows.append([str(b)] + timed + [speedup(timed[0], t) for t in timed[1:]] + checked)
+        rows.append([str(b)] + timed + [common.derived(timed[0], t) for t in timed[1:]] + checked)
     return common.markdown_table(columns, rows)
 
 

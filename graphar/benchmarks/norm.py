@@ -15,6 +15,7 @@ folder, or --out), with a plot of time against tokens beside it (.png).
 from __future__ import annotations
 
 import argparse
+import operator
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from graphar.benchmarks import common, plot
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
+# The fused op's normed output against the unfused ops', relative to their magnitude (clamped at 1e-3):
+# bf16's bound in tools/one_gpu_check.py, a few ulps; the sum + residual must match exactly.
+NORMED_TOLERANCE = 2**-6
 NCCL_NORM, AUTO, PUSH = "NCCL + norm", "graphar all-reduce", "graphar push-oneshot"
 UNFUSED, FUSED = "graphar unfused", "graphar fused"
 COLUMNS = (NCCL_NORM, AUTO, PUSH, UNFUSED, FUSED)
@@ -69,9 +73,8 @@ def contenders(comm) -> dict[str, Op]:
     group = comm.group_name
 
     def nccl(x, residual, weight):
-        y = x.clone()
-        dist.all_reduce(y)
-        return norm(y, residual, weight)
+        dist.all_reduce(x)  # in place, as allreduce.py times NCCL: no copy that graphar's columns do not pay
+        return norm(x, residual, weight)
 
     return {
         NCCL_NORM: nccl,
@@ -80,6 +83,36 @@ def contenders(comm) -> dict[str, Op]:
         UNFUSED: lambda x, residual, weight: norm(comm.all_reduce(x), residual, weight),
         FUSED: lambda x, residual, weight: torch.ops.graphar.all_reduce_add_rms_norm(x, residual, weight, EPS, group),
     }
+
+
+def fused_is_right(op: Op, tokens: int, hidden: int) -> bool:
+    """On integer-valued inputs (their sum is exact in any order), from an eager call and from a replay
+    of a captured one: sum + residual equal to the unfused ops' bits, the normed output within
+    NORMED_TOLERANCE of theirs."""
+    from graphar.graphs import graph as graphar_graph
+
+    mine = torch.Generator(device="cuda").manual_seed(dist.get_rank())  # x differs between ranks
+    x = torch.randint(-4, 5, (tokens, hidden), device="cuda", generator=mine).to(DTYPE)
+    gen = torch.Generator(device="cuda").manual_seed(7)  # replicated: equal on every rank
+    residual = torch.randint(-4, 5, (tokens, hidden), device="cuda", generator=gen).to(DTYPE)
+    weight = torch.rand(hidden, device="cuda", generator=gen).to(DTYPE) + 0.5
+    total = x.clone()
+    dist.all_reduce(total)
+    want_normed, want_summed = add_rms_norm(total, residual, weight)
+
+    def right(got: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        normed, summed = got
+        err = (normed.float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-3)
+        return torch.equal(summed, want_summed) and err.max().item() <= NORMED_TOLERANCE
+
+    ok = right(op(x, residual, weight))
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    graph = common.capture(lambda i: outs.append(op(x, residual, weight)), 1, context=graphar_graph)
+    for t in outs[-1]:
+        t.fill_(float("nan"))  # the replay must write them
+    graph.replay()
+    torch.cuda.synchronize()
+    return ok and right(outs[-1])
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
@@ -103,7 +136,19 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
                 cells[(tokens, name)] = "-"
                 notes[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
                 continue
-            graph = common.capture(lambda i, op=op: op(x, residual, weight), s.ops, context=graphar_graph)
+            if name == FUSED:
+                try:
+                    ok = fused_is_right(op, tokens, s.hidden)
+                except Exception as e:
+                    ok = False
+                    notes.setdefault(f"{FUSED} check", f"raised {type(e).__name__}: {e}")
+                if not common.all_ranks(ok):
+                    cells[(tokens, name)] = "WRONG"
+                    notes.setdefault(f"{FUSED} check", f"differs from the unfused ops (or raised) at {tokens} tokens")
+                    continue
+            # NCCL sums in place: its own copy of x keeps the others' input as drawn.
+            inp = x.clone() if name == NCCL_NORM else x
+            graph = common.capture(lambda i, op=op: op(inp, residual, weight), s.ops, context=graphar_graph)
             cells[(tokens, name)] = common.time_gpu(graph.replay, repeats=s.replays, per=s.ops)
         common.progress(f"done {tokens} tokens")
     cells = common.max_over_ranks(cells)
@@ -112,22 +157,20 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         write(cells, s, world_size, notes, gpu, common.results_path("norm", gpu, world_size, out_path))
 
 
-def over(a: common.Cell, b: common.Cell) -> str:
-    return f"{a - b:+.1f}" if isinstance(a, float) and isinstance(b, float) else "-"
-
-
 def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
     rows = []
     for t in s.tokens:
         fused = cells[(t, FUSED)]
         rows.append([str(t), common.format_bytes(t * s.hidden * DTYPE.itemsize), *(cells[(t, c)] for c in COLUMNS),
-                     over(fused, cells[(t, PUSH)]), over(fused, cells[(t, UNFUSED)])])  # fmt: skip
+                     *(common.derived(fused, cells[(t, c)], "{:+.1f}", operator.sub) for c in (PUSH, UNFUSED))])
     columns = ["tokens", "bytes", *COLUMNS, "fused - push-oneshot", "fused - unfused"]
     info = common.header("norm, CUDA graphs", world_size, gpu)
     notes = [
         f"bf16 [tokens, {s.hidden}]; us per op: median of {s.replays} replays of a graphar.graph of {s.ops} "
         "back-to-back ops, max over ranks.",
         "norm: the residual add and HF's LlamaRMSNorm (weight * normed.to(bf16)), compiled by Inductor.",
+        "The fused op is checked first on integer-valued inputs, eager and replayed: sum + residual equal to "
+        "the unfused ops' bits, the normed output within 2**-6 of theirs, relatively (WRONG otherwise).",
     ] + [f"{name}: {why}" for name, why in sorted(reasons.items())]
     title = "Fused all-reduce + residual add + RMSNorm (us)"
     text = common.report(title, info, [("per op, us", common.markdown_table(columns, rows))], notes)

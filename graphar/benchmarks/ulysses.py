@@ -91,7 +91,6 @@ def time_graph(step: Callable[[int], object], nbytes: int, s: Settings) -> float
 
 
 def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings) -> dict[str, common.Cell]:
-    from graphar import settings
     from graphar.comm import ulysses
     from graphar.comm.communicator import communicator
     from graphar.kernels import pack
@@ -111,15 +110,15 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
     ex = communicator(ipc_group).exchange
     ok = True
     for group, push in ((nccl_group, False), (ipc_group, False), (ipc_group, True)):  # IPC first sizes the buffers
-        ex.push = push  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
-        ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
-        ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
+        with common.overriding(ex, "push", push):  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
+            ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
+            ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
     if not common.all_ranks(ok):
         return {k: "WRONG" for k in TIMED} | {"pack": "-", "copy": "-"}
 
     def ipc(push: bool, step: Callable[[int], object], nbytes: int) -> float:
-        ex.push = push
-        return time_graph(step, nbytes, s)
+        with common.overriding(ex, "push", push):  # read at capture
+            return time_graph(step, nbytes, s)
 
     def qkv_step(group: str) -> Callable[[int], object]:
         return lambda i: ulysses.seq_to_heads(*qkv[i % sets], group)
@@ -137,7 +136,6 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
         OUT_IPC: ipc(False, out_step(ipc_group), nbytes // 3),
         OUT_PUSH: ipc(True, out_step(ipc_group), nbytes // 3),
     }
-    ex.push = settings.ALLTOALL_ALGO.get() == "push"
     # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
     packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
     src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
@@ -168,10 +166,6 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         write(results, s, world_size, gpu, common.results_path("ulysses", gpu, world_size, out_path))
 
 
-def speedup(num: common.Cell, den: common.Cell) -> str:
-    return f"{den / num:.2f}x" if isinstance(num, float) and isinstance(den, float) else "-"
-
-
 def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
     """GB/s of bytes read + bytes written, for a time in us."""
     return 2 * nbytes / us / 1e3 if isinstance(us, float) else us
@@ -187,16 +181,16 @@ def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> l
     for shape in s.shapes:
         r = {k: results[(shape, k)] for k in (*TIMED, "pack", "copy")}
         label = shape_label(shape)
-        mb = f"{qkv_bytes(shape, world_size) / 1e6:.1f} MB"
         nbytes = qkv_bytes(shape, world_size)
+        mb = f"{nbytes / 1e6:.1f} MB"
+        # speedup: the baseline's time over graphar's
         exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], r[PACKED_PUSH],
-                              *(speedup(r[k], r[UNPACKED]) for k in (PACKED, PACKED_IPC, PACKED_PUSH)),
+                              *(common.derived(r[UNPACKED], r[k]) for k in (PACKED, PACKED_IPC, PACKED_PUSH)),
                               *(link_bandwidth(nbytes, world_size, r[k]) for k in (PACKED_IPC, PACKED_PUSH))])
         output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], r[OUT_PUSH],
-                            *(speedup(r[k], r[OUT_UNPACKED]) for k in (OUT_GRAPHAR, OUT_IPC, OUT_PUSH))])
-        pack_bw, copy_bw = (bandwidth(qkv_bytes(shape, world_size), r[k]) for k in ("pack", "copy"))
-        ratio = f"{100 * pack_bw / copy_bw:.0f}%" if isinstance(pack_bw, float) and isinstance(copy_bw, float) else "-"
-        pack_rows.append([label, pack_bw, copy_bw, ratio])
+                            *(common.derived(r[OUT_UNPACKED], r[k]) for k in (OUT_GRAPHAR, OUT_IPC, OUT_PUSH))])
+        pack_bw, copy_bw = (bandwidth(nbytes, r[k]) for k in ("pack", "copy"))
+        pack_rows.append([label, pack_bw, copy_bw, common.derived(pack_bw, copy_bw, "{:.0%}")])
     return [
         ("Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
          common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH,
