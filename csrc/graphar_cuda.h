@@ -1,7 +1,8 @@
 // graphar's CUDA library: a plain C ABI (no torch headers), loaded by graphar/_cuda.py with ctypes.
 //
 // Every function returns 0 on success, otherwise a CUDA error code or GRAPHAR_EINVAL, and leaves a
-// message for graphar_last_error() (per thread). Nothing here exits the process.
+// message for graphar_last_error() (per thread); GRAPHAR_CAPTURING alone is a verdict, not an error.
+// Nothing here exits the process.
 #pragma once
 
 #include <stddef.h>
@@ -12,6 +13,8 @@ extern "C" {
 #endif
 
 #define GRAPHAR_EINVAL (-1)
+// Not an error: a GRAPHAR_EAGER_ONLY all-reduce found its stream capturing and launched nothing.
+#define GRAPHAR_CAPTURING (-2)
 #define GRAPHAR_IPC_HANDLE_BYTES 64
 
 // dtype codes of graphar_comm_all_reduce
@@ -25,6 +28,8 @@ enum {
   GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
   GRAPHAR_STAGED = 3,         // copy into the registered buffer first, then read through a graph slot
+  GRAPHAR_EAGER_ONLY = 4,     // GRAPHAR_EAGER, but a capturing stream gets no launch: GRAPHAR_CAPTURING
+                              // (graphar::all_reduce's C++ kernel: captures go to the Python kernel)
 };
 // flags of graphar_comm_all_to_all
 enum {

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
@@ -132,16 +133,20 @@ def build_library(out_dir: str | os.PathLike[str]) -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise GrapharUnavailable("nvcc not found (PATH, CUDA_HOME); it is needed to build graphar's CUDA library")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / LIB_NAME
-    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    return build_atomically(Path(out_dir) / LIB_NAME, lambda tmp: nvcc_command(nvcc, src, tmp, cuda_archs()))
+
+
+def build_atomically(target: Path, command: Callable[[Path], list[str]]) -> Path:
+    """Run command(tmp), which writes a library to tmp, then move it to `target` in one step (a
+    process loading `target` never sees half a file); GrapharUnavailable with the compiler's words."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        result = subprocess.run(nvcc_command(nvcc, src, tmp, cuda_archs()), capture_output=True, text=True)
+        result = subprocess.run(command(tmp), capture_output=True, text=True)
         if result.returncode != 0:
-            raise GrapharUnavailable(f"building {LIB_NAME} failed:\n{result.stderr[-4000:]}")
+            raise GrapharUnavailable(f"building {target.name} failed:\n{result.stderr[-4000:]}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -154,22 +159,30 @@ def _cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphar"
 
 
-def _cached_build(src: Path) -> Path:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise GrapharUnavailable(f"no up-to-date {LIB_NAME} next to the package and no nvcc to build one")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(f"{source_hash(src)}|{version}|{cuda_archs()}".encode()).hexdigest()[:16]
-    folder = _cache_root() / key
-    lib = folder / LIB_NAME
+def cached_build(key: str, lib_name: str, build: Callable[[Path], object]) -> Path:
+    """<cache>/<key>/<lib_name>, made by build(folder) the first time: one process of a job builds
+    (under a file lock), the others wait and reuse it. `key` names everything the build depends on."""
+    folder = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
+    lib = folder / lib_name
     if lib.is_file():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank builds, the others wait and reuse it
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not lib.is_file():
-            build_library(folder)
+            build(folder)
     return lib
+
+
+def compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
+def _cached_build(src: Path) -> Path:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise GrapharUnavailable(f"no up-to-date {LIB_NAME} next to the package and no nvcc to build one")
+    return cached_build(f"{source_hash(src)}|{compiler_version(nvcc)}|{cuda_archs()}", LIB_NAME, build_library)
 
 
 def _built_from(path: Path, src: Path) -> bool:

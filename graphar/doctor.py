@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphar
-from graphar import _cuda
+from graphar import _cuda, native_op
 from graphar._launch import end_worker, free_port
 from graphar.comm import policy
 from graphar.comm.communicator import communicator
@@ -318,6 +318,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
             pdl = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
             facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max, "pdl": pdl}
             facts["alltoall"] = "push" if comm.exchange.push else "pull"
+            facts["native_op"] = native_op.library() is not None
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.
             facts["shareable"] = comm.pointer_info(torch.empty(MB, device="cuda").data_ptr())[1]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(facts))
@@ -374,6 +375,9 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
                       f"{'on' if push['pdl'] else 'off (GRAPHAR_PDL=0, or a GPU before Hopper)'}"))  # fmt: skip
         plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
         items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
+        python = [r for r, f in enumerate(facts) if not f["native_op"]]
+        items.append(("eager calls of the op", f"the Python kernel on ranks {python} (more host time per call; "
+                      "GRAPHAR_NATIVE_OP, or graphar's warning says why)" if python else "its C++ kernel"))  # fmt: skip
         staged = [r for r, f in enumerate(facts) if not f.get("shareable", True)]
         items.append(("graphar.graph inputs", f"staged (copied in) on ranks {staged}: expandable segments"
                       if staged else "zero copy"))  # fmt: skip

@@ -1,7 +1,8 @@
 """graphar's custom ops, all six in one place: functional, with fakes, never returning an alias.
 
 - `graphar::all_reduce(x, group_name)`: the sum over the group, through its communicator's custom
-  kernels when there is one and the call is eligible, else the original functional collective;
+  kernels when there is one and the call is eligible, else the original functional collective. Eager
+  calls on CUDA tensors go first to its C++ kernel where it is built (graphar.native_op);
 - `graphar::qkv_all_to_all(q, k, v, group_name)`: Ulysses sequence -> heads for Q, K and V in one
   packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
@@ -41,11 +42,13 @@ c10d = torch.ops._c10d_functional
 _lib = torch.library.Library("graphar", "DEF")
 
 
-def _define(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
-    """graphar::<schema>, run by `impl` on CPU and CUDA tensors and by `fake` on fake ones; side-effectful."""
+def _define(
+    schema: str, impl: Callable[..., Any], fake: Callable[..., Any], keys: tuple[str, ...] = ("CPU", "CUDA")
+) -> None:
+    """graphar::<schema>, run by `impl` for the dispatch `keys` and by `fake` on fake tensors; side-effectful."""
     name = schema[: schema.index("(")]
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
-    for key in ("CPU", "CUDA"):
+    for key in keys:
         _lib.impl(name, impl, key)
     torch.library.register_fake(f"graphar::{name}", fake, lib=_lib)
     torch.fx.node.has_side_effect(getattr(torch.ops.graphar, name).default)
@@ -64,7 +67,10 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out if out is not None else functional_all_reduce(x, group_name)
 
 
-_define("all_reduce(Tensor x, str group_name) -> Tensor", all_reduce, lambda x, group_name: x.new_empty(x.shape))
+# For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
+# and hands it every call it does not serve itself.
+_define("all_reduce(Tensor x, str group_name) -> Tensor", all_reduce, lambda x, group_name: x.new_empty(x.shape),
+        keys=("CompositeExplicitAutograd",))  # fmt: skip
 
 
 def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:

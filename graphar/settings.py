@@ -120,6 +120,12 @@ def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]
     return Setting(name, default, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]", meaning)
 
 
+NATIVE_OP = _switch(
+    "GRAPHAR_NATIVE_OP", True,
+    "serve eager all-reduces from graphar::all_reduce's C++ kernel, built on first use for the installed torch "
+    "with the host compiler ($CXX, else c++); off, or where it cannot be built, the Python kernel serves every "
+    "call (more host time per call)",
+)  # fmt: skip
 BLOCK_LIMIT = _blocks(
     "GRAPHAR_BLOCK_LIMIT", None, "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)"
 )
@@ -145,7 +151,8 @@ EXCHANGE_TIMEOUT_S = Setting(
 )  # fmt: skip
 CACHE_DIR = Setting(
     "GRAPHAR_CACHE_DIR", None, str, "a folder path",
-    "where graphar builds its CUDA library on first use; unset, $XDG_CACHE_HOME/graphar or ~/.cache/graphar",
+    "where graphar builds its CUDA library and its op library on first use; unset, $XDG_CACHE_HOME/graphar or "
+    "~/.cache/graphar",
 )  # fmt: skip
 CUDA_ARCHS = Setting(
     "GRAPHAR_CUDA_ARCHS", ("90a", "80"), _archs, "compute capabilities like '90a;80'",
@@ -157,7 +164,7 @@ SKIP_CUDA_BUILD = _switch(
 )  # fmt: skip
 
 ALL: tuple[Setting[Any], ...] = (
-    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
+    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, NATIVE_OP, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
     CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
 )  # fmt: skip
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphar import _cuda, settings
+from graphar import _cuda, native_op, settings
 from graphar.comm import abi
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -49,8 +49,13 @@ def test_all_to_all_flags() -> None:
 def test_launch_modes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
     python = {"GRAPHAR_EAGER": abi.EAGER, "GRAPHAR_CAPTURED_COPY": abi.CAPTURED_COPY,
-              "GRAPHAR_ZERO_COPY": abi.ZERO_COPY, "GRAPHAR_STAGED": abi.STAGED}  # fmt: skip
+              "GRAPHAR_ZERO_COPY": abi.ZERO_COPY, "GRAPHAR_STAGED": abi.STAGED, "GRAPHAR_EAGER_ONLY": abi.EAGER_ONLY}  # fmt: skip
     assert {name: codes[name] for name in python} == python
+
+
+def test_return_codes() -> None:
+    defines = dict(re.findall(r"#define (GRAPHAR_E?\w+) \((-\d+)\)", _text("graphar_cuda.h")))
+    assert {name: int(v) for name, v in defines.items()} == {"GRAPHAR_EINVAL": abi.EINVAL, "GRAPHAR_CAPTURING": abi.CAPTURING}
 
 
 def test_barrier_where_codes_are_all_named() -> None:
@@ -95,11 +100,29 @@ def test_ipc_handle_size() -> None:
     assert int(value) == _cuda.IPC_HANDLE_BYTES
 
 
-def test_prototypes_match_the_header() -> None:
-    """Each export's argument count in graphar_cuda.h equals the ctypes prototype's."""
-    header = re.sub(r"\s+", " ", _text("graphar_cuda.h"))
-    declared = {name: args for name, args in re.findall(r"\b(graphar_\w+)\(([^)]*)\);", header)}
-    assert set(declared) == set(_cuda.PROTOTYPES)
-    for name, (_, argtypes) in _cuda.PROTOTYPES.items():
+@pytest.mark.parametrize("header, prototypes", [
+    ("graphar_cuda.h", _cuda.PROTOTYPES), ("torch_ops/graphar_op.h", native_op.PROTOTYPES),
+])  # fmt: skip
+def test_prototypes_match_the_header(header: str, prototypes: dict) -> None:
+    """Each export's argument count in a library's header equals the ctypes prototype's."""
+    text = re.sub(r"\s+", " ", _text(header))
+    declared = {name: args for name, args in re.findall(r"\b(graphar_\w+)\(([^)]*)\);", text)}
+    assert set(declared) == set(prototypes)
+    for name, (_, argtypes) in prototypes.items():
         count = 0 if declared[name].strip() in ("", "void") else declared[name].count(",") + 1
         assert count == len(argtypes), name
+
+
+# ---- the op library (csrc/torch_ops/graphar_op.h) -----------------------------------------------
+
+
+def test_op_group_layout() -> None:
+    text = _text("torch_ops/graphar_op.h")
+    (rows,) = re.findall(r"#define GRAPHAR_OP_MAX_ROWS (\d+)", text)
+    assert int(rows) == abi.OP_MAX_ROWS
+    body = re.search(r"typedef struct graphar_op_group \{([^}]*)\}", text).group(1)
+    declared = re.findall(r"(uint64_t|int32_t)\s+(\w+)(\[GRAPHAR_OP_MAX_ROWS\])?;", body)
+    scalar = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
+    want = [(name, scalar[t] * abi.OP_MAX_ROWS if array else scalar[t]) for t, name, array in declared]
+    assert [(n, f) for n, f in abi.OpGroup._fields_] == want
+

@@ -132,6 +132,9 @@ class _FakeComm:
     def mark_broken(self, reason: str) -> None:
         self.broken = reason
 
+    def native_calls(self) -> int:
+        return 0
+
     def all_gather(self, obj: Any, what: str) -> list[Any]:
         return self._store.all_gather(obj, what)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphar import _cuda
+from graphar import _cuda, native_op
 
 MB = 1 << 20
 needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
@@ -132,3 +132,39 @@ def test_library_without_gpu() -> None:
     assert _cuda.available() is False
     with pytest.raises(_cuda.GrapharUnavailable, match="CUDA device"):
         _cuda.library()
+
+
+# ---- the op library (csrc/torch_ops): graphar::all_reduce's C++ kernel ----------------------------
+
+
+@pytest.mark.skipif(native_op.compiler() is None or native_op.cuda_include() is None,
+                    reason="no host compiler or CUDA headers")  # fmt: skip
+def test_op_library_compiles_against_this_torch(tmp_path) -> None:
+    """The build command compiles the kernel against the installed torch's headers (compile only: a
+    CPU torch has no libc10_cuda to link, nor the one generated header its CUDA builds carry)."""
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    if not (Path(torch.__file__).parent / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
+        stub.mkdir(parents=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    command = native_op.build_command(native_op.compiler(), native_op.source_dir(), tmp_path / "op.o",
+                                      native_op.cuda_include())  # fmt: skip
+    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + ["-c", f"-I{tmp_path / 'stub'}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    exported = subprocess.run(["nm", "-g", "--defined-only", str(tmp_path / "op.o")], capture_output=True, text=True)
+    assert set(native_op.PROTOTYPES) <= set(re.findall(r"\b(graphar_op_\w+)\b", exported.stdout))
+
+
+def test_op_library_off_or_unbuildable_leaves_the_python_kernel(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(native_op, "_tried", False)
+    monkeypatch.setenv("GRAPHAR_NATIVE_OP", "0")
+    with caplog.at_level("INFO", logger="graphar"):
+        assert native_op.library() is None
+    assert "GRAPHAR_NATIVE_OP=0" in caplog.text
+    monkeypatch.setattr(native_op, "_tried", False)
+    monkeypatch.delenv("GRAPHAR_NATIVE_OP")
+    monkeypatch.setattr(native_op, "compiler", lambda: None)
+    with caplog.at_level("WARNING", logger="graphar"):
+        assert native_op.library() is None
+    assert "no host compiler" in caplog.text and native_op.calls("g") == 0
+    native_op.publish("g", None)  # nothing loaded: nothing to withdraw, no error

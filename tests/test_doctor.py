@@ -50,8 +50,8 @@ def _facts(verdict: str, warnings: list[str], shareable: bool = True) -> list[di
         plan = {str(n): ["1stage"] * 3 for n in doctor.PLAN_SIZES if n <= 8 << 20}
         plan[str(256 << 10)] = ["push-oneshot", "push-oneshot", "1stage"]
         push = {"one_shot": 8 << 20, "fused_norm": 512 << 10, "pdl": True}
-        one.update(max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, alltoall="pull")
-    return [one, dict(one)]
+        one.update(max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, alltoall="pull", native_op=True)
+    return [one, {**one, "native_op": False}]
 
 
 def _run(world_size: int | None = None) -> int:
@@ -72,6 +72,7 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
                  "all-reduce of 16 MB: NCCL (over the limit)",
                  "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",
                  "Ulysses exchange: CUDA IPC, pull (GRAPHAR_ALLTOALL_ALGO)",
+                 "eager calls of the op: the Python kernel on ranks [1] (more host time per call;",
                  "graphar doctor: custom all-reduce and IPC all-to-all ON (exit status 0)"):
         assert line in out, line  # fmt: skip
 

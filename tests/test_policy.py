@@ -65,6 +65,35 @@ def test_a_one_shot_row_past_the_one_shot_room_goes_two_shot(monkeypatch) -> Non
     assert p.pick(2 * MB, policy.EAGER) == "push-oneshot" and p.pick(2 * MB + 16, policy.EAGER) == "push-twoshot"
 
 
+def test_segments_are_the_picks(monkeypatch) -> None:
+    """Every pick is a lookup in `segments`, which the C++ kernel gets: the two paths cannot disagree."""
+    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-oneshot")),
+            policy.GRAPH: ((policy.OPEN, "push-oneshot"),), policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),)}  # fmt: skip
+    monkeypatch.setitem(policy.TABLE, (9, 2), rows)
+    limits = policy.Limits(max_bytes=8 * MB, push_one_shot=512 * KB)
+    for p in [policy.Policy(9, 2, limits)] + [policy.Policy(9, 2, limits, forced=a) for a in abi.ALGO_CODES]:
+        for mode in policy.MODES:
+            segments = p.segments(mode)
+            assert [b for b, _ in segments] == sorted(b for b, _ in segments) and len(segments) <= abi.OP_MAX_ROWS
+            for n in range(16, 10 * MB, 16 * 1021):
+                want = next((a for b, a in segments if n <= b), None)
+                assert p.pick(n, mode) == want, (p.forced, mode, n)
+    assert policy.Policy(9, 2, limits).segments(policy.EAGER) == (
+        (64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-twoshot"))  # past the one-shot's room
+    assert policy.Policy(9, 2, limits).segments(policy.GRAPH) == ((512 * KB, "push-oneshot"), (policy.OPEN, "push-twoshot"))
+    assert policy.Policy(9, 2, limits, forced="push-oneshot").segments(policy.EAGER) == (
+        (512 * KB, "push-oneshot"), (policy.OPEN, None))  # fmt: skip
+
+
+def test_forcing_makes_a_new_policy() -> None:
+    table = policy.Policy(9, 2, LIMITS)
+    forced = table.forcing("2stage")
+    assert forced.forced == "2stage" and forced.fused_norm_max == 0 and table.forced is None
+    assert forced.forcing(None).fused_norm_max == table.fused_norm_max
+    with pytest.raises(AttributeError):
+        table.forced = "1stage"  # a policy in use never changes under the C++ kernel's published copy
+
+
 def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None:
     rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
             policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
@@ -82,6 +111,14 @@ class _CpuComm:
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
+        self.published: list[tuple[policy.Segments, bool]] = []
+        self.native = 0  # calls the C++ kernel served
+
+    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None:
+        self.published.append((segments, pdl))
+
+    def native_calls(self) -> int:
+        return self.native
 
     def check(self) -> None:
         pass
@@ -215,3 +252,17 @@ def test_policy_rows_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "'eager': ((16384, '1stage'), (OPEN, 'push-twoshot'),)," in printed and printed.startswith("    (9, 2): {")
     if winners.winners_from_report(RESULTS.read_text()) is None:
         assert tool.main([str(RESULTS), "9", "2"]) == 1
+
+
+def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> None:
+    allreduce, comm = cpu_all_reduce
+    allreduce.pdl = False
+    assert comm.published == []  # nothing before init() publishes: the peers may not be open yet
+    allreduce.publish()
+    allreduce.pdl = True
+    allreduce.policy = allreduce.policy.forcing("1stage")
+    table = ((MB, "push-oneshot"), (policy.OPEN, "push-twoshot"))  # the one-shot's room is 1 MB
+    assert comm.published == [(table, False), (table, True), (((MB, "1stage"), (policy.OPEN, None)), True)]
+    comm.native = 5
+    allreduce.try_all_reduce(torch.randn(64))
+    assert allreduce.calls == 6  # both kernels of the op count

@@ -17,6 +17,7 @@ CASES = {
     "GRAPHAR_MAX_ALLREDUCE_BYTES": ({"4096": 4096, " 16 ": 16}, ["8MB", "-1", "8.5", "0", "24"]),
     "GRAPHAR_ALLREDUCE_ALGO": ({"1stage": "1stage", "push-twoshot": "push-twoshot"}, ["3stage", "oneshot"]),
     "GRAPHAR_PDL": ({"0": False, "on": True}, ["2"]),
+    "GRAPHAR_NATIVE_OP": ({"off": False, "1": True}, ["maybe"]),
     "GRAPHAR_BLOCK_LIMIT": ({"1": 1, "64": 64}, ["0", "65", "8.5"]),
     "GRAPHAR_ALLTOALL_ALGO": ({"pull": "pull", "push": "push"}, ["both", "PUSH"]),
     "GRAPHAR_PULL_BLOCKS": ({"32": 32}, ["0", "65", "x"]),

@@ -24,8 +24,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LOOPS = 7
-LAUNCHES = ("library call", "whole", "torch.ops")  # steps that launch a kernel: fewer calls per loop,
+LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")  # steps that launch a kernel: fewer calls per loop,
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
+OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
+WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -41,6 +43,7 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object]]:
+    import graphar.ops
     from graphar import graphs
     from graphar.comm import abi, policy
     from graphar.comm.allreduce import ineligible_reason
@@ -69,9 +72,26 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
             x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1, 0),
         "library call: capture query, ordering event, launch": lambda: comm.launch_all_reduce(args),
         "whole AllReduce.try_all_reduce": lambda: ar.try_all_reduce(x, algo),
-        "torch.ops.graphar.all_reduce (the op as compiled graphs call it)":
-            lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
+        "whole graphar.ops.all_reduce (the op's Python kernel, called directly)":
+            lambda: graphar.ops.all_reduce(x, comm.group_name),
+        OP_STEP: lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
+        "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
     }  # fmt: skip
+
+
+def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
+    from graphar import native_op
+
+    steps = _steps(comm, nbytes, algo)
+    for name, fn in [*steps.items(), (WITHDRAWN_STEP, steps[OP_STEP])]:
+        dist.barrier()  # both ranks time the same step together: the kernels need their peer
+        if name == WITHDRAWN_STEP:  # every call of the group handed to the Python kernel, for this step
+            native_op.publish(comm.group_name, None)
+        us = _per_call_us(fn, 200 if name.startswith(LAUNCHES) else 2000)
+        if name == WITHDRAWN_STEP:
+            comm.allreduce.publish()
+        if rank == 0:
+            print(f"{us:8.2f} us  {name}", flush=True)
 
 
 def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> None:
@@ -89,13 +109,9 @@ def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> 
     else:
         comm = graphar.init()
     if algo is not None:
-        comm.allreduce.policy.forced = algo
+        comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
     try:
-        for name, fn in _steps(comm, nbytes, algo).items():
-            dist.barrier()  # both ranks time the same step together: the kernels need their peer
-            us = _per_call_us(fn, 200 if name.startswith(LAUNCHES) else 2000)
-            if rank == 0:
-                print(f"{us:8.2f} us  {name}", flush=True)
+        _time_steps(comm, nbytes, algo, rank)
         torch.cuda.synchronize()
     finally:
         comm.close()

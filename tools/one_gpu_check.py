@@ -55,6 +55,38 @@ def _check_all_reduce(comm, rank: int) -> None:
                 assert torch.equal(y, _reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
 
 
+def _check_native_op(comm, rank: int) -> None:
+    """graphar::all_reduce's C++ kernel serves eager calls exactly; strided inputs and captures go to
+    the Python kernel; the eager choice follows a changed policy."""
+    import graphar
+    from graphar import native_op
+
+    assert native_op.library() is not None, "the op library was not built (see the log)"
+    op, name = torch.ops.graphar.all_reduce, dist.group.WORLD.group_name
+    for algo in (None, *ALGOS):
+        comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for nbytes in (16, 64 * KB + 16, MB):
+                x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 7 + nbytes)
+                before = comm.native_calls()
+                y = op(x, name)
+                assert comm.native_calls() == before + 1, f"C++ kernel skipped {dtype} {nbytes} B {algo}"
+                assert torch.equal(y, _reference_sum(x)), f"C++ kernel {dtype} {nbytes} B {algo}"
+    comm.allreduce.policy = comm.allreduce.policy.forcing(None)
+    x = _integers(64 * 64, torch.bfloat16, seed=rank).view(64, 64)
+    before, calls = comm.native_calls(), comm.allreduce.calls
+    assert torch.equal(op(x.t(), name), _reference_sum(x.t().contiguous())), "strided input"
+    for capture in (torch.cuda.graph, graphar.graph):
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph):
+            y = op(x, name)
+        x.copy_(_integers(64 * 64, torch.bfloat16, seed=rank + 9).view(64, 64))
+        y.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(y, _reference_sum(x)), f"{capture.__name__} replay"
+    assert comm.native_calls() == before and comm.allreduce.calls == calls + 3, "the Python kernel's calls"
+
+
 def _check_special_values(comm, rank: int) -> None:
     """-0.0, Inf and NaNs (the push kernels' empty-slot pattern among them) sum as in PyTorch,
     NaN payloads aside; the ranks agree bitwise."""
@@ -200,7 +232,7 @@ def _worker(rank: int, port: int) -> None:
 
     comm = _init_relaxed()
     try:
-        checks = (_check_all_reduce, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
+        checks = (_check_all_reduce, _check_native_op, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
                   _check_overlap)
         for check in checks:
             check(comm, rank)

@@ -209,8 +209,8 @@ def forced_kernel(algo: str | None) -> contextlib.AbstractContextManager[None]:
     """Every all-reduce of the world group's communicator on `algo` (None: the policy's picks)."""
     from graphar.comm.communicator import communicator
 
-    policy = communicator(dist.group.WORLD.group_name).allreduce.policy
-    return common.overriding(policy, "forced", algo or policy.forced)
+    allreduce = communicator(dist.group.WORLD.group_name).allreduce
+    return common.overriding(allreduce, "policy", allreduce.policy.forcing(algo or allreduce.policy.forced))
 
 
 def ranks_equal(t: torch.Tensor) -> bool:

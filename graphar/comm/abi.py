@@ -20,8 +20,11 @@ ONE_STAGE, TWO_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT = "1stage", "2stage", "push-o
 ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2, PUSH_ONE_SHOT: 3, PUSH_TWO_SHOT: 4}
 PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Launch paths (GRAPHAR_EAGER ...): copy-in eager, copy-in inside a foreign capture, zero copy
-# through a graph slot, copy into the registered buffer then a graph slot.
-EAGER, CAPTURED_COPY, ZERO_COPY, STAGED = 0, 1, 2, 3
+# through a graph slot, copy into the registered buffer then a graph slot, eager or no launch at all
+# (graphar::all_reduce's C++ kernel, which hands captures to Python).
+EAGER, CAPTURED_COPY, ZERO_COPY, STAGED, EAGER_ONLY = 0, 1, 2, 3, 4
+# Return codes besides CUDA's: bad arguments; a GRAPHAR_EAGER_ONLY call on a capturing stream.
+EINVAL, CAPTURING = -1, -2
 # Flags of an all-to-all (GRAPHAR_A2A_PUSHED ...): the chunks were pushed into the receivers' buffers;
 # this rank's pack already placed its own chunk in the output.
 A2A_PUSHED, A2A_OWN_PLACED = 1, 2
@@ -50,3 +53,16 @@ NORM_ARGS_FIELDS = (("input", "Q"), ("residual", "Q"), ("weight", "Q"), ("output
                     ("nbytes", "Q"), ("row_bytes", "Q"), ("stream", "Q"), ("eps", "f"), ("dtype", "i"),
                     ("weight_first", "i"), ("pdl", "i"))  # fmt: skip
 NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))
+
+
+# The op library's (csrc/torch_ops/graphar_op.h): the rows of a published eager kernel choice.
+OP_MAX_ROWS = 8
+
+
+class OpGroup(ctypes.Structure):
+    """struct graphar_op_group: what graphar::all_reduce's C++ kernel needs of a group's communicator."""
+
+    _fields_ = [("comm", ctypes.c_uint64), ("all_reduce", ctypes.c_uint64), ("last_error", ctypes.c_uint64),
+                ("failed", ctypes.c_uint64), ("max_bytes", ctypes.c_uint64), ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
+                ("algos", ctypes.c_int32 * OP_MAX_ROWS), ("rows", ctypes.c_int32), ("device", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("pdl", ctypes.c_int32)]  # fmt: skip

@@ -75,6 +75,8 @@ class CommCalls(Protocol):
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
+    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None: ...  # to graphar::all_reduce's C++ kernel
+    def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
     def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
@@ -104,17 +106,56 @@ class _SharedCall(NamedTuple):
 class AllReduce:
     """The custom all-reduce of one communicator; `calls` counts the calls its kernels served.
 
-    `pdl` (GRAPHAR_PDL) launches the push kernels with programmatic dependent launch.
+    Eager calls through the op are served by graphar::all_reduce's C++ kernel where it is built
+    (graphar.native_op), with the kernel choice and launch settings `publish()` hands it; every
+    other call comes here. Setting `policy` or `pdl` publishes again, so both paths pick alike.
     """
 
     def __init__(self, comm: CommCalls, kernels: policy.Policy) -> None:
         self.comm = comm
-        self.policy = kernels
-        self.pdl = settings.PDL.get()
+        self._policy = kernels
+        self._pdl = settings.PDL.get()
+        self._published = False
         self._next_slot = _FIRST_GRAPH_SLOT  # never handed out yet, from here up
         self._free_slots: list[int] = []  # handed back by destroyed graphs (a heap)
         self._recorded = 0
-        self.calls = 0
+        self._calls = 0
+        self._native_calls_before = comm.native_calls()  # the C++ kernel counts per group name
+
+    @property
+    def policy(self) -> policy.Policy:
+        """The kernel per size and capture mode."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, kernels: policy.Policy) -> None:
+        self._policy = kernels
+        self._republish()
+
+    @property
+    def pdl(self) -> bool:
+        """Whether the push kernels launch with programmatic dependent launch (GRAPHAR_PDL)."""
+        return self._pdl
+
+    @pdl.setter
+    def pdl(self, on: bool) -> None:
+        self._pdl = on
+        self._republish()
+
+    @property
+    def calls(self) -> int:
+        """How many calls graphar's kernels served, through either kernel of the op."""
+        return self._calls + self.comm.native_calls() - self._native_calls_before
+
+    def publish(self) -> None:
+        """Hand the eager kernel choice and launch settings to graphar::all_reduce's C++ kernel;
+        `init` calls it once the communicator is ready, the setters again on every change."""
+        self._published = True
+        self.comm.publish_eager(self._policy.segments(policy.EAGER), self._pdl)
+
+    def _republish(self) -> None:
+        if self._published:
+            self.publish()
 
     @property
     def group_name(self) -> str:
@@ -159,7 +200,7 @@ class AllReduce:
         if ineligible_reason(x, comm.device, comm.max_bytes) is not None:
             return None
         nbytes = x.nbytes
-        picks = self.policy.picks(nbytes, algo)
+        picks = self._policy.picks(nbytes, algo)
         capture = graphs.current_capture()
         if capture is not None:
             chosen = picks.graphar_graph
@@ -176,8 +217,8 @@ class AllReduce:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
         comm.launch_all_reduce(ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code,
-                                                    algo_code, path, slot, self.pdl, 0))  # fmt: skip
-        self.calls += 1
+                                                    algo_code, path, slot, self._pdl, 0))  # fmt: skip
+        self._calls += 1
         return out
 
     def try_all_reduce_norm(
@@ -210,7 +251,7 @@ class AllReduce:
             normed.data_ptr(), summed.data_ptr(), x.nbytes, row_bytes, stream, eps, DTYPE_CODES[x.dtype],
             int(weight_first), self.pdl,
         ))  # fmt: skip
-        self.calls += 1
+        self._calls += 1
         return normed, summed
 
     def _refusal(self, x: torch.Tensor, algo: str | None) -> str | None:

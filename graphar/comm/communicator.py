@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar import _cuda, settings
+from graphar import _cuda, native_op, settings
 from graphar.comm import abi, policy
 from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce, block_limit
 from graphar.comm.exchange import IpcExchange
@@ -104,11 +104,13 @@ class Communicator:
     def mark_broken(self, reason: str) -> None:
         """From now on every call raises GrapharCommError(reason): the ranks may be out of step."""
         self._broken = reason
+        self._withdraw()  # the Python kernel raises it
 
     def close(self) -> None:
         """Wait for the device, then release the buffers and the peers' mappings. Idempotent."""
         if self._handle is None:
             return
+        self._withdraw()
         if _communicators.get(self.group_name) is self:
             del _communicators[self.group_name]
         try:
@@ -132,6 +134,26 @@ class Communicator:
         """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.comm.abi.NORM_ARGS, packed."""
         if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
             self._raise("all_reduce_add_rms_norm")
+
+    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None:
+        """Hand the eager all-reduce to graphar::all_reduce's C++ kernel (built on first use; when it
+        cannot be, the Python kernel serves every call)."""
+        if native_op.library() is None:
+            return
+        native_op.publish(self.group_name, native_op.group_state(
+            comm=self._handle, launch=self._launch, last_error=self._lib.graphar_last_error,
+            failed=ctypes.addressof(self._record), max_bytes=self.max_bytes, device=self.device, rank=self.rank,
+            segments=segments, pdl=pdl,
+        ))  # fmt: skip
+
+    def _withdraw(self) -> None:
+        """Every later eager call of the group goes to the Python kernel (which knows why)."""
+        if _communicators.get(self.group_name) is self:
+            native_op.publish(self.group_name, None)
+
+    def native_calls(self) -> int:
+        """Calls of this group the C++ kernel served (graphar.native_op)."""
+        return native_op.calls(self.group_name)
 
     def order(self, stream: int) -> None:
         """Eager: make `stream` wait for this communicator's previous op when it ran on another stream."""
@@ -260,6 +282,7 @@ def init(
         _disabled(name, reason or "unknown")
         return None
     _communicators[name] = comm
+    comm.allreduce.publish()
     return comm
 
 

@@ -23,6 +23,7 @@ KB = 1 << 10
 OPEN = 1 << 62  # the last row's bound: every larger size
 
 Rows = tuple[tuple[int, str], ...]
+Segments = tuple[tuple[int, str | None], ...]  # as Rows; None: no kernel takes those sizes
 
 # Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
 # every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured
@@ -61,11 +62,6 @@ def rows(capability_major: int, world_size: int, mode: str) -> Rows:
     return measured[mode] if measured is not None else _UNMEASURED[world_size]
 
 
-def fits(algo: str, nbytes: int, limits: Limits) -> bool:
-    """Whether `algo` can take a message of `nbytes` (a positive multiple of 16)."""
-    return nbytes <= (limits.push_one_shot if algo == PUSH_ONE_SHOT else limits.max_bytes)
-
-
 class Picks(NamedTuple):
     """The kernel of one size in each capture mode (None: the forced kernel cannot take it)."""
 
@@ -83,14 +79,16 @@ class Picks(NamedTuple):
 
 
 class Policy:
-    """The kernel per (size, capture mode) for one communicator; picks are cached per size."""
+    """The kernel per (size, capture mode) for one communicator; picks are cached per size. Immutable:
+    `forcing(algo)` makes the policy with another forced kernel."""
 
     def __init__(self, capability_major: int, world_size: int, limits: Limits, forced: str | None = None) -> None:
         if forced is not None and forced not in ALGO_CODES:
             raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {forced!r}")
+        self._key = (capability_major, world_size)
         self.limits = limits
-        self.forced = forced
-        measured = FUSED_NORM_MAX.get((capability_major, world_size), _FUSED_NORM_UNMEASURED)
+        self._forced = forced
+        measured = FUSED_NORM_MAX.get(self._key, _FUSED_NORM_UNMEASURED)
         # Bytes of the all-reduce's input; the fused kernel is the push one-shot's, so forcing another
         # kernel turns it off (the all-reduce and the norm then run apart, the all-reduce as forced).
         fused = forced in (None, PUSH_ONE_SHOT)
@@ -98,21 +96,43 @@ class Policy:
         self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
         self._cache: dict[tuple[int, str | None], Picks] = {}
 
+    @property
+    def forced(self) -> str | None:
+        """The kernel every call runs on (GRAPHAR_ALLREDUCE_ALGO), or None: the table's."""
+        return self._forced
+
+    def forcing(self, algo: str | None) -> Policy:
+        """This communicator's policy with `algo` forced (None: the table's picks)."""
+        return Policy(*self._key, self.limits, algo)
+
     def picks(self, nbytes: int, algo: str | None = None) -> Picks:
         """The kernels of a call of `nbytes` in every capture mode (`algo` forces one); one lookup
         on the all-reduce's path, cached per size and forced kernel."""
-        chosen = algo if algo is not None else self.forced
+        chosen = algo if algo is not None else self._forced
         picks = self._cache.get((nbytes, chosen))
         if picks is None:
-            picks = self._cache[(nbytes, chosen)] = self._picks(nbytes, chosen)
+            picks = self._cache[(nbytes, chosen)] = Picks(*(_lookup(self.segments(m, chosen), nbytes) for m in MODES))
         return picks
 
-    def _picks(self, nbytes: int, chosen: str | None) -> Picks:
-        if chosen is None:
-            return Picks(*(self._from_table(nbytes, m) for m in MODES))
-        if chosen not in ALGO_CODES:
-            raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
-        return Picks(*(chosen if fits(chosen, nbytes, self.limits) else None,) * 3)
+    def segments(self, mode: str, algo: str | None = None) -> Segments:
+        """The kernel by size in one capture mode, as rows (largest bytes, kernel or None: no kernel
+        takes it) in ascending order: every pick is a lookup in these rows, and graphar::all_reduce's
+        C++ kernel gets the eager ones (graphar.native_op)."""
+        chosen = algo if algo is not None else self._forced
+        if chosen is not None:
+            if chosen not in ALGO_CODES:
+                raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
+            return ((self._limit(chosen), chosen), (OPEN, None))
+        out: list[tuple[int, str | None]] = []
+        for bound, algo_ in self._rows[mode]:
+            # A measured one-shot row past the one-shot's room (more ranks than the row assumed) goes two-shot.
+            room = self.limits.push_one_shot
+            if algo_ == PUSH_ONE_SHOT and bound > room:
+                if not out or out[-1][0] < room:
+                    out.append((room, PUSH_ONE_SHOT))
+                algo_ = PUSH_TWO_SHOT
+            out.append((bound, algo_))
+        return tuple(out)
 
     def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
         """The kernel for one call in one capture mode; None when the forced kernel cannot take it."""
@@ -122,7 +142,9 @@ class Policy:
         """Whether eager calls and calls in a foreign capture get different kernels at this size."""
         return self.picks(nbytes).depend_on_capture
 
-    def _from_table(self, nbytes: int, mode: str) -> str:
-        algo = next(a for bound, a in self._rows[mode] if nbytes <= bound)
-        # A measured one-shot row past the one-shot's room (more ranks than the row assumed) goes two-shot.
-        return PUSH_TWO_SHOT if algo == PUSH_ONE_SHOT and not fits(algo, nbytes, self.limits) else algo
+    def _limit(self, algo: str) -> int:
+        return self.limits.push_one_shot if algo == PUSH_ONE_SHOT else self.limits.max_bytes
+
+
+def _lookup(segments: Segments, nbytes: int) -> str | None:
+    return next((algo for bound, algo in segments if nbytes <= bound), None)

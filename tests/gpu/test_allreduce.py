@@ -156,6 +156,48 @@ def test_ineligible_inputs(world_size: int) -> None:
     run_workers(_ineligible_inputs_fall_back, world_size)
 
 
+def _native_op_serves_eager_calls(rank: int, world_size: int) -> None:
+    """graphar::all_reduce's C++ kernel serves eager calls, bit for bit as the Python kernel, and
+    hands captures and strided inputs to it; a changed policy reaches it."""
+    from graphar import native_op
+
+    comm = graphar.init(max_bytes=MAX_BYTES)
+    try:
+        assert native_op.library() is not None, "the op library was not built (see the log)"
+        op, name = torch.ops.graphar.all_reduce, comm.group_name
+        for algo in ALGOS:
+            comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
+            for dtype in DTYPES:
+                for nbytes in (16, 16 * 1001, 256 * KB + 48, MAX_BYTES):
+                    x = integer_valued(nbytes // dtype.itemsize, dtype)
+                    before = comm.native_calls()
+                    y = op(x, name)
+                    served = comm.native_calls() - before
+                    assert served == (comm.allreduce.policy.pick(nbytes, "eager") is not None), (algo, dtype, nbytes)
+                    assert torch.equal(y, nccl_sum(x)), (algo, dtype, nbytes)
+        comm.allreduce.policy = comm.allreduce.policy.forcing(None)
+        x = integer_valued(64 * 64, torch.bfloat16).view(64, 64)
+        before, calls = comm.native_calls(), comm.allreduce.calls
+        assert torch.equal(op(x.t(), name), nccl_sum(x.t().contiguous()))  # strided: the Python kernel's
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = op(x, name)  # captured: the Python kernel's too
+        assert comm.native_calls() == before and comm.allreduce.calls == calls + 2
+        x.copy_(integer_valued(64 * 64, torch.bfloat16).view(64, 64))
+        y.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(y, nccl_sum(x))
+    finally:
+        comm.close()
+    x = integer_valued(64, torch.float32)
+    assert torch.equal(torch.ops.graphar.all_reduce(x, comm.group_name), nccl_sum(x))  # closed: NCCL
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_native_op_serves_eager_calls(world_size: int) -> None:
+    run_workers(_native_op_serves_eager_calls, world_size)
+
+
 TIMEOUT_S = 0.5
 
 
@@ -173,6 +215,9 @@ def _peer_stops_calling(rank: int, world_size: int) -> None:
             elapsed = time.monotonic() - start
             assert elapsed < TIMEOUT_S + 5, f"the kernel returned only after {elapsed:.1f} s"
             assert_timed_out_for_good(lambda: comm.all_reduce(x), comm.group_name, "all_reduce 1stage entry")
+            # The op too: its C++ kernel sees the error record and hands the call to Python, which raises.
+            op = torch.ops.graphar.all_reduce
+            assert_timed_out_for_good(lambda: op(x, comm.group_name), comm.group_name, "all_reduce 1stage entry")
         dist.barrier()  # NCCL is unaffected
     finally:
         comm.close()

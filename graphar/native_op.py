@@ -1,0 +1,151 @@
+"""graphar::all_reduce's C++ kernel (csrc/torch_ops): the eager fast path, built per torch version.
+
+An eager call through the dispatcher into the Python kernel spends more host time in boxing and
+Python than in the CUDA library (tools/eager_breakdown.py measures each step). The C++ kernel
+serves the common eager call and hands every other one to the Python kernel; its source says which.
+It includes torch's headers, so it is built for the torch at hand with the host compiler ($CXX,
+else c++) into graphar's cache folder on first use (one process of a job builds, under a lock),
+while the CUDA library stays free of torch. Off (GRAPHAR_NATIVE_OP=0), or where it cannot be built
+or loaded, the Python kernel serves every call, as before, and one log line says why. Ranks need not
+agree on it: both kernels launch the same CUDA kernel with the same arguments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from ctypes import c_char_p, c_int, c_uint64, c_void_p
+from pathlib import Path
+
+import torch
+
+from graphar import _cuda, settings
+from graphar.comm import abi, policy
+
+logger = logging.getLogger("graphar")
+
+LIB_NAME = "libgraphar_op.so"
+SOURCE = "all_reduce_op.cpp"
+PROTOTYPES: dict[str, tuple[object, list[object]]] = {
+    "graphar_op_last_error": (c_char_p, []),
+    "graphar_op_install": (c_int, []),
+    "graphar_op_publish": (c_int, [c_char_p, c_void_p]),
+    "graphar_op_calls": (c_uint64, [c_char_p]),
+}
+
+
+def source_dir() -> Path | None:
+    src = _cuda.source_dir()
+    return None if src is None else src / "torch_ops"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def cuda_include() -> Path | None:
+    """The CUDA toolkit's headers (torch's CUDA stream header includes the runtime's)."""
+    nvcc = _cuda.find_nvcc()
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), nvcc and Path(nvcc).parent.parent, "/usr/local/cuda"]
+    for root in filter(None, roots):
+        if (Path(root) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+def build_command(cxx: str, src: Path, out: Path, cuda_headers: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    return [
+        cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}",
+        f"-I{cuda_headers}", str(src / SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-lc10_cuda", "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out),
+    ]  # fmt: skip
+
+
+def _build() -> Path:
+    src, cxx, headers = source_dir(), compiler(), cuda_include()
+    if src is None or not (src / SOURCE).is_file():
+        raise _cuda.GrapharUnavailable("its source (csrc/torch_ops) is not there")
+    if cxx is None:
+        raise _cuda.GrapharUnavailable("no host compiler ($CXX, c++, g++)")
+    if headers is None:
+        raise _cuda.GrapharUnavailable("the CUDA toolkit's headers were not found (CUDA_HOME, nvcc)")
+    sources = hashlib.sha256(b"".join((src / n).read_bytes() for n in (SOURCE, "graphar_op.h", "../graphar_cuda.h")))
+    key = (f"op|{sources.hexdigest()}|{torch.__version__}|{torch.version.git_version}|"
+           f"{_cuda.compiler_version(cxx)}|{headers}")  # fmt: skip
+    return _cuda.cached_build(
+        key, LIB_NAME, lambda folder: _cuda.build_atomically(folder / LIB_NAME,
+                                                             lambda tmp: build_command(cxx, src, tmp, headers))
+    )  # fmt: skip
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def library() -> ctypes.CDLL | None:
+    """The op library, built, loaded and installed on the first call; None when it is off or cannot be
+    had (logged once). Only a CUDA communicator's set-up calls it (graphar.comm.communicator)."""
+    global _library, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _library = _load()
+    return _library
+
+
+def _load() -> ctypes.CDLL | None:
+    if not settings.NATIVE_OP.get():
+        logger.info("graphar: GRAPHAR_NATIVE_OP=0: eager all-reduces run graphar::all_reduce's Python kernel")
+        return None
+    import graphar.ops  # noqa: F401  (the C++ kernel registers for the op defined there)
+
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name, (restype, argtypes) in PROTOTYPES.items():
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+        if lib.graphar_op_install() != 0:
+            raise _cuda.GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
+    except (OSError, _cuda.GrapharUnavailable) as e:
+        logger.warning("graphar: eager all-reduces run graphar::all_reduce's Python kernel (more host time per "
+                       "call): its C++ kernel cannot be had: %s", e)  # fmt: skip
+        return None
+    return lib
+
+
+def group_state(
+    *, comm: int, launch: object, last_error: object, failed: int, max_bytes: int, device: int, rank: int,
+    segments: policy.Segments, pdl: bool,
+) -> abi.OpGroup:
+    """struct graphar_op_group for a communicator: `launch` and `last_error` are the CUDA library's
+    ctypes functions, `failed` the host address of its error record, `segments` the eager kernel choice."""
+    if len(segments) > abi.OP_MAX_ROWS:
+        raise ValueError(f"{len(segments)} kernel rows: the op library takes at most {abi.OP_MAX_ROWS}")
+    state = abi.OpGroup(comm=comm, all_reduce=ctypes.cast(launch, c_void_p).value,
+                        last_error=ctypes.cast(last_error, c_void_p).value, failed=failed, max_bytes=max_bytes,
+                        rows=len(segments), device=device, rank=rank, pdl=int(pdl))  # fmt: skip
+    for i, (bound, algo) in enumerate(segments):
+        state.bounds[i] = bound
+        state.algos[i] = 0 if algo is None else abi.ALGO_CODES[algo]
+    return state
+
+
+def publish(group_name: str, state: abi.OpGroup | None) -> None:
+    """Hand a group's state to the C++ kernel (None withdraws it); nothing when the library is not loaded."""
+    lib = _library
+    if lib is None:
+        return
+    if lib.graphar_op_publish(group_name.encode(), None if state is None else ctypes.byref(state)) != 0:
+        raise _cuda.GrapharCudaError(f"graphar op library, group {group_name!r}: {lib.graphar_op_last_error().decode()}")
+
+
+def calls(group_name: str) -> int:
+    """Calls the C++ kernel served on the group in this process (0 when the library is not loaded)."""
+    lib = _library
+    return 0 if lib is None else lib.graphar_op_calls(group_name.encode())
