@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "all_reduce.cuh"
 #include "all_to_all.cuh"
@@ -13,68 +14,63 @@ using namespace graphar;
 
 namespace {
 
-// The all-reduce kernel of (T, kRanks) for an algorithm code; the launch passes its parameters by address.
-template <typename T, int kRanks>
-const void* kernel_of(int algo) {
-  switch (algo) {
-    case GRAPHAR_ONE_STAGE: return reinterpret_cast<const void*>(one_stage<T, kRanks>);
-    case GRAPHAR_TWO_STAGE: return reinterpret_cast<const void*>(two_stage<T, kRanks>);
-    case GRAPHAR_PUSH_ONE_SHOT: return reinterpret_cast<const void*>(push_one_shot<T, kRanks>);
-    case GRAPHAR_PUSH_TWO_SHOT: return reinterpret_cast<const void*>(push_two_shot<T, kRanks>);
+// The kernels are instantiated per element type and world size: these call f(Type<T>{}) for a dtype
+// code and f(Ranks<kRanks>{}) for a world size, and return nullptr for a value without kernels.
+template <typename T>
+struct Type {
+  using type = T;
+};
+template <int kRanks>
+using Ranks = std::integral_constant<int, kRanks>;
+
+template <typename F>
+auto by_dtype(int dtype, F f) -> decltype(f(Type<float>{})) {
+  switch (dtype) {
+    case GRAPHAR_FLOAT32: return f(Type<float>{});
+    case GRAPHAR_FLOAT16: return f(Type<__half>{});
+    case GRAPHAR_BFLOAT16: return f(Type<__nv_bfloat16>{});
     default: return nullptr;
   }
 }
 
-template <typename T>
-const void* kernel_of(int ranks, int algo) {
+template <typename F>
+auto by_ranks(int ranks, F f) -> decltype(f(Ranks<2>{})) {
   switch (ranks) {
-    case 2: return kernel_of<T, 2>(algo);
-    case 4: return kernel_of<T, 4>(algo);
-    case 6: return kernel_of<T, 6>(algo);
-    case 8: return kernel_of<T, 8>(algo);
+    case 2: return f(Ranks<2>{});
+    case 4: return f(Ranks<4>{});
+    case 6: return f(Ranks<6>{});
+    case 8: return f(Ranks<8>{});
     default: return nullptr;
   }
 }
 
-template <typename T>
-const void* norm_kernel_of(int ranks) {
-  switch (ranks) {
-    case 2: return reinterpret_cast<const void*>(push_one_shot_norm<T, 2>);
-    case 4: return reinterpret_cast<const void*>(push_one_shot_norm<T, 4>);
-    case 6: return reinterpret_cast<const void*>(push_one_shot_norm<T, 6>);
-    case 8: return reinterpret_cast<const void*>(push_one_shot_norm<T, 8>);
-    default: return nullptr;
-  }
+// The all-reduce kernel for a dtype, world size and algorithm code; the launch passes its parameters by address.
+const void* kernel_for(int dtype, int ranks, int algo) {
+  return by_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    return by_ranks(ranks, [&](auto r) -> const void* {
+      switch (algo) {
+        case GRAPHAR_ONE_STAGE: return reinterpret_cast<const void*>(one_stage<T, r.value>);
+        case GRAPHAR_TWO_STAGE: return reinterpret_cast<const void*>(two_stage<T, r.value>);
+        case GRAPHAR_PUSH_ONE_SHOT: return reinterpret_cast<const void*>(push_one_shot<T, r.value>);
+        case GRAPHAR_PUSH_TWO_SHOT: return reinterpret_cast<const void*>(push_two_shot<T, r.value>);
+        default: return nullptr;
+      }
+    });
+  });
 }
 
 const void* norm_kernel_for(int dtype, int ranks) {
-  switch (dtype) {
-    case GRAPHAR_FLOAT32: return norm_kernel_of<float>(ranks);
-    case GRAPHAR_FLOAT16: return norm_kernel_of<__half>(ranks);
-    case GRAPHAR_BFLOAT16: return norm_kernel_of<__nv_bfloat16>(ranks);
-    default: return nullptr;
-  }
+  return by_dtype(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    return by_ranks(ranks, [](auto r) { return reinterpret_cast<const void*>(push_one_shot_norm<T, r.value>); });
+  });
 }
 
 using GatherKernel = void (*)(AllToAllParams);
 
 GatherKernel gather_kernel_for(int ranks) {
-  switch (ranks) {
-    case 2: return gather_all_to_all<2>;
-    case 4: return gather_all_to_all<4>;
-    case 6: return gather_all_to_all<6>;
-    case 8: return gather_all_to_all<8>;
-    default: return nullptr;
-  }
-}
-
-const void* kernel_for(int dtype, int ranks, int algo) {
-  switch (dtype) {
-    case GRAPHAR_FLOAT32: return kernel_of<float>(ranks, algo);
-    case GRAPHAR_FLOAT16: return kernel_of<__half>(ranks, algo);
-    case GRAPHAR_BFLOAT16: return kernel_of<__nv_bfloat16>(ranks, algo);
-    default: return nullptr;
-  }
+  return by_ranks(ranks, [](auto r) -> GatherKernel { return gather_all_to_all<r.value>; });
 }
 
 bool is_push(int algo) { return algo == GRAPHAR_PUSH_ONE_SHOT || algo == GRAPHAR_PUSH_TWO_SHOT; }

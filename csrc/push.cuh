@@ -202,17 +202,23 @@ __device__ __forceinline__ bool receive_sums(const uint4* own, uint4* mine, int 
 // ---- one shot: every rank receives every rank's whole input and sums it ----------------------------
 //
 // Epoch region: rank r's slot at r * packs.
+
+// Pack idx of this rank's message of `packs` packs into its slot of every peer's region.
+template <int kRanks>
+__device__ __forceinline__ void send_one_shot(const PushCall<kRanks>& c, int rank, int packs, int idx, const uint4& v) {
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) {
+    if (r != rank) st_slot(c.region[r] + rank * packs + idx, v);
+  }
+}
+
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
   const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
   constexpr int kBatch = PushBatch<kRanks>::value;
-  push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
-#pragma unroll
-    for (int r = 0; r < kRanks; r++) {
-      if (r != bp.rank) st_slot(c.region[r] + bp.rank * p.packs + idx, v);
-    }
-  });
+  push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
+                     [&](int idx, const uint4& v) { send_one_shot(c, bp.rank, p.packs, idx, v); });
 
   const bool received = receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
                                                          [&](int idx, const uint4& sum) { c.out[idx] = sum; });

@@ -83,7 +83,6 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   const PushParams& q = p.push;
   const PushCall<kRanks> c(q);
   const BarrierParams& bp = q.barrier;
-  uint4* const* region = c.region;
   uint4* mine = c.mine;
   const uint4* in = c.in;
   uint4* out = c.out;
@@ -93,14 +92,10 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   const int rows = q.packs / p.row_packs;
 
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (int i = threadIdx.x; i < p.row_packs; i += blockDim.x) {
-      const int idx = row * p.row_packs + i;
-      const uint4 v = sendable(in[idx]);
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank) st_slot(region[r] + bp.rank * q.packs + idx, v);
-      }
-    }
+    const int start = row * p.row_packs;
+    push_packs<PushBatch<kRanks>::value>(in + start, p.row_packs, threadIdx.x, blockDim.x, [&](int i, const uint4& v) {
+      send_one_shot(c, bp.rank, q.packs, start + i, v);
+    });
   }
 
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {

@@ -1,8 +1,9 @@
-"""graphar::all_reduce's C++ kernel (csrc/torch_ops): the eager fast path, built per torch version.
+"""The C++ kernels of graphar::all_reduce and graphar::all_reduce_add_rms_norm (csrc/torch_ops): the
+eager fast path, built per torch version.
 
-An eager call through the dispatcher into the Python kernel spends more host time in boxing and
-Python than in the CUDA library (tools/eager_breakdown.py measures each step). The C++ kernel
-serves the common eager call and hands every other one to the Python kernel; its source says which.
+An eager call through the dispatcher into a Python kernel spends more host time in boxing and
+Python than in the CUDA library (tools/eager_breakdown.py measures each step). The C++ kernels
+serve the common eager call and hand every other one to the Python kernel; their source says which.
 It includes torch's headers, so it is built for the torch at hand with the host compiler ($CXX,
 else c++) into graphar's cache folder on first use (one process of a job builds, under a lock),
 while the CUDA library stays free of torch. Off (GRAPHAR_NATIVE_OP=0), or where it cannot be built
@@ -120,16 +121,22 @@ def _load() -> ctypes.CDLL | None:
 
 
 def group_state(
-    *, comm: int, launch: object, last_error: object, failed: int, max_bytes: int, device: int, rank: int,
-    segments: policy.Segments, pdl: bool,
+    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: policy.Segments,
+    fused_norm_max: int, pdl: bool,
 ) -> abi.OpGroup:
-    """struct graphar_op_group for a communicator: `launch` and `last_error` are the CUDA library's
-    ctypes functions, `failed` the host address of its error record, `segments` the eager kernel choice."""
+    """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of
+    its error record, `segments` the eager kernel choice, `fused_norm_max` the fused norm's limit."""
     if len(segments) > abi.OP_MAX_ROWS:
         raise ValueError(f"{len(segments)} kernel rows: the op library takes at most {abi.OP_MAX_ROWS}")
-    state = abi.OpGroup(comm=comm, all_reduce=ctypes.cast(launch, c_void_p).value,
-                        last_error=ctypes.cast(last_error, c_void_p).value, failed=failed, max_bytes=max_bytes,
-                        rows=len(segments), device=device, rank=rank, pdl=int(pdl))  # fmt: skip
+
+    def address(fn: object) -> int:
+        return ctypes.cast(fn, c_void_p).value
+
+    state = abi.OpGroup(comm=comm, all_reduce=address(lib.graphar_comm_all_reduce),
+                        last_error=address(lib.graphar_last_error), failed=failed, max_bytes=max_bytes,
+                        all_reduce_norm=address(lib.graphar_comm_all_reduce_norm), fused_norm_max=fused_norm_max,
+                        norm_max_row_bytes=_cuda.NORM_MAX_ROW_BYTES, rows=len(segments), device=device, rank=rank,
+                        pdl=int(pdl))  # fmt: skip
     for i, (bound, algo) in enumerate(segments):
         state.bounds[i] = bound
         state.algos[i] = 0 if algo is None else abi.ALGO_CODES[algo]

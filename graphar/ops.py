@@ -68,7 +68,7 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 # For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
-# and hands it every call it does not serve itself.
+# and hands it every call it does not serve itself. So for all_reduce_add_rms_norm below.
 _define("all_reduce(Tensor x, str group_name) -> Tensor", all_reduce, lambda x, group_name: x.new_empty(x.shape),
         keys=("CompositeExplicitAutograd",))  # fmt: skip
 
@@ -176,5 +176,5 @@ def _all_reduce_add_rms_norm_fake(
 _define(
     "all_reduce_add_rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps, str group_name, "
     "bool weight_first=False) -> (Tensor, Tensor)",
-    all_reduce_add_rms_norm, _all_reduce_add_rms_norm_fake,
+    all_reduce_add_rms_norm, _all_reduce_add_rms_norm_fake, keys=("CompositeExplicitAutograd",),
 )

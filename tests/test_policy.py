@@ -111,11 +111,11 @@ class _CpuComm:
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
-        self.published: list[tuple[policy.Segments, bool]] = []
+        self.published: list[tuple[policy.Segments, int, bool]] = []
         self.native = 0  # calls the C++ kernel served
 
-    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None:
-        self.published.append((segments, pdl))
+    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+        self.published.append((segments, fused_norm_max, pdl))
 
     def native_calls(self) -> int:
         return self.native
@@ -262,7 +262,8 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
     allreduce.pdl = True
     allreduce.policy = allreduce.policy.forcing("1stage")
     table = ((MB, "push-oneshot"), (policy.OPEN, "push-twoshot"))  # the one-shot's room is 1 MB
-    assert comm.published == [(table, False), (table, True), (((MB, "1stage"), (policy.OPEN, None)), True)]
+    fused = 512 * KB  # off once another kernel is forced
+    assert comm.published == [(table, fused, False), (table, fused, True), (((MB, "1stage"), (policy.OPEN, None)), 0, True)]
     comm.native = 5
     allreduce.try_all_reduce(torch.randn(64))
     assert allreduce.calls == 6  # both kernels of the op count

@@ -75,6 +75,8 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
         "whole graphar.ops.all_reduce (the op's Python kernel, called directly)":
             lambda: graphar.ops.all_reduce(x, comm.group_name),
         OP_STEP: lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
+        "torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)":
+            lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
     }  # fmt: skip
 

@@ -85,6 +85,23 @@ def _check_native_op(comm, rank: int) -> None:
         graph.replay()
         assert torch.equal(y, _reference_sum(x)), f"{capture.__name__} replay"
     assert comm.native_calls() == before and comm.allreduce.calls == calls + 3, "the Python kernel's calls"
+    # The fused norm's C++ kernel: the same kernel as the Python one's, in and out of a capture; a
+    # strided input goes to Python, which copies it and fuses too.
+    x = _integers(8 * 4096, torch.bfloat16, seed=rank).view(8, 4096)
+    residual, weight = _integers(8 * 4096, torch.bfloat16, seed=3).view(8, 4096), torch.full_like(x[0], 1.5)
+    want = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
+    norm_op = torch.ops.graphar.all_reduce_add_rms_norm
+    before = comm.native_calls()
+    got = norm_op(x, residual, weight, 1e-6, name)
+    assert comm.native_calls() == before + 1 and all(map(torch.equal, got, want)), "fused norm's C++ kernel"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = norm_op(x, residual, weight, 1e-6, name)
+    got[0].fill_(float("nan"))
+    graph.replay()
+    assert comm.native_calls() == before + 2 and all(map(torch.equal, got, want)), "captured fused norm"
+    strided = norm_op(x.t().contiguous().t(), residual, weight, 1e-6, name)
+    assert comm.native_calls() == before + 2 and all(map(torch.equal, strided, want)), "strided fused norm"
 
 
 def _check_special_values(comm, rank: int) -> None:

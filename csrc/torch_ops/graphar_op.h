@@ -1,5 +1,5 @@
-// graphar's op library: graphar::all_reduce's CUDA kernel in C++ (all_reduce_op.cpp), the eager
-// fast path. It includes torch's headers, so graphar/native_op.py builds it per torch version with
+// graphar's op library: the CUDA kernels in C++ of graphar::all_reduce and
+// graphar::all_reduce_add_rms_norm (all_reduce_op.cpp), the eager fast path. It includes torch's headers, so graphar/native_op.py builds it per torch version with
 // the host compiler; the CUDA library stays torch-free. Python calls these functions with ctypes.
 //
 // Every function returns 0 on success, otherwise GRAPHAR_EINVAL with a message for
@@ -23,6 +23,9 @@ typedef struct graphar_op_group {
   uint64_t last_error;  // the CUDA library's graphar_last_error
   uint64_t failed;      // host address of the error record's `failed` word (nonzero after a timeout)
   uint64_t max_bytes;
+  uint64_t all_reduce_norm;     // the CUDA library's graphar_comm_all_reduce_norm
+  uint64_t fused_norm_max;      // the fused kernel's largest input (bytes; 0: off)
+  uint64_t norm_max_row_bytes;  // the fused kernel's longest row
   // The eager kernel choice: a message of n bytes runs algos[i] for the first i with n <= bounds[i]
   // (rows ascending); algo 0, or no such row: the C++ kernel does not serve it.
   uint64_t bounds[GRAPHAR_OP_MAX_ROWS];
@@ -34,8 +37,8 @@ typedef struct graphar_op_group {
 } graphar_op_group;
 
 const char* graphar_op_last_error(void);
-// Registers the C++ kernel of graphar::all_reduce for CUDA tensors (once per process; again: no-op).
-// graphar::all_reduce must be defined already, with its Python kernel for CompositeExplicitAutograd.
+// Registers the C++ kernels for CUDA tensors (once per process; again: no-op). Both ops must be
+// defined already, each with its Python kernel for CompositeExplicitAutograd.
 int graphar_op_install(void);
 // Publishes a group's state, replacing the previous one; group NULL withdraws it (every call of
 // the group then goes to the Python kernel).

@@ -60,9 +60,11 @@ OP_MAX_ROWS = 8
 
 
 class OpGroup(ctypes.Structure):
-    """struct graphar_op_group: what graphar::all_reduce's C++ kernel needs of a group's communicator."""
+    """struct graphar_op_group: what the ops' C++ kernels need of a group's communicator."""
 
     _fields_ = [("comm", ctypes.c_uint64), ("all_reduce", ctypes.c_uint64), ("last_error", ctypes.c_uint64),
-                ("failed", ctypes.c_uint64), ("max_bytes", ctypes.c_uint64), ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
+                ("failed", ctypes.c_uint64), ("max_bytes", ctypes.c_uint64), ("all_reduce_norm", ctypes.c_uint64),
+                ("fused_norm_max", ctypes.c_uint64), ("norm_max_row_bytes", ctypes.c_uint64),
+                ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
                 ("algos", ctypes.c_int32 * OP_MAX_ROWS), ("rows", ctypes.c_int32), ("device", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("pdl", ctypes.c_int32)]  # fmt: skip

@@ -75,7 +75,7 @@ class CommCalls(Protocol):
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
-    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None: ...  # to graphar::all_reduce's C++ kernel
+    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
@@ -106,8 +106,8 @@ class _SharedCall(NamedTuple):
 class AllReduce:
     """The custom all-reduce of one communicator; `calls` counts the calls its kernels served.
 
-    Eager calls through the op are served by graphar::all_reduce's C++ kernel where it is built
-    (graphar.native_op), with the kernel choice and launch settings `publish()` hands it; every
+    Eager calls through the ops are served by their C++ kernels where they are built
+    (graphar.native_op), with the kernel choice and launch settings `publish()` hands them; every
     other call comes here. Setting `policy` or `pdl` publishes again, so both paths pick alike.
     """
 
@@ -148,10 +148,10 @@ class AllReduce:
         return self._calls + self.comm.native_calls() - self._native_calls_before
 
     def publish(self) -> None:
-        """Hand the eager kernel choice and launch settings to graphar::all_reduce's C++ kernel;
+        """Hand the eager kernel choice and launch settings to the ops' C++ kernels;
         `init` calls it once the communicator is ready, the setters again on every change."""
         self._published = True
-        self.comm.publish_eager(self._policy.segments(policy.EAGER), self._pdl)
+        self.comm.publish_eager(self._policy.segments(policy.EAGER), self._policy.fused_norm_max, self._pdl)
 
     def _republish(self) -> None:
         if self._published:

@@ -135,15 +135,14 @@ class Communicator:
         if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
             self._raise("all_reduce_add_rms_norm")
 
-    def publish_eager(self, segments: policy.Segments, pdl: bool) -> None:
-        """Hand the eager all-reduce to graphar::all_reduce's C++ kernel (built on first use; when it
-        cannot be, the Python kernel serves every call)."""
+    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+        """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
+        on first use; when they cannot be, the Python kernels serve every call)."""
         if native_op.library() is None:
             return
         native_op.publish(self.group_name, native_op.group_state(
-            comm=self._handle, launch=self._launch, last_error=self._lib.graphar_last_error,
-            failed=ctypes.addressof(self._record), max_bytes=self.max_bytes, device=self.device, rank=self.rank,
-            segments=segments, pdl=pdl,
+            comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
+            device=self.device, rank=self.rank, segments=segments, fused_norm_max=fused_norm_max, pdl=pdl,
         ))  # fmt: skip
 
     def _withdraw(self) -> None:

@@ -58,6 +58,10 @@ def _fused_against_unfused(rank: int, world_size: int) -> None:
             assert torch.equal(summed, want_summed), f"{what}: sum + residual differs"
             worst = max(worst, _assert_close_to(normed, want_normed, what))
             assert_equal_across_ranks(torch.cat([normed.flatten(), summed.flatten()]), what)
+            before = comm.native_calls()  # the op's C++ kernel: the same kernel, the same bits
+            op = torch.ops.graphar.all_reduce_add_rms_norm(x, residual, weight, EPS, comm.group_name, weight_first)
+            assert comm.native_calls() == before + 1, f"{what}: the C++ kernel did not serve the op"
+            assert torch.equal(op[0], normed) and torch.equal(op[1], summed), f"{what}: the op's C++ kernel differs"
         if rank == 0:
             print(f"fused norm: worst relative error against unfused {worst:.3g}")
         # Shapes the kernel cannot take fall back to the unfused ops through the op.
