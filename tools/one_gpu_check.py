@@ -104,6 +104,29 @@ def _check_native_op(comm, rank: int) -> None:
     assert comm.native_calls() == before + 2 and all(map(torch.equal, strided, want)), "strided fused norm"
 
 
+def _check_compiled(comm, rank: int) -> None:
+    """A tensor-parallel step compiled with backend="graphar" as users call it: the default mode with
+    changing batch sizes (automatic dynamic shapes), then mode="reduce-overhead"; exact against the
+    reference, and the default mode's all-reduces served by the op's C++ kernel."""
+    w = _integers(256 * 256, torch.float32, seed=rank).view(256, 256)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w  # integer-valued: exact in fp32
+        dist.all_reduce(y)
+        return y + 1
+
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="graphar", mode=mode)
+        before, batches = comm.native_calls(), (1, 8, 3, 8, 8, 5)
+        for batch in batches:
+            x = _integers(batch * 256, torch.float32, seed=rank + batch).view(batch, 256)
+            assert torch.equal(compiled(x), _reference_sum(x @ w) + 1), f"compiled, mode {mode}, batch {batch}"
+        if mode is None:
+            assert comm.native_calls() - before == len(batches), "the compiled step's all-reduces skipped C++"
+    torch._dynamo.reset()
+
+
 def _check_special_values(comm, rank: int) -> None:
     """-0.0, Inf and NaNs (the push kernels' empty-slot pattern among them) sum as in PyTorch,
     NaN payloads aside; the ranks agree bitwise."""
@@ -249,7 +272,7 @@ def _worker(rank: int, port: int) -> None:
 
     comm = _init_relaxed()
     try:
-        checks = (_check_all_reduce, _check_native_op, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
+        checks = (_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
                   _check_overlap)
         for check in checks:
             check(comm, rank)
