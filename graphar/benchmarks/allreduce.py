@@ -181,8 +181,15 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
         return
 
     def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        with common.overriding(comm.allreduce, "pdl", kernel.pdl):  # read at launch: in graphs, at capture
-            return comm.all_reduce(x, algo=kernel.algo)
+        # The op, as compiled code calls it: eager calls take its C++ kernel, captures its Python one.
+        # The column's kernel and PDL are set only when they change (each change republishes them to
+        # the C++ kernel, a library call that must not be timed); every graphar column sets both.
+        ar = comm.allreduce
+        if ar.pdl != kernel.pdl:
+            ar.pdl = kernel.pdl
+        if ar.policy.forced != kernel.algo:
+            ar.policy = ar.policy.forcing(kernel.algo)
+        return torch.ops.graphar.all_reduce(x, comm.group_name)
 
     for name, kernel in GRAPHAR_KERNELS.items():
         c.columns[name] = Column(
