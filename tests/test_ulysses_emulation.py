@@ -155,13 +155,14 @@ def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: t
     rank's buffer, slot i (pushed). Chunk `skip` is in the output already (the pack placed it)."""
     p = stage.placement
     rows = p.chunk_bytes // p.row_bytes
-    dst = _bytes(out)
+    memory = torch.tensor([], dtype=torch.uint8).set_(out.untyped_storage())  # addressed from out's first byte
+    first = out.storage_offset() * out.element_size() + stage.out_offset
     for i in range(world):
         if i == skip:
             continue
         buffer, slot = source(i)
         start = stage.src_offset + slot * p.chunk_bytes
-        dst.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), stage.out_offset + i * p.dst_chunk_stride).copy_(
+        memory.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), first + i * p.dst_chunk_stride).copy_(
             buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes))
 
 
@@ -265,6 +266,24 @@ class HeadsToSeqTest(TestCase):
         for r in range(world):
             self.assertTrue(torch.equal(outs[r], full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
             self.assertTrue(outs[r].is_contiguous())
+
+    def test_into_a_run_of_heads(self) -> None:
+        """`out=` a run of heads of a larger tensor (the pipelined attention's chunks): the exchange lands
+        there and nowhere else."""
+        world, s_local, heads, d = 2, 4, 8, 16
+        for b in (1, 2):
+            with self.subTest(b=b):
+                full = _full(b, world * s_local, heads, d, self.dtypes[0])
+                h_local = heads // world
+                inputs = [full[:, :, j * h_local:(j + 1) * h_local].contiguous() for j in range(world)]
+                bigs = [torch.full((b, s_local, 3 * heads, d), float("nan"), dtype=full.dtype) for _ in range(world)]
+                emulated = EmulatedWorld(world, self.transport)
+                emulated.run(lambda r: ulysses.output_exchange(inputs[r], "g", out=bigs[r][:, :, heads:2 * heads]))
+                for r in range(world):
+                    got = bigs[r][:, :, heads:2 * heads]
+                    self.assertTrue(torch.equal(got, full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
+                    rest = torch.cat([bigs[r][:, :, :heads], bigs[r][:, :, 2 * heads:]], dim=2)
+                    self.assertTrue(rest.isnan().all(), f"rank {r} wrote outside its run of heads")
 
 
 class PackedAllToAllSingleTest(TestCase):

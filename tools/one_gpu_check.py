@@ -180,25 +180,26 @@ def _check_overlap(comm, rank: int) -> None:
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
-    q, k, v = (torch.randn(1, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (8, 4, 4))
 
-    def unchunked() -> torch.Tensor:
+    def unchunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, name))
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
         return ulysses.heads_to_seq(o, name)
 
-    for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
-        comm.exchange.push = push
-        for chunks in (1, 2):
-            got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks)
-            assert torch.equal(got, unchunked()), f"push={push} chunks={chunks}"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, unchunked()), f"captured pipelined attention, push={push}"
+    for b in (1, 2):  # b > 1: the output exchange's rows span batch rows of the chunk's run of heads
+        q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (8, 4, 4))
+        for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
+            comm.exchange.push = push
+            for chunks in (1, 2):
+                got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks)
+                assert torch.equal(got, unchunked(q, k, v)), f"b={b} push={push} chunks={chunks}"
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
+            q.copy_(torch.randn_like(q))
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, unchunked(q, k, v)), f"captured pipelined attention, b={b} push={push}"
     comm.exchange.push = False
 
 

@@ -123,7 +123,7 @@ def own_chunk(out: torch.Tensor, stage: Stage, rank: int) -> torch.Tensor | None
     """The bytes of `out` where this rank's own chunk of `stage` lands, when its pack can write them
     directly (the pack kernel, one run of bytes); else None."""
     p = stage.placement
-    if not stage.kernel_pack or not p.contiguous():
+    if not stage.kernel_pack or not p.contiguous() or not out.is_contiguous():
         return None
     start = stage.out_offset + rank * p.dst_chunk_stride
     return out.view(-1).view(torch.uint8)[start : start + p.chunk_bytes]

@@ -60,7 +60,7 @@ def ulysses_attention(
             attended = mark()
             with side():
                 attended.wait()
-                _chunk(out, c, n).copy_(ulysses.output_exchange(outputs[c].transpose(1, 2), group_name))
+                ulysses.output_exchange(outputs[c].transpose(1, 2), group_name, out=_chunk(out, c, n))
     return out
 
 

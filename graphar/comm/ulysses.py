@@ -107,9 +107,10 @@ def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange
     return stages
 
 
-def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
+def _output_stages(o: torch.Tensor, p: int, token_bytes: int) -> list[exchange.Stage]:
     """Stage per sequence slice (one stage for b > 1, whose rows are not evenly spaced across slices):
-    row (bb, s) of chunk i, `h` heads, lands at heads i*h.. of token (bb, s)."""
+    row (bb, s) of chunk i, `h` heads, lands at heads i*h.. of token (bb, s); tokens of the output
+    are `token_bytes` apart."""
     b, s_global, h, d = o.shape
     s_local = s_global // p
     unit = h * d * o.element_size()  # one token's heads
@@ -120,8 +121,8 @@ def _output_stages(o: torch.Tensor, p: int) -> list[exchange.Stage]:
     for s0, s1 in slices:
         n = s1 - s0
         pack_fn = functools.partial(_relayout_at, chunks[:, :, s0:s1])
-        placement = exchange.Placement(b * n * unit, unit, p * unit, unit)
-        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * p * unit, kernel_pack))
+        placement = exchange.Placement(b * n * unit, unit, token_bytes, unit)
+        stages.append(exchange.Stage(pack_fn, placement, offset, s0 * token_bytes, kernel_pack))
         offset += p * b * n * unit
     return stages
 
@@ -201,14 +202,21 @@ def _output_shape(o: torch.Tensor, p: int, group_name: str) -> tuple[int, int, i
     return b, s_global // p, p * h, d
 
 
-def output_exchange(o: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
+def output_exchange(o: torch.Tensor, group_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`, new memory
+    or `out`: a view of that shape whose tokens are evenly spaced and whose heads are dense, such
+    as a run of heads of a larger contiguous tensor (the IPC copy lands there directly)."""
     p = world_size(group_name)
     b, s_local, _, d = out_shape = _output_shape(o, p, group_name)
     h = o.shape[2]
     shape = (p, b, s_local, h, d)
-    out = torch.empty(out_shape, dtype=o.dtype, device=o.device)
-    if _ipc(group_name, o, out, lambda: _output_stages(o, p), pool.nbytes(shape, o.dtype)):
+    if out is None:
+        out = torch.empty(out_shape, dtype=o.dtype, device=o.device)
+    elif tuple(out.shape) != out_shape or out.stride()[2:] != (d, 1) or out.stride(0) != s_local * out.stride(1):
+        raise ValueError(f"output_exchange: out {tuple(out.shape)} with strides {out.stride()} is not a {out_shape} "
+                         "view with dense heads and evenly spaced tokens")  # fmt: skip
+    token_bytes = out.stride(1) * out.element_size()
+    if _ipc(group_name, o, out, lambda: _output_stages(o, p, token_bytes), pool.nbytes(shape, o.dtype)):
         return out
     if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
         send = o
