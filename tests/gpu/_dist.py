@@ -58,10 +58,10 @@ def run_workers(
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (spawn, NCCL)."""
+    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL)."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
-    context = mp.get_context("spawn")
+    context = _context()
     with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:
         port = free_port()
         procs = [
@@ -86,6 +86,15 @@ def run_workers(
     if hung or failures:
         head = f"ranks {hung} still running after {timeout_s:.0f} s, killed\n" if hung else ""
         pytest.fail(head + "\n".join(failures), pytrace=False)
+
+
+def _context() -> Any:
+    """Fresh processes (CUDA cannot be forked) started by a forkserver that imported torch once: a
+    worker then starts in a fraction of a second instead of importing torch itself (seconds per
+    process, every test). graphar is not preloaded: tests set GRAPHAR_* variables per run."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    return context
 
 
 def _read(path: Path) -> str:
