@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import re
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,22 @@ def test_op_library_off_or_unbuildable_leaves_the_python_kernel(monkeypatch, cap
         assert native_op.library() is None
     assert "no host compiler" in caplog.text and native_op.calls("g") == 0
     native_op.publish("g", None)  # nothing loaded: nothing to withdraw, no error
+
+
+def test_group_state_carries_the_policy_rows() -> None:
+    """The published state: the eager rows as (bound, code) arrays (None: 0, no kernel), the fused
+    norm's limits, the CUDA library's entry points by address; more rows than the struct holds raise."""
+    proto = ctypes.CFUNCTYPE(ctypes.c_int)
+    functions = {name: proto(lambda: 0) for name in ("graphar_comm_all_reduce", "graphar_comm_all_reduce_norm",
+                                                     "graphar_last_error")}  # fmt: skip
+    lib = types.SimpleNamespace(**functions)
+    segments = ((64 << 10, "push-oneshot"), (1 << 20, "1stage"), (1 << 62, None))
+    state = native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=8 << 20, device=1, rank=0,
+                                  segments=segments, fused_norm_max=512 << 10, pdl=True)  # fmt: skip
+    assert (state.rows, list(state.bounds[:3]), list(state.algos[:3])) == (3, [64 << 10, 1 << 20, 1 << 62], [3, 1, 0])
+    assert (state.comm, state.failed, state.fused_norm_max, state.norm_max_row_bytes, state.pdl) == (
+        7, 1234, 512 << 10, _cuda.NORM_MAX_ROW_BYTES, 1)  # fmt: skip
+    assert state.all_reduce == ctypes.cast(functions["graphar_comm_all_reduce"], ctypes.c_void_p).value
+    with pytest.raises(ValueError, match="at most 8"):
+        native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=1, device=1, rank=0, segments=segments * 3,
+                              fused_norm_max=0, pdl=False)  # fmt: skip
