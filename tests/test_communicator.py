@@ -199,3 +199,23 @@ def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
     other = ar.GraphCall(1, x, x.data_ptr(), False, (512, 2, 1))
     _, errors = _register_on_two_ranks([[call], [other]])
     assert set(errors) == {0, 1} and all("disagree" in str(e) for e in errors.values())
+
+
+def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch) -> None:
+    """A closed, broken or replaced communicator never hands its (dangling) state to the C++ kernels:
+    a setter flipped after close() must not revive it."""
+    published: list[Any] = []
+    monkeypatch.setattr(cm.native_op, "library", lambda: object())
+    monkeypatch.setattr(cm.native_op, "publish", lambda name, state: published.append((name, state)))
+    monkeypatch.setattr(cm.native_op, "group_state", lambda **kwargs: "state")
+    comm = cm.Communicator.__new__(cm.Communicator)  # no library: only the fields publish_eager reads
+    comm.group_name, comm._handle, comm._broken, comm._lib, comm._record = "g", 1, None, None, None
+    comm.max_bytes, comm.device, comm.rank = 1 << 20, 0, 0
+    monkeypatch.setattr(cm.ctypes, "addressof", lambda record: 0)
+    segments = ((policy.OPEN, "1stage"),)
+    comm.publish_eager(segments, 0, True)  # not registered (another communicator, or none, holds the name)
+    monkeypatch.setitem(cm._communicators, "g", comm)
+    comm.publish_eager(segments, 0, True)
+    comm.mark_broken("out of step")
+    comm.publish_eager(segments, 0, True)
+    assert published == [("g", "state"), ("g", None)]

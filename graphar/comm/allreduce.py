@@ -144,7 +144,7 @@ class AllReduce:
 
     @property
     def calls(self) -> int:
-        """How many calls graphar's kernels served, through either kernel of the op."""
+        """How many calls graphar's kernels served, through the ops' Python or C++ kernels."""
         return self._calls + self.comm.native_calls() - self._native_calls_before
 
     def publish(self) -> None:

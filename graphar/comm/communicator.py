@@ -137,8 +137,10 @@ class Communicator:
 
     def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
         """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
-        on first use; when they cannot be, the Python kernels serve every call)."""
-        if native_op.library() is None:
+        on first use; when they cannot be, the Python kernels serve every call). Only the group's
+        registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
+        live = self._handle is not None and self._broken is None and _communicators.get(self.group_name) is self
+        if not live or native_op.library() is None:
             return
         native_op.publish(self.group_name, native_op.group_state(
             comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
