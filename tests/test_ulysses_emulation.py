@@ -155,14 +155,13 @@ def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: t
     rank's buffer, slot i (pushed). Chunk `skip` is in the output already (the pack placed it)."""
     p = stage.placement
     rows = p.chunk_bytes // p.row_bytes
-    memory = torch.tensor([], dtype=torch.uint8).set_(out.untyped_storage())  # addressed from out's first byte
-    first = out.storage_offset() * out.element_size() + stage.out_offset
     for i in range(world):
         if i == skip:
             continue
         buffer, slot = source(i)
         start = stage.src_offset + slot * p.chunk_bytes
-        memory.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1), first + i * p.dst_chunk_stride).copy_(
+        first = exchange.memory_from(out, stage.out_offset + i * p.dst_chunk_stride, 0)
+        first.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1)).copy_(
             buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes))
 
 

@@ -119,14 +119,20 @@ class Stage:
     kernel_pack: bool = False
 
 
+def memory_from(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """Bytes [start, start + nbytes) counted from t's first element, whatever t's strides: the memory
+    the copy kernel addresses from `t.data_ptr()` (the output may be a run of heads of a larger tensor)."""
+    offset = t.storage_offset() * t.element_size() + start
+    return t.new_empty(0, dtype=torch.uint8).set_(t.untyped_storage(), offset, (nbytes,))
+
+
 def own_chunk(out: torch.Tensor, stage: Stage, rank: int) -> torch.Tensor | None:
     """The bytes of `out` where this rank's own chunk of `stage` lands, when its pack can write them
     directly (the pack kernel, one run of bytes); else None."""
     p = stage.placement
-    if not stage.kernel_pack or not p.contiguous() or not out.is_contiguous():
+    if not stage.kernel_pack or not p.contiguous():
         return None
-    start = stage.out_offset + rank * p.dst_chunk_stride
-    return out.view(-1).view(torch.uint8)[start : start + p.chunk_bytes]
+    return memory_from(out, stage.out_offset + rank * p.dst_chunk_stride, p.chunk_bytes)
 
 
 class _DeviceMemory:
