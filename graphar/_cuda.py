@@ -93,9 +93,10 @@ def source_dir() -> Path | None:
     return None
 
 
-def source_hash(src: Path) -> str:
+def source_hash(src: Path, suffixes: tuple[str, ...] = _SOURCE_SUFFIXES) -> str:
+    """A hash of the files in `src` with these suffixes: what a build from them depends on."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in src.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+    for path in sorted(p for p in src.iterdir() if p.suffix in suffixes):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:24]
 

@@ -14,7 +14,6 @@ agree on it: both kernels launch the same CUDA kernel with the same arguments.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import shutil
@@ -49,10 +48,10 @@ def compiler() -> str | None:
 
 
 def cuda_include() -> Path | None:
-    """The CUDA toolkit's headers (torch's CUDA stream header includes the runtime's)."""
+    """The CUDA toolkit's headers (torch's CUDA stream header includes the runtime's): nvcc's (which
+    CUDA_HOME picks), else /usr/local/cuda's."""
     nvcc = _cuda.find_nvcc()
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), nvcc and Path(nvcc).parent.parent, "/usr/local/cuda"]
-    for root in filter(None, roots):
+    for root in filter(None, (nvcc and Path(nvcc).parent.parent, "/usr/local/cuda")):
         if (Path(root) / "include" / "cuda_runtime_api.h").is_file():
             return Path(root) / "include"
     return None
@@ -76,9 +75,9 @@ def _build() -> Path:
         raise _cuda.GrapharUnavailable("no host compiler ($CXX, c++, g++)")
     if headers is None:
         raise _cuda.GrapharUnavailable("the CUDA toolkit's headers were not found (CUDA_HOME, nvcc)")
-    sources = hashlib.sha256(b"".join((src / n).read_bytes() for n in (SOURCE, "graphar_op.h", "../graphar_cuda.h")))
-    key = (f"op|{sources.hexdigest()}|{torch.__version__}|{torch.version.git_version}|"
-           f"{_cuda.compiler_version(cxx)}|{headers}")  # fmt: skip
+    # Its own sources, and the CUDA library's header it includes (the argument structs).
+    sources = f"{_cuda.source_hash(src, ('.cpp', '.h'))}|{_cuda.source_hash(src.parent, ('.h',))}"
+    key = f"op|{sources}|{torch.__version__}|{torch.version.git_version}|{_cuda.compiler_version(cxx)}|{headers}"
     return _cuda.cached_build(
         key, LIB_NAME, lambda folder: _cuda.build_atomically(folder / LIB_NAME,
                                                              lambda tmp: build_command(cxx, src, tmp, headers))

@@ -122,9 +122,9 @@ def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]
 
 NATIVE_OP = _switch(
     "GRAPHAR_NATIVE_OP", True,
-    "serve eager all-reduces from graphar::all_reduce's C++ kernel, built on first use for the installed torch "
-    "with the host compiler ($CXX, else c++); off, or where it cannot be built, the Python kernel serves every "
-    "call (more host time per call)",
+    "serve eager calls of graphar::all_reduce and graphar::all_reduce_add_rms_norm from their C++ kernels, built "
+    "on first use for the installed torch with the host compiler ($CXX, else c++); off, or where they cannot be "
+    "built, their Python kernels serve every call (more host time per call)",
 )  # fmt: skip
 BLOCK_LIMIT = _blocks(
     "GRAPHAR_BLOCK_LIMIT", None, "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)"

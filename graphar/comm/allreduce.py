@@ -237,7 +237,7 @@ class AllReduce:
         if ineligible_reason(x, comm.device, comm.max_bytes) is not None or x.dim() == 0:
             return None
         row_bytes = x.shape[-1] * x.element_size()
-        if row_bytes % 16 or row_bytes > _cuda.NORM_MAX_ROW_BYTES or x.nbytes > self.policy.fused_norm_max:
+        if row_bytes % 16 or row_bytes > _cuda.NORM_MAX_ROW_BYTES or x.nbytes > self._policy.fused_norm_max:
             return None
         for t, shape in ((residual, x.shape), (weight, x.shape[-1:])):
             if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None
@@ -249,7 +249,7 @@ class AllReduce:
         comm.launch_all_reduce_norm(NORM_ARGS.pack(
             x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
             normed.data_ptr(), summed.data_ptr(), x.nbytes, row_bytes, stream, eps, DTYPE_CODES[x.dtype],
-            int(weight_first), self.pdl,
+            int(weight_first), self._pdl,
         ))  # fmt: skip
         self._calls += 1
         return normed, summed

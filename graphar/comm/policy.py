@@ -83,8 +83,7 @@ class Policy:
     `forcing(algo)` makes the policy with another forced kernel."""
 
     def __init__(self, capability_major: int, world_size: int, limits: Limits, forced: str | None = None) -> None:
-        if forced is not None and forced not in ALGO_CODES:
-            raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {forced!r}")
+        _check_algo(forced)
         self._key = (capability_major, world_size)
         self.limits = limits
         self._forced = forced
@@ -119,9 +118,8 @@ class Policy:
         takes it) in ascending order: every pick is a lookup in these rows, and graphar::all_reduce's
         C++ kernel gets the eager ones (graphar.native_op)."""
         chosen = algo if algo is not None else self._forced
+        _check_algo(chosen)
         if chosen is not None:
-            if chosen not in ALGO_CODES:
-                raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {chosen!r}")
             return ((self._limit(chosen), chosen), (OPEN, None))
         out: list[tuple[int, str | None]] = []
         for bound, algo_ in self._rows[mode]:
@@ -144,6 +142,11 @@ class Policy:
 
     def _limit(self, algo: str) -> int:
         return self.limits.push_one_shot if algo == PUSH_ONE_SHOT else self.limits.max_bytes
+
+
+def _check_algo(algo: str | None) -> None:
+    if algo is not None and algo not in ALGO_CODES:
+        raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {algo!r}")
 
 
 def _lookup(segments: Segments, nbytes: int) -> str | None:
