@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from graphar import graphs
+from graphar.comm import abi
 from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
 from graphar.comm import policy
@@ -209,7 +210,8 @@ def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch) ->
     monkeypatch.setattr(cm.native_op, "publish", lambda name, state: published.append((name, state)))
     monkeypatch.setattr(cm.native_op, "group_state", lambda **kwargs: "state")
     comm = cm.Communicator.__new__(cm.Communicator)  # no library: only the fields publish_eager reads
-    comm.group_name, comm._handle, comm._broken, comm._lib, comm._record = "g", 1, None, None, None
+    comm.group_name, comm._handle, comm._broken, comm._lib = "g", 1, None, None
+    comm._record = abi.ErrorRecord()
     comm.max_bytes, comm.device, comm.rank = 1 << 20, 0, 0
     monkeypatch.setattr(cm.ctypes, "addressof", lambda record: 0)
     segments = ((policy.OPEN, "1stage"),)

@@ -108,6 +108,7 @@ def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None
 
 class _CpuComm:
     group_name, world_size, device, max_bytes = "g", 2, -1, MB
+    usable = True
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
@@ -204,6 +205,14 @@ def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None
     assert allreduce.try_all_reduce(x) is None and not allreduce.eligible(x)
     with pytest.raises(ValueError, match="forced kernel 'push-oneshot'"):
         allreduce.all_reduce(x)
+
+
+def test_nothing_is_eligible_on_a_closed_communicator(cpu_all_reduce) -> None:
+    allreduce, comm = cpu_all_reduce
+    x = torch.randn(64)
+    assert allreduce.eligible(x)
+    comm.usable = False  # closed, or a kernel timed out: a call would raise
+    assert not allreduce.eligible(x)
 
 
 # ---- the table and the benchmark that measured it -------------------------------------------------

@@ -178,8 +178,9 @@ class AllReduce:
             heapq.heappush(self._free_slots, slot)
 
     def eligible(self, x: torch.Tensor) -> bool:
-        """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL."""
-        return self._refusal(x, None) is None
+        """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL.
+        False once the communicator is closed or broken (a call would raise)."""
+        return self.comm.usable and self._refusal(x, None) is None
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""

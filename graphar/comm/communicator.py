@@ -87,6 +87,11 @@ class Communicator:
         """The CUDA library's handle of this communicator; None once closed."""
         return self._handle
 
+    @property
+    def usable(self) -> bool:
+        """Open, and no kernel of it timed out (host read, no sync): it can take calls."""
+        return self._handle is not None and self._broken is None and not self._record.failed
+
     def check(self) -> None:
         """Raise if a kernel of this communicator timed out (host read, no sync) or it is unusable."""
         if self._handle is None:
@@ -139,8 +144,7 @@ class Communicator:
         """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
         on first use; when they cannot be, the Python kernels serve every call). Only the group's
         registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
-        live = self._handle is not None and self._broken is None and _communicators.get(self.group_name) is self
-        if not live or native_op.library() is None:
+        if not (self.usable and _communicators.get(self.group_name) is self) or native_op.library() is None:
             return
         native_op.publish(self.group_name, native_op.group_state(
             comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
