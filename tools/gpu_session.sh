@@ -16,6 +16,8 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log, report status
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 60
   local rc=${PIPESTATUS[0]}
   echo "=== $name rc=$rc" | tee -a "$log"
+  # Each step's tables and plots go to $OUT at once: a call cut at its limit still returns them.
+  find bench/results -newer "$start_mark" \( -name '*.md' -o -name '*.png' \) -exec cp {} "$OUT/" \;
 }
 for stage in "$@"; do
   case "$stage" in
@@ -36,5 +38,4 @@ for stage in "$@"; do
     bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
   esac
 done
-find bench/results -newer "$start_mark" \( -name '*.md' -o -name '*.png' \) -exec cp {} "$OUT/" \;
 ls "$OUT"
