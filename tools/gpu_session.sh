@@ -35,8 +35,9 @@ for stage in "$@"; do
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
-    bench-decode) step bench-decode 540 python bench/decode.py ;;  # compiles 5 variants x 2 batches
-    bench-*) step "$stage" 300 python "bench/${stage#bench-}.py" ;;
+    bench-*)
+      limit=300; [ "$stage" = bench-decode ] && limit=540  # decode compiles 5 variants x 2 batches
+      step "$stage" "$limit" python "bench/${stage#bench-}.py" ;;
   esac
 done
 ls "$OUT"
