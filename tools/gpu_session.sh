@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; logs and tables under $OUT.
-# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu] [doctor] [demo]
+# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu[=WORLD]] [doctor] [demo]
 #        [bench-allreduce] [bench-decode] [bench-norm] [bench-attention] [bench-ulysses] [eager-breakdown]
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 set -uo pipefail
@@ -32,6 +32,7 @@ for stage in "$@"; do
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       step cpu-tests 400 python -m pytest -q -p no:cacheprovider --ignore=tests/gpu tests ;;
     one-gpu) step one-gpu 400 python tools/one_gpu_check.py ;;
+    one-gpu=*) step "$stage" 400 python tools/one_gpu_check.py --world "${stage#one-gpu=}" ;;
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;

@@ -1,25 +1,28 @@
-"""Correctness of graphar's IPC paths with two processes sharing ONE GPU (a harness, not a test).
+"""Correctness of graphar's IPC paths with several processes sharing ONE GPU (a harness, not a test).
 
 When only single-GPU machines are lent, this still runs the real kernels, launches, barriers and
-graph registration end to end: two processes on cuda:0, a gloo group for the references, and a
+graph registration end to end: 2, 4, 6 or 8 processes on cuda:0 (so the kernels of every world size
+graphar supports run, not only the 2 of the lent pair), a gloo group for the references, and a
 graphar communicator whose set-up checks are relaxed for this harness alone (NCCL refuses two ranks
 on one GPU, and graphar.init refuses a shared GPU because it would be slow, not wrong: the GPU
-time-slices the two processes' kernels, so every barrier costs milliseconds). It says nothing about
-speed. Usage, from the checkout: PYTHONPATH=. python tools/one_gpu_check.py (exit code 0: every check passed)
+time-slices the processes' kernels, so every barrier costs milliseconds). It says nothing about
+speed. Usage, from the checkout: PYTHONPATH=. python tools/one_gpu_check.py [--world N]
+(exit code 0: every check passed)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD = 2
 KB, MB = 1 << 10, 1 << 20
 ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
 
@@ -35,12 +38,25 @@ def _reference_sum(x: torch.Tensor) -> torch.Tensor:
     return ref.to(x.dtype).cuda()
 
 
+def _world() -> int:
+    return dist.get_world_size()
+
+
+def _assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
+    """Every rank's `mine` is bitwise rank 0's, NaN payloads included (a 16- or 32-bit float)."""
+    everyone = [torch.empty_like(mine) for _ in range(_world())]
+    dist.all_gather(everyone, mine)
+    bits = {2: torch.int16, 4: torch.int32}[mine.element_size()]
+    assert all(torch.equal(everyone[0].view(bits), other.view(bits)) for other in everyone[1:]), f"{what}: ranks differ"
+
+
 def _init_relaxed():
     from graphar.comm import communicator as cm
 
     cm._uniform_reason = lambda group: None  # gloo group: the harness's references run on it
     shared = cm._shared_reason
     cm._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
+    cm._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
     comm = cm.init(max_bytes=8 * MB, timeout_s=30)
     assert comm is not None, "graphar.init set up no communicator"
     return comm
@@ -50,6 +66,8 @@ def _check_all_reduce(comm, rank: int) -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for nbytes in (16, 48, 64 * KB + 16, MB, 8 * MB):
             for algo in ALGOS:
+                if comm.allreduce.policy.picks(nbytes, algo).eager is None:
+                    continue  # over this kernel's limit at this world size (the push one-shot's shrinks with it)
                 x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
                 y = comm.all_reduce(x, algo=algo)
                 assert torch.equal(y, _reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
@@ -145,9 +163,7 @@ def _check_special_values(comm, rank: int) -> None:
             ref = ref.to(dtype)
             nan = torch.isnan(ref)
             assert torch.equal(torch.isnan(y), nan) and torch.equal(y.view(ints)[~nan], ref.view(ints)[~nan]), algo
-            everyone = [torch.empty_like(y) for _ in range(WORLD)]
-            dist.all_gather(everyone, y)
-            assert torch.equal(everyone[0].view(ints), everyone[1].view(ints)), f"{algo}: ranks differ"
+            _assert_ranks_equal(y, algo)
 
 
 def _check_fused_norm(comm, rank: int) -> None:
@@ -166,10 +182,7 @@ def _check_fused_norm(comm, rank: int) -> None:
             assert torch.equal(fused[1], want_summed), f"fused norm: sum + residual {dtype}"
             err = ((fused[0].float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-3)).max()
             assert err <= {torch.float32: 2**-20, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype], f"{dtype}: {err}"
-            mine = fused[0].float().cpu()  # exact, and a dtype gloo gathers
-            everyone = [torch.empty_like(mine) for _ in range(WORLD)]
-            dist.all_gather(everyone, mine)
-            assert torch.equal(everyone[0], everyone[1]), "fused norm: ranks differ"
+            _assert_ranks_equal(fused[0].float().cpu(), "fused norm")  # exact, and a dtype gloo gathers
 
 
 def _check_overlap(comm, rank: int) -> None:
@@ -186,8 +199,9 @@ def _check_overlap(comm, rank: int) -> None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
         return ulysses.heads_to_seq(o, name)
 
+    heads = (4 * _world(), 2 * _world(), 2 * _world())  # GQA, and two chunks of whole groups
     for b in (1, 2):  # b > 1: the output exchange's rows span batch rows of the chunk's run of heads
-        q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (8, 4, 4))
+        q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
         for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
             comm.exchange.push = push
             for chunks in (1, 2):
@@ -240,11 +254,11 @@ def _check_ulysses(comm, rank: int) -> None:
 
     from graphar.comm import ulysses
 
-    group = dist.group.WORLD
+    group, world = dist.group.WORLD, _world()
     for push, stage_bytes in ((False, ulysses._STAGE_BYTES), (True, ulysses._STAGE_BYTES), (True, 4 * KB)):
         comm.exchange.push = push  # both ranks alike, as the setting would be
         with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes):
-            for b, s, h, hkv, d in ((1, 64, 4, 2, 64), (2, 48, 4, 4, 32)):
+            for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
                 q, k, v = (_integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
                            for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
                 want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
@@ -258,28 +272,54 @@ def _check_ulysses(comm, rank: int) -> None:
                     t.fill_(float("nan"))
                 graph.replay()
                 assert all(torch.equal(g, w) for g, w in zip(captured, want)), f"captured qkv exchange {what}"
-                o = _integers(b * WORLD * s * (h // WORLD) * d, torch.bfloat16, seed=rank).view(b, WORLD * s, h // WORLD, d)
+                o = _integers(b * world * s * (h // world) * d, torch.bfloat16, seed=rank).view(b, world * s, h // world, d)
                 got = ulysses.heads_to_seq(o, group.group_name)
                 assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
     comm.exchange.push = False
     assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
 
 
-def _worker(rank: int, port: int) -> None:
+def _check_subgroups(comm, rank: int) -> None:
+    """Groups of two ranks beside the world's communicator, as a 2-D mesh's tensor-parallel rows
+    have: each pair's communicator sums its own ranks, its calls interleaved with the world's."""
+    from graphar.comm import communicator as cm
+
+    world = _world()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    mine = pairs[rank // 2]
+    sub = cm.init(mine, max_bytes=2 * MB, timeout_s=30)
+    assert sub is not None and sub is not comm, "no communicator for the pair"
+    op = torch.ops.graphar.all_reduce
+    try:
+        for i, nbytes in enumerate((16, 64 * KB + 16, MB)):
+            x = _integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
+            pair_sum, world_sum = op(x, mine.group_name), op(x, dist.group.WORLD.group_name)
+            ref = x.float().cpu()
+            dist.all_reduce(ref, group=mine)
+            assert torch.equal(pair_sum, ref.to(x.dtype).cuda()), f"pair all-reduce {nbytes} B"
+            assert torch.equal(world_sum, _reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
+    finally:
+        sub.close()
+
+
+def _worker(rank: int, port: int, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     import graphar  # noqa: F401
 
     comm = _init_relaxed()
     try:
-        checks = (_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm, _check_graphs, _check_ulysses,
-                  _check_overlap)
+        checks = [_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm,
+                  _check_graphs, _check_ulysses, _check_overlap]  # fmt: skip
+        if world > 2:
+            checks.append(_check_subgroups)
         for check in checks:
+            start = time.perf_counter()
             check(comm, rank)
             torch.cuda.synchronize()
             if rank == 0:
-                print(f"ok: {check.__name__}", flush=True)
+                print(f"ok: {check.__name__} (world {world}, {time.perf_counter() - start:.0f} s)", flush=True)
     finally:
         comm.close()
 
@@ -287,11 +327,14 @@ def _worker(rank: int, port: int) -> None:
 def main() -> int:
     from graphar._launch import free_port
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2, choices=(2, 4, 6, 8), help="processes (ranks) on the GPU")
+    world = parser.parse_args().world
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
-    print("one-GPU check: every check passed")
+    mp.spawn(_worker, args=(free_port(), world), nprocs=world, join=True)
+    print(f"one-GPU check, world size {world}: every check passed")
     return 0
 
 
