@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from graphar.comm import overlap, ulysses
-from graphar.comm.communicator import communicator
+from graphar.comm.communicator import serving
 
 c10d = torch.ops._c10d_functional
 
@@ -63,7 +63,7 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new contiguous tensor."""
-    comm = communicator(group_name)
+    comm = serving(group_name, x.device)
     # A transposed or sliced input is summed from a contiguous copy: the kernels read flat buffers.
     out = comm.allreduce.try_all_reduce(x.contiguous()) if comm is not None else None
     return out if out is not None else functional_all_reduce(x, group_name)
@@ -158,7 +158,7 @@ def all_reduce_add_rms_norm(
     `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim;
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
     shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
-    comm = communicator(group_name)
+    comm = serving(group_name, x.device)
     x = x.contiguous()  # once: all_reduce's own .contiguous() is then free
     if comm is not None:
         fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)

@@ -108,6 +108,12 @@ def _switch(name: str, default: bool, meaning: str) -> Setting[bool]:
     return Setting(name, default, _flag, "1/0, true/false, yes/no or on/off", meaning)
 
 
+AUTO_INIT = _switch(
+    "GRAPHAR_AUTO_INIT", True,
+    "set up a group's IPC communicator at its first eager collective on CUDA tensors when `graphar.init` was not "
+    "called for it, so `backend=\"graphar\"` alone turns the custom paths on; off, groups without `graphar.init` "
+    "keep NCCL",
+)  # fmt: skip
 PDL = _switch(
     "GRAPHAR_PDL", True,
     "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later), so that a "
@@ -164,7 +170,7 @@ SKIP_CUDA_BUILD = _switch(
 )  # fmt: skip
 
 ALL: tuple[Setting[Any], ...] = (
-    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, PDL, NATIVE_OP, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
+    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, AUTO_INIT, PDL, NATIVE_OP, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
     CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
 )  # fmt: skip
 

@@ -4,6 +4,7 @@ communicator (the `CommCalls` seam)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -101,6 +102,39 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
         assert cm.communicator(dist.group.WORLD.group_name) is None
         with pytest.raises(ValueError, match="max_bytes"):
             cm.init(max_bytes=24)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_first_eager_collective_on_cuda_sets_the_group_up(caplog, monkeypatch) -> None:
+    """Without graphar.init, a group's first eager CUDA collective runs it, once; not for CPU
+    tensors, not inside a capture (the next eager call does), not with GRAPHAR_AUTO_INIT=0."""
+    monkeypatch.setattr(cm, "_tried", set())
+    monkeypatch.setattr(cm, "_logged", set())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        name = dist.group.WORLD.group_name
+
+        def set_ups() -> int:
+            return sum("setting up group" in r.getMessage() for r in caplog.records)
+
+        with caplog.at_level(logging.INFO, logger="graphar"):
+            assert cm.serving(name, cpu) is None and set_ups() == 0
+            monkeypatch.setenv("GRAPHAR_AUTO_INIT", "0")
+            assert cm.serving(name, cuda) is None and set_ups() == 0
+            monkeypatch.delenv("GRAPHAR_AUTO_INIT")
+            capturing[0] = True
+            assert cm.serving(name, cuda) is None and set_ups() == 0
+            capturing[0] = False
+            assert cm.serving(name, cuda) is None and set_ups() == 1  # the fake backend is not NCCL: off
+            assert cm.serving(name, cuda) is None and set_ups() == 1  # and never asked again
+        off = [r.getMessage() for r in caplog.records if "custom all-reduce off" in r.getMessage()]
+        assert len(off) == 1 and "not NCCL" in off[0]
+        assert name in cm._tried
     finally:
         dist.destroy_process_group()
 

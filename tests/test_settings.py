@@ -16,6 +16,7 @@ from graphar.settings import SettingError
 CASES = {
     "GRAPHAR_MAX_ALLREDUCE_BYTES": ({"4096": 4096, " 16 ": 16}, ["8MB", "-1", "8.5", "0", "24"]),
     "GRAPHAR_ALLREDUCE_ALGO": ({"1stage": "1stage", "push-twoshot": "push-twoshot"}, ["3stage", "oneshot"]),
+    "GRAPHAR_AUTO_INIT": ({"0": False, "yes": True}, ["auto"]),
     "GRAPHAR_PDL": ({"0": False, "on": True}, ["2"]),
     "GRAPHAR_NATIVE_OP": ({"off": False, "1": True}, ["maybe"]),
     "GRAPHAR_BLOCK_LIMIT": ({"1": 1, "64": 64}, ["0", "65", "8.5"]),

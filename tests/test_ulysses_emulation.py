@@ -129,7 +129,7 @@ class EmulatedWorld:
         patches = (mock.patch.object(ulysses, "world_size", lambda name: world),
                    mock.patch.object(torch, "empty", _poisoned_empty),
                    mock.patch.object(ulysses, "_all_to_all", all_to_all_single),
-                   mock.patch.object(ulysses, "_ipc_exchange", lambda name: None if self.transport == "nccl" else fake))
+                   mock.patch.object(ulysses, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake))
         results = []
         with contextlib.ExitStack() as stack:
             for patch in patches:

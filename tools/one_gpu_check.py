@@ -279,27 +279,67 @@ def _check_ulysses(comm, rank: int) -> None:
     assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
 
 
-def _check_subgroups(comm, rank: int) -> None:
+def _check_pairs(comm, rank: int) -> None:
     """Groups of two ranks beside the world's communicator, as a 2-D mesh's tensor-parallel rows
-    have: each pair's communicator sums its own ranks, its calls interleaved with the world's."""
+    have, never given graphar.init: each pair's first all-reduce (or, in a second set of pairs, its
+    first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
+    world's calls."""
+    from graphar.comm import communicator as cm
+    from graphar.comm import ulysses
+
+    world = _world()
+    reducing, exchanging = ([dist.new_group([r, r + 1]) for r in range(0, world, 2)] for _ in range(2))
+    pair, other = reducing[rank // 2], exchanging[rank // 2]  # every rank creates every group, in order
+    op = torch.ops.graphar.all_reduce
+    try:
+        assert cm.communicator(pair.group_name) is None and cm.communicator(other.group_name) is None
+        for i, nbytes in enumerate((16, 64 * KB + 16, MB)):
+            x = _integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
+            pair_sum, world_sum = op(x, pair.group_name), op(x, dist.group.WORLD.group_name)
+            ref = x.float().cpu()
+            dist.all_reduce(ref, group=pair)
+            assert torch.equal(pair_sum, ref.to(x.dtype).cuda()), f"pair all-reduce {nbytes} B"
+            assert torch.equal(world_sum, _reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
+        assert cm.communicator(pair.group_name) is not None, "the pair's first all-reduce did not set it up"
+        q, k, v = (_integers(64 * 4 * 32, torch.bfloat16, seed=rank + i).view(1, 64, 4, 32) for i in range(3))
+        got = ulysses.seq_to_heads(q, k, v, other.group_name)
+        want = [ulysses.seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
+        assert all(map(torch.equal, got, want)), "the pair's first Q/K/V exchange"
+        assert cm.communicator(other.group_name).exchange.capacity > 0, "that exchange did not go over IPC"
+    finally:
+        for group in (pair, other):
+            if cm.communicator(group.group_name) is not None:
+                cm.communicator(group.group_name).close()
+
+
+def _check_compiled_on_fresh_pairs(comm, rank: int) -> None:
+    """mode="reduce-overhead" on groups that never had graphar.init: the warm-up call (eager) sets
+    each pair up, and the recorded graph's all-reduce is graphar's."""
     from graphar.comm import communicator as cm
 
     world = _world()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
-    mine = pairs[rank // 2]
-    sub = cm.init(mine, max_bytes=2 * MB, timeout_s=30)
-    assert sub is not None and sub is not comm, "no communicator for the pair"
-    op = torch.ops.graphar.all_reduce
+    pair = [dist.new_group([r, r + 1]) for r in range(0, world, 2)][rank // 2]
+    w = _integers(256 * 256, torch.float32, seed=rank).view(256, 256)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w  # integer-valued: exact in fp32
+        dist.all_reduce(y, group=pair)
+        return y + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="graphar", mode="reduce-overhead")
     try:
-        for i, nbytes in enumerate((16, 64 * KB + 16, MB)):
-            x = _integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
-            pair_sum, world_sum = op(x, mine.group_name), op(x, dist.group.WORLD.group_name)
-            ref = x.float().cpu()
-            dist.all_reduce(ref, group=mine)
-            assert torch.equal(pair_sum, ref.to(x.dtype).cuda()), f"pair all-reduce {nbytes} B"
-            assert torch.equal(world_sum, _reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
+        for i in range(4):  # warm-up, recording, replays
+            x = _integers(8 * 256, torch.float32, seed=rank + 40 + i).view(8, 256)
+            ref = (x @ w).cpu()
+            dist.all_reduce(ref, group=pair)
+            assert torch.equal(compiled(x), ref.cuda() + 1), f"compiled on a fresh pair, call {i}"
+        served = cm.communicator(pair.group_name)
+        assert served is not None and served.allreduce.calls > 0, "the pair's compiled all-reduce never reached graphar"
     finally:
-        sub.close()
+        torch._dynamo.reset()
+        if cm.communicator(pair.group_name) is not None:
+            cm.communicator(pair.group_name).close()
 
 
 def _worker(rank: int, port: int, world: int) -> None:
@@ -310,10 +350,9 @@ def _worker(rank: int, port: int, world: int) -> None:
 
     comm = _init_relaxed()
     try:
-        checks = [_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm,
-                  _check_graphs, _check_ulysses, _check_overlap]  # fmt: skip
-        if world > 2:
-            checks.append(_check_subgroups)
+        checks = (_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm,
+                  _check_graphs, _check_ulysses, _check_overlap, _check_pairs,
+                  _check_compiled_on_fresh_pairs)  # fmt: skip
         for check in checks:
             start = time.perf_counter()
             check(comm, rank)

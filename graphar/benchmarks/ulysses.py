@@ -19,6 +19,7 @@ chart of the time per shape by transport beside it (.png).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,7 +152,9 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     torch.manual_seed(1234 + rank)
     if graphar.init() is None:
         raise SystemExit("graphar.init() set up no communicator: the IPC transport cannot be measured here")
-    nccl_group = dist.new_group(list(range(world_size))).group_name  # no communicator: NCCL transport
+    # No communicator on this group: the NCCL transport (and none set up at its first call).
+    os.environ["GRAPHAR_AUTO_INIT"] = "0"
+    nccl_group = dist.new_group(list(range(world_size))).group_name
     common.progress(f"set up; timing {len(s.shapes)} shapes")
     results: dict[tuple, common.Cell] = {}
     for i, shape in enumerate(s.shapes, 1):

@@ -236,11 +236,28 @@ class Communicator:
 _communicators: dict[str, Communicator] = {}
 _generations: dict[str, int] = {}
 _logged: set[str] = set()
+_tried: set[str] = set()  # groups `init` has run for, set up or not
 
 
 def communicator(group_name: str) -> Communicator | None:
     """The communicator of a group, if `init` set one up; a dict lookup."""
     return _communicators.get(group_name)
+
+
+def serving(group_name: str, device: torch.device) -> Communicator | None:
+    """The communicator that serves a collective of the group on `device`. Where `init` never ran for
+    the group, the group's first eager collective on a CUDA device runs it (GRAPHAR_AUTO_INIT), so
+    that backend="graphar" alone turns the custom paths on. Every rank makes the same call at the
+    same point of the same program, so the ranks set up together, as `init` requires. A capture
+    cannot exchange IPC handles: a first call inside one keeps NCCL, and the next eager call sets up."""
+    comm = _communicators.get(group_name)
+    if comm is not None or group_name in _tried or device.type != "cuda" or not settings.AUTO_INIT.get():
+        return comm
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    logger.info("graphar: setting up group %r at its first collective (graphar.init was not called for it)", group_name)
+    with torch.cuda.device(device):
+        return init(dist.distributed_c10d._resolve_process_group(group_name))
 
 
 def shutdown() -> None:
@@ -271,6 +288,7 @@ def init(
     name = group.group_name
     if name in _communicators:
         return _communicators[name]
+    _tried.add(name)
     max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
     timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
     if max_bytes <= 0 or max_bytes % 16 != 0:

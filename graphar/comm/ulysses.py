@@ -16,7 +16,8 @@ Packing and unpacking are copies of bits (`graphar.kernels.pack`), so every path
 separate `all_to_all_single`s bit for bit. The decision to pack depends only on shapes, dtypes and the
 world size, equal on every rank.
 
-Transport: a group with a graphar communicator (`graphar.init(group)`) exchanges over CUDA IPC
+Transport: a group with a graphar communicator (`graphar.init(group)`, or set up at the group's first
+eager exchange: `communicator.serving`) exchanges over CUDA IPC
 (`graphar.comm.exchange`): the pack writes into the rank's registered exchange buffer and each rank
 pulls its chunks from the peers straight into the result, the receive relayout folded into the copy;
 or (`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores each chunk straight into its rank's buffer.
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from graphar import pool
 from graphar.comm import exchange
-from graphar.comm.communicator import communicator
+from graphar.comm.communicator import serving
 from graphar.kernels import pack
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
@@ -66,13 +67,14 @@ _MAX_STAGES = 8
 def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]],
          nbytes: int) -> bool:
     """Run `stages()` over the group's IPC exchange into `out`; False (nothing done) for NCCL."""
-    ex = _ipc_exchange(group_name)
+    ex = _ipc_exchange(group_name, like.device)
     return ex is not None and ex.serves(like) and ex.run(out, stages(), nbytes)
 
 
-def _ipc_exchange(group_name: str) -> exchange.IpcExchange | None:
-    """The IPC exchange of a group that has a graphar communicator (`graphar.init`), else None."""
-    comm = communicator(group_name)
+def _ipc_exchange(group_name: str, device: torch.device) -> exchange.IpcExchange | None:
+    """The IPC exchange of a group that has a graphar communicator (`graphar.init`, or set up here at
+    the group's first eager exchange: `communicator.serving`), else None."""
+    comm = serving(group_name, device)
     return None if comm is None else comm.exchange
 
 
@@ -310,7 +312,8 @@ def reserve(
     """Reserve staging memory before capturing `graphs` graphs that exchange Q/K/V of `shapes`
     (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output.
 
-    Collective when the group has a graphar communicator: it sizes the IPC exchange buffers too."""
+    Collective on a CUDA device: it sizes the IPC exchange buffers too, and sets up the group's
+    communicator where `graphar.init` was not called for it (`communicator.serving`)."""
     p = world_size(group_name)
     b, s_local, _, d = shapes[0]
     heads = pack.packed_heads([s[2] for s in shapes], p)
@@ -322,7 +325,7 @@ def reserve(
     if b > 1:  # for b == 1 a contiguous attention output is sent as it is
         pool.reserve(_OUT_SEND, out_chunk, dtype, device, graphs)
     pool.reserve(_OUT_RECV, out_chunk, dtype, device, graphs)
-    ex = _ipc_exchange(group_name)
+    ex = _ipc_exchange(group_name, torch.device(device))
     if ex is not None:  # one exchange buffer serves every graph; the Q/K/V exchange is the larger
         ex.reserve(pool.nbytes(chunk, dtype))
 
