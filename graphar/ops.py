@@ -64,9 +64,21 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new contiguous tensor."""
     comm = serving(group_name, x.device)
-    # A transposed or sliced input is summed from a contiguous copy: the kernels read flat buffers.
-    out = comm.allreduce.try_all_reduce(x.contiguous()) if comm is not None else None
-    return out if out is not None else functional_all_reduce(x, group_name)
+    if comm is None:
+        return functional_all_reduce(x, group_name)
+    flat = _flat(x)
+    out = comm.allreduce.try_all_reduce(flat)
+    if out is None:
+        comm.allreduce.say_why_not(flat)
+        return functional_all_reduce(x, group_name)
+    return out
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` as the kernels read it, a flat run of 16-byte packs: a transposed, sliced or misaligned
+    input is summed from a fresh (contiguous, aligned) copy."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 # For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
@@ -159,7 +171,7 @@ def all_reduce_add_rms_norm(
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
     shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
     comm = serving(group_name, x.device)
-    x = x.contiguous()  # once: all_reduce's own .contiguous() is then free
+    x = _flat(x)  # once: all_reduce's own copy is then not made
     if comm is not None:
         fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:

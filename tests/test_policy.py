@@ -6,17 +6,20 @@ eligible and the arguments that would reach the library can be read back.
 
 from __future__ import annotations
 
+import logging
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from graphar import graphs
+from graphar import graphs, ops
 from graphar.benchmarks import allreduce as allreduce_bench
 from graphar.benchmarks import winners
 from graphar.comm import abi, policy
 from graphar.comm import allreduce as ar
+from graphar.comm import communicator as cm
 
 KB, MB = 1 << 10, 1 << 20
 LIMITS = policy.Limits(max_bytes=8 * MB, push_one_shot=2 * MB)
@@ -161,6 +164,19 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
                                   dtype=abi.DTYPE_CODES[torch.bfloat16], algo=abi.ALGO_CODES["push-oneshot"],
                                   path=abi.EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
     assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
+
+
+def test_the_op_copies_misaligned_inputs_and_says_once_why_it_falls_back(cpu_all_reduce, monkeypatch, caplog) -> None:
+    allreduce, comm = cpu_all_reduce
+    monkeypatch.setitem(cm._communicators, "g", types.SimpleNamespace(allreduce=allreduce))
+    monkeypatch.setattr(ops, "functional_all_reduce", lambda x, group_name: "collective")
+    x = torch.randn(1025)[1:]  # contiguous, 4 bytes past an aligned start
+    assert ops.all_reduce(x, "g") is not None and comm.launched[-1]["input"] % 16 == 0
+    with caplog.at_level(logging.INFO, logger="graphar"):
+        odd = [torch.randn(5), torch.randn(7), torch.arange(4)]  # 20 B, 28 B: not 16-byte packs; int64
+        assert [ops.all_reduce(t, "g") for t in odd] == ["collective"] * 3
+    said = [r.getMessage() for r in caplog.records if "runs on the collective" in r.getMessage()]
+    assert len(said) == 2 and "20 bytes is not a positive multiple of 16" in said[0] and "torch.int64" in said[1]
 
 
 def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) -> None:

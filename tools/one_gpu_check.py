@@ -94,6 +94,8 @@ def _check_native_op(comm, rank: int) -> None:
     x = _integers(64 * 64, torch.bfloat16, seed=rank).view(64, 64)
     before, calls = comm.native_calls(), comm.allreduce.calls
     assert torch.equal(op(x.t(), name), _reference_sum(x.t().contiguous())), "strided input"
+    misaligned = _integers(64 * 64 + 1, torch.bfloat16, seed=rank)[1:]  # contiguous, 2 bytes off
+    assert torch.equal(op(misaligned, name), _reference_sum(misaligned)), "misaligned input"
     for capture in (torch.cuda.graph, graphar.graph):
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
@@ -102,7 +104,7 @@ def _check_native_op(comm, rank: int) -> None:
         y.fill_(float("nan"))
         graph.replay()
         assert torch.equal(y, _reference_sum(x)), f"{capture.__name__} replay"
-    assert comm.native_calls() == before and comm.allreduce.calls == calls + 3, "the Python kernel's calls"
+    assert comm.native_calls() == before and comm.allreduce.calls == calls + 4, "the Python kernel's calls"
     # The fused norm's C++ kernel: the same kernel as the Python one's, in and out of a capture; a
     # strided input goes to Python, which copies it and fuses too.
     x = _integers(8 * 4096, torch.bfloat16, seed=rank).view(8, 4096)

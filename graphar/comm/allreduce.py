@@ -17,6 +17,8 @@ seam tests fake.
 from __future__ import annotations
 
 import heapq
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -29,6 +31,8 @@ from graphar.comm.abi import (
     ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, NORM_ARGS, PUSH_ALGOS, STAGED, ZERO_COPY,
 )  # fmt: skip
 from graphar.errors import GrapharCommError
+
+logger = logging.getLogger("graphar")
 
 # Blocks per launch by compute capability major. 36 is the v1 grid search (Ampere and older); on
 # 2 x H200 64 blocks pull peers' data faster from 512 KB up (8 MB zero-copy: 34.8 -> 30.0 us,
@@ -121,6 +125,7 @@ class AllReduce:
         self._recorded = 0
         self._calls = 0
         self._native_calls_before = comm.native_calls()  # the C++ kernel counts per group name
+        self._fallbacks_said: set[str] = set()
 
     @property
     def policy(self) -> policy.Policy:
@@ -189,6 +194,16 @@ class AllReduce:
             reason = self._refusal(x, algo)
             raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {reason}")
         return out
+
+    def say_why_not(self, x: torch.Tensor) -> None:
+        """Log why a call of `x` runs on the collective instead, once per group and kind of reason
+        (sizes aside): the op's fallback is never silent, and a loop of such calls is not noisy."""
+        reason = self._refusal(x, None)
+        kind = re.sub(r"\d+", "N", reason or "")
+        if reason is not None and kind not in self._fallbacks_said:
+            self._fallbacks_said.add(kind)
+            logger.info("graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
+                        self.group_name, reason)  # fmt: skip
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
         """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL).

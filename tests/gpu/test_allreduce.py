@@ -140,7 +140,7 @@ def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
             assert not comm.eligible(x), what
             with pytest.raises(ValueError, match=name):
                 comm.all_reduce(x)
-            if x.is_cuda:  # the op serves ineligible inputs through NCCL
+            if x.is_cuda:  # the op sums them all the same: NCCL, or the kernels from a copy (strided, misaligned)
                 assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x.contiguous())), what
         with pytest.raises(ValueError, match="push-oneshot"):
             comm.all_reduce(integer_valued(64, torch.float32), algo="3stage")
