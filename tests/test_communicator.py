@@ -111,6 +111,7 @@ def test_first_eager_collective_on_cuda_sets_the_group_up(caplog, monkeypatch) -
     tensors, not inside a capture (the next eager call does), not with GRAPHAR_AUTO_INIT=0."""
     monkeypatch.setattr(cm, "_tried", set())
     monkeypatch.setattr(cm, "_logged", set())
+    monkeypatch.setattr(cm, "_captured_first", set())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -128,12 +129,14 @@ def test_first_eager_collective_on_cuda_sets_the_group_up(caplog, monkeypatch) -
             assert cm.serving(name, cuda) is None and set_ups() == 0
             monkeypatch.delenv("GRAPHAR_AUTO_INIT")
             capturing[0] = True
-            assert cm.serving(name, cuda) is None and set_ups() == 0
+            assert cm.serving(name, cuda) is None and cm.serving(name, cuda) is None and set_ups() == 0
             capturing[0] = False
             assert cm.serving(name, cuda) is None and set_ups() == 1  # the fake backend is not NCCL: off
             assert cm.serving(name, cuda) is None and set_ups() == 1  # and never asked again
         off = [r.getMessage() for r in caplog.records if "custom all-reduce off" in r.getMessage()]
         assert len(off) == 1 and "not NCCL" in off[0]
+        captured = [r.getMessage() for r in caplog.records if "inside a CUDA-graph capture" in r.getMessage()]
+        assert len(captured) == 1 and "graphar.init(group)" in captured[0]
         assert name in cm._tried
     finally:
         dist.destroy_process_group()

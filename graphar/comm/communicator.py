@@ -237,6 +237,7 @@ _communicators: dict[str, Communicator] = {}
 _generations: dict[str, int] = {}
 _logged: set[str] = set()
 _tried: set[str] = set()  # groups `init` has run for, set up or not
+_captured_first: set[str] = set()  # groups whose first collective was captured, before any set-up
 
 
 def communicator(group_name: str) -> Communicator | None:
@@ -254,6 +255,11 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     if comm is not None or group_name in _tried or device.type != "cuda" or not settings.AUTO_INIT.get():
         return comm
     if torch.cuda.is_current_stream_capturing():
+        if group_name not in _captured_first:
+            _captured_first.add(group_name)
+            logger.warning("graphar: group %r's first collective is inside a CUDA-graph capture, which cannot set it "
+                           "up: NCCL serves it in this graph; call graphar.init(group) (or run a step eagerly) "
+                           "before capturing", group_name)  # fmt: skip
         return None
     logger.info("graphar: setting up group %r at its first collective (graphar.init was not called for it)", group_name)
     with torch.cuda.device(device):
