@@ -1,11 +1,12 @@
 """graphar: fast collectives for tensor- and sequence-parallel models under torch.compile and CUDA graphs.
 
-    import graphar
-    graphar.init(group)                                   # every rank: set up the IPC all-reduce
     model = torch.compile(model, backend="graphar")       # all-reduces and Q/K/V all-to-alls rewritten
 
+A group's IPC communicator is set up at its first eager collective (GRAPHAR_AUTO_INIT), or by
+`graphar.init(group)` on every rank of it, to choose the moment or the buffers' size.
+
 Public API:
-    init(group=None, ...)  set up graphar's custom all-reduce for a process group (collective)
+    init(group=None, ...)  set up graphar's custom all-reduce for a process group now (collective)
     shutdown()             release every communicator
     graph(cuda_graph, ...) torch.cuda.graph with zero-copy all-reduces (pointers filled after capture)
     BatchGraphs            capture a decode step for several batch sizes, replay by batch size

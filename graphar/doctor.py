@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import graphar
-from graphar import _cuda
+from graphar import _cuda, settings
 from graphar.comm import policy
 from graphar.doctor_probe import PLAN_SIZES, probe
 
@@ -275,6 +275,8 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     items = [("custom all-reduce", "ON" if on else f"OFF, NCCL serves it: {first['verdict']}")]
     items += [("graphar's warning", w) for w in first["warnings"]]
     if on:
+        items.append(("set up", "at each group's first eager collective, or by graphar.init(group)"
+                      if settings.AUTO_INIT.get() else "only by graphar.init(group) (GRAPHAR_AUTO_INIT=0)"))  # fmt: skip
         items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
         push = first["push"]
         items.append(("push kernels", f"one-shot up to {_size(push['one_shot'])}, fused norm up to "

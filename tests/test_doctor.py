@@ -65,7 +65,8 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
     matrix = out.split("graphar's IPC store/load probe of the pair\n")[1].splitlines()[:3]
     assert [row.split() for row in matrix] == [["cuda:0", "cuda:1"], ["cuda:0", "-", "NVLink", "ok"],
                                                ["cuda:1", "NVLink", "ok", "-"]]  # fmt: skip
-    for line in ("custom all-reduce: ON", "size limit (GRAPHAR_MAX_ALLREDUCE_BYTES): 8 MB",
+    for line in ("custom all-reduce: ON", "set up: at each group's first eager collective, or by graphar.init(group)",
+                 "size limit (GRAPHAR_MAX_ALLREDUCE_BYTES): 8 MB",
                  "all-reduce of 16 KB: 1stage", "all-reduce of 8 MB: 1stage",
                  "all-reduce of 256 KB: eager: push-oneshot, graph: push-oneshot, graphar.graph: 1stage",
                  "push kernels: one-shot up to 8 MB, fused norm up to 512 KB, programmatic dependent launch on",

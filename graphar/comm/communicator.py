@@ -283,8 +283,10 @@ def init(
 ) -> Communicator | None:
     """Set up graphar's IPC communicator for `group` (default: the world) on the current CUDA device.
 
-    Collective: every rank of the group calls it. Returns None on every rank (and logs why, once)
-    when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the
+    Collective: every rank of the group calls it. Optional: a group without it sets up at its first
+    eager collective (`serving`); call it to choose the moment, the buffers' size or the timeout, or
+    before a capture that would be the group's first collective. Returns None on every rank (and
+    logs why, once) when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the
     all-reduce's IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S, 60;
     0 = unbounded) bounds every spin wait on a peer.
     """
