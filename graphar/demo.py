@@ -1,7 +1,8 @@
 """`python -m graphar demo`: both of graphar's rewrites on small models, compiled and checked.
 
-Spawns `--world-size` processes (NCCL with one GPU each and `graphar.init()` when there are enough
-GPUs, else gloo on the CPU) and compiles with `backend="graphar"`:
+Spawns `--world-size` processes (NCCL with one GPU each when there are enough GPUs, else gloo on the
+CPU) and compiles with `backend="graphar"`, the only change a model needs (the group sets up its IPC
+communicator at its first collective):
 (a) a tensor-parallel MLP, whose all-reduces become `graphar::all_reduce` (its graph is printed
     before and after graphar's pass), in fp32 and bf16;
 (b) a Ulysses attention block, whose Q/K/V `all_to_all_single`s become one `graphar::qkv_all_to_all`.
@@ -171,8 +172,6 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) 
     if use_gpu:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
-    if use_gpu:
-        graphar.init()
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass we want to show
     if rank == 0:
         logging.getLogger("graphar.graphs").addHandler(_GraphPrinter())
