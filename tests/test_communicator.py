@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +103,20 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
         assert cm.communicator(dist.group.WORLD.group_name) is None
         with pytest.raises(ValueError, match="max_bytes"):
             cm.init(max_bytes=24)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, monkeypatch) -> None:
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        existing = types.SimpleNamespace(max_bytes=MB, timeout_s=60.0)
+        monkeypatch.setitem(cm._communicators, dist.group.WORLD.group_name, existing)
+        with caplog.at_level(logging.WARNING, logger="graphar"):
+            assert cm.init() is existing and cm.init(max_bytes=MB, timeout_s=60) is existing
+            assert not caplog.records
+            assert cm.init(max_bytes=4 * MB) is existing
+        assert len(caplog.records) == 1 and "{'max_bytes': 4194304} are not applied" in caplog.records[0].getMessage()
     finally:
         dist.destroy_process_group()
 

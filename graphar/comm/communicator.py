@@ -295,7 +295,14 @@ def init(
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
     if name in _communicators:
-        return _communicators[name]
+        comm = _communicators[name]
+        asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
+        differ = {k: v for k, v in asked.items() if v is not None and float(v) != float(getattr(comm, k))}
+        if differ:  # set up already (by an earlier init or at the group's first collective)
+            logger.warning("graphar.init of group %r: its communicator is set up already (max_bytes=%d, timeout_s=%g), "
+                           "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
+                           comm.timeout_s, differ)  # fmt: skip
+        return comm
     _tried.add(name)
     max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
     timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
