@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphar import settings
 from graphar.comm.communicator import communicator
 from graphar.config import Config
 
@@ -108,13 +109,17 @@ def _reason_to_skip(match: _AllReduceMatch, config: Config) -> str | None:
 
 
 def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
-    """The communicator's buffers (`graphar.init(max_bytes=)`) bound what the kernels serve at run time;
-    say so when this all-reduce is over them, rather than let every call fall back without a word."""
+    """The communicator's buffers (`graphar.init(max_bytes=)`, else GRAPHAR_MAX_ALLREDUCE_BYTES for a
+    group set up at its first call) bound what the kernels serve at run time; say so when this
+    all-reduce is over them, rather than let every call fall back without a word."""
     comm = communicator(match.group_name)
-    if comm is not None and statically_known_true(match.nbytes > comm.max_bytes):
+    if comm is None and not settings.AUTO_INIT.get():
+        return  # no communicator will serve the group: nothing to compare with
+    limit = comm.max_bytes if comm is not None else settings.MAX_ALLREDUCE_BYTES.get()
+    if statically_known_true(match.nbytes > limit):
         log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes, graphar.init(max_bytes=)):"
                     " it will run on the collective", match.all_reduce.name, match.nbytes, match.group_name,
-                    comm.max_bytes)  # fmt: skip
+                    limit)  # fmt: skip
 
 
 def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -174,6 +177,22 @@ class <lambda>(torch.nn.Module):
         before, after, counts = post_grad_graphs(ints_and_big, *args, config=config)
         self.assertEqual(counts["all_reduce"], 0)
         self.assertEqual(before, after)
+
+    def test_over_the_buffers_a_first_call_will_set_up_is_said_at_compile(self) -> None:
+        """No communicator yet: the group sets up at its first call with GRAPHAR_MAX_ALLREDUCE_BYTES,
+        so a rewritten all-reduce over that size is named at compile time."""
+        def big(x):
+            dist.all_reduce(x)
+            return x
+
+        config = Config(max_all_reduce_bytes=1 << 20)
+        with mock.patch.dict(os.environ, {"GRAPHAR_MAX_ALLREDUCE_BYTES": "1024"}):
+            with self.assertLogs("graphar", level="WARNING") as said:
+                _, _, counts = post_grad_graphs(big, torch.randn(16, 32), config=config)
+            with mock.patch.dict(os.environ, {"GRAPHAR_AUTO_INIT": "0"}), self.assertNoLogs("graphar", level="WARNING"):
+                post_grad_graphs(big, torch.randn(16, 32), config=config)
+        self.assertEqual(counts["all_reduce"], 1)
+        self.assertIn("(2048 bytes) is over the IPC buffers of group '0' (1024 bytes", said.output[0])
 
     def test_symbolic_size_rewritten_unless_provably_over_limit(self) -> None:
         """Dynamic shapes: the op checks the size at each call, so only a size provably over the
