@@ -275,8 +275,9 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     items = [("custom all-reduce", "ON" if on else f"OFF, NCCL serves it: {first['verdict']}")]
     items += [("graphar's warning", w) for w in first["warnings"]]
     if on:
-        items.append(("set up", "at each group's first eager collective, or by graphar.init(group)"
-                      if settings.AUTO_INIT.get() else "only by graphar.init(group) (GRAPHAR_AUTO_INIT=0)"))  # fmt: skip
+        auto = settings.AUTO_INIT.get()
+        items.append(("set up", "at each group's first eager collective, or by graphar.init(group)" if auto
+                      else "only by graphar.init(group) (GRAPHAR_AUTO_INIT=0)"))  # fmt: skip
         items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
         push = first["push"]
         items.append(("push kernels", f"one-shot up to {_size(push['one_shot'])}, fused norm up to "

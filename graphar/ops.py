@@ -171,8 +171,10 @@ def all_reduce_add_rms_norm(
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
     shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
     comm = serving(group_name, x.device)
-    x = _flat(x)  # once: all_reduce's own copy is then not made
     if comm is not None:
+        # Flat and aligned, as the kernel reads them: whether it fuses then depends on shapes alone,
+        # equal on every rank, never on where a rank's tensors happen to start.
+        x, residual, weight = (t if t is None else _flat(t) for t in (x, residual, weight))
         fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused

@@ -17,7 +17,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphar import settings
-from graphar.comm.communicator import communicator
+from graphar.comm.communicator import communicator, sets_up_later
 from graphar.config import Config
 
 log = logging.getLogger("graphar")
@@ -109,17 +109,20 @@ def _reason_to_skip(match: _AllReduceMatch, config: Config) -> str | None:
 
 
 def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
-    """The communicator's buffers (`graphar.init(max_bytes=)`, else GRAPHAR_MAX_ALLREDUCE_BYTES for a
-    group set up at its first call) bound what the kernels serve at run time; say so when this
+    """The communicator's buffers (`graphar.init(max_bytes=)`, or GRAPHAR_MAX_ALLREDUCE_BYTES for a group
+    that sets up at its first call) bound what the kernels serve at run time; say so when this
     all-reduce is over them, rather than let every call fall back without a word."""
     comm = communicator(match.group_name)
-    if comm is None and not settings.AUTO_INIT.get():
-        return  # no communicator will serve the group: nothing to compare with
-    limit = comm.max_bytes if comm is not None else settings.MAX_ALLREDUCE_BYTES.get()
+    if comm is not None:
+        limit = comm.max_bytes
+    elif match.x.meta["val"].device.type == "cuda" and sets_up_later(match.group_name):
+        limit = settings.MAX_ALLREDUCE_BYTES.get()
+    else:
+        return  # no communicator will serve these calls: nothing to compare with
     if statically_known_true(match.nbytes > limit):
-        log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes, graphar.init(max_bytes=)):"
-                    " it will run on the collective", match.all_reduce.name, match.nbytes, match.group_name,
-                    limit)  # fmt: skip
+        log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes; graphar.init(max_bytes=) or "
+                    "GRAPHAR_MAX_ALLREDUCE_BYTES): it will run on the collective", match.all_reduce.name, match.nbytes,
+                    match.group_name, limit)  # fmt: skip
 
 
 def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:

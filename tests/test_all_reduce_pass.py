@@ -179,19 +179,28 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(before, after)
 
     def test_over_the_buffers_a_first_call_will_set_up_is_said_at_compile(self) -> None:
-        """No communicator yet: the group sets up at its first call with GRAPHAR_MAX_ALLREDUCE_BYTES,
-        so a rewritten all-reduce over that size is named at compile time."""
-        def big(x):
-            dist.all_reduce(x)
-            return x
+        """No communicator yet: a CUDA group sets up at its first call with GRAPHAR_MAX_ALLREDUCE_BYTES,
+        so a rewritten all-reduce over that size is named at compile time; not for CPU tensors, nor
+        for a group that will not set up."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-        config = Config(max_all_reduce_bytes=1 << 20)
+        from graphar.comm import communicator as cm
+        from passes import all_reduce as pass_module
+
+        def match(device: str) -> pass_module._AllReduceMatch:
+            graph = torch.fx.Graph()
+            x = graph.placeholder("x")
+            with FakeTensorMode():
+                x.meta["val"] = torch.empty(16, 32, device=device)
+            reduce = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+            return pass_module._AllReduceMatch(reduce, graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,)))
+
         with mock.patch.dict(os.environ, {"GRAPHAR_MAX_ALLREDUCE_BYTES": "1024"}):
-            with self.assertLogs("graphar", level="WARNING") as said:
-                _, _, counts = post_grad_graphs(big, torch.randn(16, 32), config=config)
-            with mock.patch.dict(os.environ, {"GRAPHAR_AUTO_INIT": "0"}), self.assertNoLogs("graphar", level="WARNING"):
-                post_grad_graphs(big, torch.randn(16, 32), config=config)
-        self.assertEqual(counts["all_reduce"], 1)
+            with mock.patch.object(cm, "_not_worth_setting_up", lambda group: None), self.assertLogs("graphar", "WARNING") as said:
+                pass_module._warn_over_communicator_limit(match("cuda"))
+            with self.assertNoLogs("graphar", level="WARNING"):
+                pass_module._warn_over_communicator_limit(match("cpu"))
+                pass_module._warn_over_communicator_limit(match("cuda"))  # the fake backend is not NCCL: no set-up
         self.assertIn("(2048 bytes) is over the IPC buffers of group '0' (1024 bytes", said.output[0])
 
     def test_symbolic_size_rewritten_unless_provably_over_limit(self) -> None:

@@ -121,40 +121,56 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
         dist.destroy_process_group()
 
 
-def test_first_eager_collective_on_cuda_sets_the_group_up(caplog, monkeypatch) -> None:
-    """Without graphar.init, a group's first eager CUDA collective runs it, once; not for CPU
-    tensors, not inside a capture (the next eager call does), not with GRAPHAR_AUTO_INIT=0."""
-    monkeypatch.setattr(cm, "_tried", set())
-    monkeypatch.setattr(cm, "_logged", set())
-    monkeypatch.setattr(cm, "_captured_first", set())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+@pytest.fixture
+def fresh_registry(monkeypatch) -> None:
+    for name, empty in (("_settled", {}), ("_logged", set()), ("_captured_first", set())):
+        monkeypatch.setattr(cm, name, empty)
+
+
+def test_the_automatic_set_up_leaves_alone_what_it_cannot_serve(fresh_registry, caplog, monkeypatch) -> None:
+    """CPU tensors, a group that is not NCCL (here the fake backend), GRAPHAR_AUTO_INIT=0: no set-up,
+    said once at INFO, settled (later calls cost two lookups)."""
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        name = dist.group.WORLD.group_name
-
-        def set_ups() -> int:
-            return sum("setting up group" in r.getMessage() for r in caplog.records)
-
+        name, group = dist.group.WORLD.group_name, dist.group.WORLD
         with caplog.at_level(logging.INFO, logger="graphar"):
-            assert cm.serving(name, cpu) is None and set_ups() == 0
-            monkeypatch.setenv("GRAPHAR_AUTO_INIT", "0")
-            assert cm.serving(name, cuda) is None and set_ups() == 0
-            monkeypatch.delenv("GRAPHAR_AUTO_INIT")
-            capturing[0] = True
-            assert cm.serving(name, cuda) is None and cm.serving(name, cuda) is None and set_ups() == 0
-            capturing[0] = False
-            assert cm.serving(name, cuda) is None and set_ups() == 1  # the fake backend is not NCCL: off
-            assert cm.serving(name, cuda) is None and set_ups() == 1  # and never asked again
-        off = [r.getMessage() for r in caplog.records if "custom all-reduce off" in r.getMessage()]
-        assert len(off) == 1 and "not NCCL" in off[0]
-        captured = [r.getMessage() for r in caplog.records if "inside a CUDA-graph capture" in r.getMessage()]
-        assert len(captured) == 1 and "graphar.init(group)" in captured[0]
-        assert name in cm._tried
+            assert cm.serving(name, torch.device("cpu")) is None and name not in cm._settled
+            for _ in range(2):
+                assert cm.serving(name, torch.device("cuda", 0)) is None
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "not set up at its first collective: backend 'fake' is not NCCL" in said[0]
+        assert cm._settled[name] is group
+        monkeypatch.setenv("GRAPHAR_AUTO_INIT", "0")
+        assert cm._not_worth_setting_up(group) == "GRAPHAR_AUTO_INIT=0"
     finally:
         dist.destroy_process_group()
+
+
+def test_first_eager_collective_on_cuda_runs_init_once_per_group(fresh_registry, caplog, monkeypatch) -> None:
+    """Where it applies (NCCL, here faked), the first eager CUDA collective runs init, once; not
+    inside a capture (warned once; the next eager call does); anew for a new group of the same name."""
+    inits: list[dist.ProcessGroup] = []
+    monkeypatch.setattr(cm, "_not_worth_setting_up", lambda group: None)
+    monkeypatch.setattr(cm, "init", lambda group: inits.append(group) or cm._settled.__setitem__(group.group_name, group))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = torch.device("cuda", 0)
+    for generation in range(2):  # the second world reuses the first's group name
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        try:
+            name = dist.group.WORLD.group_name
+            with caplog.at_level(logging.WARNING, logger="graphar"):
+                capturing[0] = generation == 0
+                assert cm.serving(name, cuda) is None and cm.serving(name, cuda) is None
+                capturing[0] = False
+                for _ in range(3):
+                    cm.serving(name, cuda)
+            assert inits[generation:] == [dist.group.WORLD], generation
+        finally:
+            dist.destroy_process_group()
+    captured = [r.getMessage() for r in caplog.records if "inside a CUDA-graph capture" in r.getMessage()]
+    assert len(inits) == 2 and len(captured) == 1 and "graphar.init(group)" in captured[0]
 
 
 def test_no_capture_outside_graph_and_batch_graphs_validation() -> None:

@@ -125,6 +125,7 @@ class AllReduce:
         self._recorded = 0
         self._calls = 0
         self._native_calls_before = comm.native_calls()  # the C++ kernel counts per group name
+        self._fallbacks_seen: set[tuple[torch.dtype, int]] = set()
         self._fallbacks_said: set[str] = set()
 
     @property
@@ -198,6 +199,10 @@ class AllReduce:
     def say_why_not(self, x: torch.Tensor) -> None:
         """Log why a call of `x` runs on the collective instead, once per group and kind of reason
         (sizes aside): the op's fallback is never silent, and a loop of such calls is not noisy."""
+        seen = (x.dtype, x.nbytes)  # what decides the reason here: a loop of such calls pays one set lookup
+        if seen in self._fallbacks_seen:
+            return
+        self._fallbacks_seen.add(seen)
         reason = self._refusal(x, None)
         kind = re.sub(r"\d+", "N", reason or "")
         if reason is not None and kind not in self._fallbacks_said:

@@ -236,7 +236,10 @@ class Communicator:
 _communicators: dict[str, Communicator] = {}
 _generations: dict[str, int] = {}
 _logged: set[str] = set()
-_tried: set[str] = set()  # groups `init` has run for, set up or not
+# Groups whose set-up is settled: `init` ran for them (set up or not), or the automatic set-up does not
+# apply. Kept with the group itself: torch reuses a name after destroy_process_group, and the new
+# group must set up anew.
+_settled: dict[str, dist.ProcessGroup] = {}
 _captured_first: set[str] = set()  # groups whose first collective was captured, before any set-up
 
 
@@ -245,15 +248,27 @@ def communicator(group_name: str) -> Communicator | None:
     return _communicators.get(group_name)
 
 
+def _is_settled(group_name: str) -> bool:
+    group = _settled.get(group_name)
+    return group is not None and group in dist.distributed_c10d._world.pg_map  # a destroyed group has left it
+
+
 def serving(group_name: str, device: torch.device) -> Communicator | None:
     """The communicator that serves a collective of the group on `device`. Where `init` never ran for
-    the group, the group's first eager collective on a CUDA device runs it (GRAPHAR_AUTO_INIT), so
-    that backend="graphar" alone turns the custom paths on. Every rank makes the same call at the
-    same point of the same program, so the ranks set up together, as `init` requires. A capture
-    cannot exchange IPC handles: a first call inside one keeps NCCL, and the next eager call sets up."""
+    the group, the group's first eager collective on a CUDA device runs it (GRAPHAR_AUTO_INIT, which
+    every rank must set alike), so that backend="graphar" alone turns the custom paths on. Every rank
+    makes the same call at the same point of the same program, so the ranks set up together, as
+    `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
+    the next eager call sets up. Cheap once settled: two dict lookups."""
     comm = _communicators.get(group_name)
-    if comm is not None or group_name in _tried or device.type != "cuda" or not settings.AUTO_INIT.get():
+    if comm is not None or device.type != "cuda" or _is_settled(group_name):
         return comm
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    skip = _not_worth_setting_up(group)
+    if skip is not None:
+        _settled[group_name] = group
+        logger.info("graphar: group %r is not set up at its first collective: %s", group_name, skip)
+        return None
     if torch.cuda.is_current_stream_capturing():
         if group_name not in _captured_first:
             _captured_first.add(group_name)
@@ -263,7 +278,25 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
         return None
     logger.info("graphar: setting up group %r at its first collective (graphar.init was not called for it)", group_name)
     with torch.cuda.device(device):
-        return init(dist.distributed_c10d._resolve_process_group(group_name))
+        return init(group)
+
+
+def sets_up_later(group_name: str) -> bool:
+    """Whether a group with no communicator yet will set one up at its first eager CUDA collective."""
+    if group_name in _communicators or _is_settled(group_name):
+        return False
+    return _not_worth_setting_up(dist.distributed_c10d._resolve_process_group(group_name)) is None
+
+
+def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:
+    """Why the automatic set-up leaves a group alone (None: it sets up): facts equal on every rank."""
+    if not settings.AUTO_INIT.get():
+        return "GRAPHAR_AUTO_INIT=0"
+    if dist.get_world_size(group) == 1:
+        return "one rank: nothing to exchange"
+    if "nccl" not in str(dist.get_backend(group)):
+        return f"backend {dist.get_backend(group)!r} is not NCCL"  # gloo on CUDA tensors: its own choice
+    return None
 
 
 def shutdown() -> None:
@@ -303,13 +336,13 @@ def init(
                            "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
                            comm.timeout_s, differ)  # fmt: skip
         return comm
-    _tried.add(name)
     max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
     timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
     if max_bytes <= 0 or max_bytes % 16 != 0:
         raise ValueError(f"max_bytes must be a positive multiple of 16, got {max_bytes}")
     if timeout_s < 0:
         raise ValueError(f"timeout_s must be >= 0 (0 = unbounded), got {timeout_s}")
+    _settled[name] = group
     reason = _uniform_reason(group)
     if reason is None and not torch.cuda.is_available():
         reason = "CUDA is not available"  # NCCL groups imply CUDA on every rank
