@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from graphar.comm import overlap, ulysses
-from graphar.comm.communicator import serving
+from graphar.comm.set_up import serving
 
 c10d = torch.ops._c10d_functional
 

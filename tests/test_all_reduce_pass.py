@@ -184,7 +184,7 @@ class <lambda>(torch.nn.Module):
         for a group that will not set up."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from graphar.comm import communicator as cm
+        from graphar.comm import set_up
         from passes import all_reduce as pass_module
 
         def match(device: str) -> pass_module._AllReduceMatch:
@@ -196,7 +196,7 @@ class <lambda>(torch.nn.Module):
             return pass_module._AllReduceMatch(reduce, graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,)))
 
         with mock.patch.dict(os.environ, {"GRAPHAR_MAX_ALLREDUCE_BYTES": "1024"}):
-            with mock.patch.object(cm, "_not_worth_setting_up", lambda group: None), self.assertLogs("graphar", "WARNING") as said:
+            with mock.patch.object(set_up, "_not_worth_setting_up", lambda group: None), self.assertLogs("graphar", "WARNING") as said:
                 pass_module._warn_over_communicator_limit(match("cuda"))
             with self.assertNoLogs("graphar", level="WARNING"):
                 pass_module._warn_over_communicator_limit(match("cpu"))

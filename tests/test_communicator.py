@@ -20,7 +20,7 @@ from graphar import graphs
 from graphar.comm import abi
 from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
-from graphar.comm import policy
+from graphar.comm import policy, set_up
 from graphar.comm.rendezvous import StoreExchange
 from graphar.errors import GrapharCommError
 
@@ -63,12 +63,12 @@ def _facts(host="h", bus="0000:01:00.0", settings=(MB, 36, None), error=None):
 
 
 def test_shared_verdict() -> None:
-    assert cm._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
-    assert "several hosts" in cm._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
-    assert "share a GPU" in cm._shared_reason([_facts(), _facts()])
-    differing = cm._shared_reason([_facts(), _facts(bus="0000:02:00.0", settings=(MB, 48, None))])
+    assert set_up._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
+    assert "several hosts" in set_up._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
+    assert "share a GPU" in set_up._shared_reason([_facts(), _facts()])
+    differing = set_up._shared_reason([_facts(), _facts(bus="0000:02:00.0", settings=(MB, 48, None))])
     assert "block limit" in differing
-    assert cm._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
+    assert set_up._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
 
 
 def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:
@@ -96,13 +96,13 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         with caplog.at_level(logging.WARNING, logger="graphar"):
-            assert cm.init() is None
-            assert cm.init() is None
+            assert set_up.init() is None
+            assert set_up.init() is None
         warnings = [r for r in caplog.records if "custom all-reduce off" in r.getMessage()]
         assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
         assert cm.communicator(dist.group.WORLD.group_name) is None
         with pytest.raises(ValueError, match="max_bytes"):
-            cm.init(max_bytes=24)
+            set_up.init(max_bytes=24)
     finally:
         dist.destroy_process_group()
 
@@ -113,9 +113,9 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
         existing = types.SimpleNamespace(max_bytes=MB, timeout_s=60.0)
         monkeypatch.setitem(cm._communicators, dist.group.WORLD.group_name, existing)
         with caplog.at_level(logging.WARNING, logger="graphar"):
-            assert cm.init() is existing and cm.init(max_bytes=MB, timeout_s=60) is existing
+            assert set_up.init() is existing and set_up.init(max_bytes=MB, timeout_s=60) is existing
             assert not caplog.records
-            assert cm.init(max_bytes=4 * MB) is existing
+            assert set_up.init(max_bytes=4 * MB) is existing
         assert len(caplog.records) == 1 and "{'max_bytes': 4194304} are not applied" in caplog.records[0].getMessage()
     finally:
         dist.destroy_process_group()
@@ -124,7 +124,7 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
 @pytest.fixture
 def fresh_registry(monkeypatch) -> None:
     for name, empty in (("_settled", {}), ("_logged", set()), ("_captured_first", set())):
-        monkeypatch.setattr(cm, name, empty)
+        monkeypatch.setattr(set_up, name, empty)
 
 
 def test_the_automatic_set_up_leaves_alone_what_it_cannot_serve(fresh_registry, caplog, monkeypatch) -> None:
@@ -134,14 +134,14 @@ def test_the_automatic_set_up_leaves_alone_what_it_cannot_serve(fresh_registry, 
     try:
         name, group = dist.group.WORLD.group_name, dist.group.WORLD
         with caplog.at_level(logging.INFO, logger="graphar"):
-            assert cm.serving(name, torch.device("cpu")) is None and name not in cm._settled
+            assert set_up.serving(name, torch.device("cpu")) is None and name not in set_up._settled
             for _ in range(2):
-                assert cm.serving(name, torch.device("cuda", 0)) is None
+                assert set_up.serving(name, torch.device("cuda", 0)) is None
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1 and "not set up at its first collective: backend 'fake' is not NCCL" in said[0]
-        assert cm._settled[name] is group
+        assert set_up._settled[name] is group
         monkeypatch.setenv("GRAPHAR_AUTO_INIT", "0")
-        assert cm._not_worth_setting_up(group) == "GRAPHAR_AUTO_INIT=0"
+        assert set_up._not_worth_setting_up(group) == "GRAPHAR_AUTO_INIT=0"
     finally:
         dist.destroy_process_group()
 
@@ -150,8 +150,8 @@ def test_first_eager_collective_on_cuda_runs_init_once_per_group(fresh_registry,
     """Where it applies (NCCL, here faked), the first eager CUDA collective runs init, once; not
     inside a capture (warned once; the next eager call does); anew for a new group of the same name."""
     inits: list[dist.ProcessGroup] = []
-    monkeypatch.setattr(cm, "_not_worth_setting_up", lambda group: None)
-    monkeypatch.setattr(cm, "init", lambda group: inits.append(group) or cm._settled.__setitem__(group.group_name, group))
+    monkeypatch.setattr(set_up, "_not_worth_setting_up", lambda group: None)
+    monkeypatch.setattr(set_up, "init", lambda group: inits.append(group) or set_up._settled.__setitem__(group.group_name, group))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -162,10 +162,10 @@ def test_first_eager_collective_on_cuda_runs_init_once_per_group(fresh_registry,
             name = dist.group.WORLD.group_name
             with caplog.at_level(logging.WARNING, logger="graphar"):
                 capturing[0] = generation == 0
-                assert cm.serving(name, cuda) is None and cm.serving(name, cuda) is None
+                assert set_up.serving(name, cuda) is None and set_up.serving(name, cuda) is None
                 capturing[0] = False
                 for _ in range(3):
-                    cm.serving(name, cuda)
+                    set_up.serving(name, cuda)
             assert inits[generation:] == [dist.group.WORLD], generation
         finally:
             dist.destroy_process_group()

@@ -52,14 +52,14 @@ def _assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
 
 
 def _init_relaxed():
-    from graphar.comm import communicator as cm
+    from graphar.comm import set_up
 
-    cm._uniform_reason = lambda group: None  # gloo group: the harness's references run on it
-    shared = cm._shared_reason
-    cm._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
-    cm._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
-    cm._not_worth_setting_up = lambda group: None  # gloo groups set up at their first call too, here
-    comm = cm.init(max_bytes=8 * MB, timeout_s=30)
+    set_up._uniform_reason = lambda group: None  # gloo group: the harness's references run on it
+    shared = set_up._shared_reason
+    set_up._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
+    set_up._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
+    set_up._not_worth_setting_up = lambda group: None  # gloo groups set up at their first call too, here
+    comm = set_up.init(max_bytes=8 * MB, timeout_s=30)
     assert comm is not None, "graphar.init set up no communicator"
     return comm
 

@@ -17,7 +17,7 @@ separate `all_to_all_single`s bit for bit. The decision to pack depends only on 
 world size, equal on every rank.
 
 Transport: a group with a graphar communicator (`graphar.init(group)`, or set up at the group's first
-eager exchange: `communicator.serving`) exchanges over CUDA IPC
+eager exchange: `set_up.serving`) exchanges over CUDA IPC
 (`graphar.comm.exchange`): the pack writes into the rank's registered exchange buffer and each rank
 pulls its chunks from the peers straight into the result, the receive relayout folded into the copy;
 or (`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores each chunk straight into its rank's buffer.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from graphar import pool
 from graphar.comm import exchange
-from graphar.comm.communicator import serving
+from graphar.comm.set_up import serving
 from graphar.kernels import pack
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
@@ -73,7 +73,7 @@ def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callabl
 
 def _ipc_exchange(group_name: str, device: torch.device) -> exchange.IpcExchange | None:
     """The IPC exchange of a group that has a graphar communicator (`graphar.init`, or set up here at
-    the group's first eager exchange: `communicator.serving`), else None."""
+    the group's first eager exchange: `set_up.serving`), else None."""
     comm = serving(group_name, device)
     return None if comm is None else comm.exchange
 
@@ -313,7 +313,7 @@ def reserve(
     (`[b, S, h_c, d]` each, the largest the graphs will see) and the matching output.
 
     Collective on a CUDA device: it sizes the IPC exchange buffers too, and sets up the group's
-    communicator where `graphar.init` was not called for it (`communicator.serving`)."""
+    communicator where `graphar.init` was not called for it (`set_up.serving`)."""
     p = world_size(group_name)
     b, s_local, _, d = shapes[0]
     heads = pack.packed_heads([s[2] for s in shapes], p)

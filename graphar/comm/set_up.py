@@ -1,0 +1,233 @@
+"""Which groups get an IPC communicator, and when: `init`, the set-up agreement, the set-up at a
+group's first collective.
+
+`init(group)` is collective over the group. It returns a `Communicator` only where the custom paths
+are safe (one node, even world size <= 8, P2P confirmed by a real IPC store and load, NVLink between
+every pair above 2 ranks); otherwise None on every rank, with the reason logged once. Every step
+whose outcome can differ between ranks ends in an exchange of verdicts (`rendezvous`), so all ranks
+decide alike. `serving` runs `init` for a group that never had it, at its first eager collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphar import _cuda, settings
+from graphar.comm.allreduce import block_limit
+from graphar.comm.communicator import Communicator, _communicators
+from graphar.comm.rendezvous import StoreExchange, agree, first_reason
+from graphar.kernels import pack
+
+logger = logging.getLogger("graphar")
+
+_WORLD_SIZES = (2, 4, 6, 8)
+_generations: dict[str, int] = {}
+_logged: set[str] = set()
+# Groups whose set-up is settled: `init` ran for them (set up or not), or the automatic set-up does not
+# apply. Kept with the group itself: torch reuses a name after destroy_process_group, and the new
+# group must set up anew.
+_settled: dict[str, dist.ProcessGroup] = {}
+_captured_first: set[str] = set()  # groups whose first collective was captured, before any set-up
+
+
+def _is_settled(group_name: str) -> bool:
+    group = _settled.get(group_name)
+    return group is not None and group in dist.distributed_c10d._world.pg_map  # a destroyed group has left it
+
+
+def serving(group_name: str, device: torch.device) -> Communicator | None:
+    """The communicator that serves a collective of the group on `device`. Where `init` never ran for
+    the group, the group's first eager collective on a CUDA device runs it (GRAPHAR_AUTO_INIT, which
+    every rank must set alike), so that backend="graphar" alone turns the custom paths on. Every rank
+    makes the same call at the same point of the same program, so the ranks set up together, as
+    `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
+    the next eager call sets up. Cheap once settled: two dict lookups."""
+    comm = _communicators.get(group_name)
+    if comm is not None or device.type != "cuda" or _is_settled(group_name):
+        return comm
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    skip = _not_worth_setting_up(group)
+    if skip is not None:
+        _settled[group_name] = group
+        logger.info("graphar: group %r is not set up at its first collective: %s", group_name, skip)
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        if group_name not in _captured_first:
+            _captured_first.add(group_name)
+            logger.warning("graphar: group %r's first collective is inside a CUDA-graph capture, which cannot set it "
+                           "up: NCCL serves it in this graph; call graphar.init(group) (or run a step eagerly) "
+                           "before capturing", group_name)  # fmt: skip
+        return None
+    logger.info("graphar: setting up group %r at its first collective (graphar.init was not called for it)", group_name)
+    with torch.cuda.device(device):
+        return init(group)
+
+
+def sets_up_later(group_name: str) -> bool:
+    """Whether a group with no communicator yet will set one up at its first eager CUDA collective."""
+    if group_name in _communicators or _is_settled(group_name):
+        return False
+    return _not_worth_setting_up(dist.distributed_c10d._resolve_process_group(group_name)) is None
+
+
+def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:
+    """Why the automatic set-up leaves a group alone (None: it sets up): facts equal on every rank."""
+    if not settings.AUTO_INIT.get():
+        return "GRAPHAR_AUTO_INIT=0"
+    if dist.get_world_size(group) == 1:
+        return "one rank: nothing to exchange"
+    if "nccl" not in str(dist.get_backend(group)):
+        return f"backend {dist.get_backend(group)!r} is not NCCL"  # gloo on CUDA tensors: its own choice
+    return None
+
+
+def init(
+    group: dist.ProcessGroup | None = None, *, max_bytes: int | None = None, timeout_s: float | None = None
+) -> Communicator | None:
+    """Set up graphar's IPC communicator for `group` (default: the world) on the current CUDA device.
+
+    Collective: every rank of the group calls it. Optional: a group without it sets up at its first
+    eager collective (`serving`); call it to choose the moment, the buffers' size or the timeout, or
+    before a capture that would be the group's first collective. Returns None on every rank (and
+    logs why, once) when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the
+    all-reduce's IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S, 60;
+    0 = unbounded) bounds every spin wait on a peer.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("graphar.init needs torch.distributed to be initialized")
+    group = group if group is not None else dist.group.WORLD
+    name = group.group_name
+    if name in _communicators:
+        comm = _communicators[name]
+        asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
+        differ = {k: v for k, v in asked.items() if v is not None and float(v) != float(getattr(comm, k))}
+        if differ:  # set up already (by an earlier init or at the group's first collective)
+            logger.warning("graphar.init of group %r: its communicator is set up already (max_bytes=%d, timeout_s=%g), "
+                           "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
+                           comm.timeout_s, differ)  # fmt: skip
+        return comm
+    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
+    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
+    if max_bytes <= 0 or max_bytes % 16 != 0:
+        raise ValueError(f"max_bytes must be a positive multiple of 16, got {max_bytes}")
+    if timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0 (0 = unbounded), got {timeout_s}")
+    _settled[name] = group
+    reason = _uniform_reason(group)
+    if reason is None and not torch.cuda.is_available():
+        reason = "CUDA is not available"  # NCCL groups imply CUDA on every rank
+    comm = None
+    if reason is None:
+        comm, reason = _set_up(group, name, max_bytes, timeout_s)
+    if comm is None:
+        _disabled(name, reason or "unknown")
+        return None
+    _communicators[name] = comm
+    comm.allreduce.publish()
+    return comm
+
+
+def _disabled(group_name: str, reason: str) -> None:
+    if group_name not in _logged:
+        _logged.add(group_name)
+        logger.warning("graphar: custom all-reduce off for group %r, NCCL serves it: %s", group_name, reason)
+
+
+def _uniform_reason(group: dist.ProcessGroup) -> str | None:
+    """Checks whose answer is the same on every rank, so no exchange is needed."""
+    if "nccl" not in str(dist.get_backend(group)):
+        return f"backend {dist.get_backend(group)!r} is not NCCL"
+    world_size = dist.get_world_size(group)
+    if world_size not in _WORLD_SIZES:
+        return f"world size {world_size} is not one of {_WORLD_SIZES}"
+    return None
+
+
+def _local_facts(device: int, settings: tuple[Any, ...]) -> dict[str, Any]:
+    facts: dict[str, Any] = {"host": socket.gethostname(), "settings": settings, "bus": None, "error": None}
+    try:
+        facts["bus"] = _cuda.pci_bus_id(device)
+    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+        facts["error"] = str(e)
+    return facts
+
+
+def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
+    """Verdict from every rank's facts; every rank computes the same one."""
+    reason = first_reason([f["error"] for f in facts])
+    if reason is not None:
+        return reason
+    if len({f["host"] for f in facts}) != 1:
+        return f"the group spans several hosts: {sorted({f['host'] for f in facts})}"
+    buses = [f["bus"] for f in facts]
+    if len(set(buses)) != len(buses):
+        return f"ranks share a GPU: {buses}"
+    if len({f["settings"] for f in facts}) != 1:
+        return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GRAPHAR_ALLTOALL_ALGO, "
+                f"GRAPHAR_PULL_BLOCKS, Triton, GPU architecture): {[f['settings'] for f in facts]}")
+    return None
+
+
+def _nvlink_reason(buses: Sequence[str], rank: int) -> str | None:
+    try:
+        missing = [r for r, bus in enumerate(buses) if r != rank and not _cuda.nvlink_between(buses[rank], bus)]
+    except _cuda.GrapharUnavailable as e:
+        return f"cannot confirm NVLink ({e})"
+    return f"no NVLink to ranks {missing}" if missing else None
+
+
+def _set_up(
+    group: dist.ProcessGroup, name: str, max_bytes: int, timeout_s: float
+) -> tuple[Communicator | None, str | None]:
+    """The set-up agreement: facts, then IPC handles, then open and store (probe 0), then load back
+    (probe 1); every step's verdicts shared, so every rank returns alike."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.cuda.current_device()
+    generation = _generations.get(name, 0)
+    _generations[name] = generation + 1
+    store = dist.distributed_c10d._world.pg_map[group][1]
+    exchange = StoreExchange(store, f"graphar/allreduce/{name}/{generation}", rank, world_size,
+                             settings.EXCHANGE_TIMEOUT_S.get())  # fmt: skip
+    what = f"graphar.init of group {name!r}"
+
+    capability_major = torch.cuda.get_device_capability(device)[0]
+    blocks = block_limit(capability_major)
+    forced = settings.ALLREDUCE_ALGO.get()
+    # Every rank must launch alike: the same kernels, block counts (barriers meet block by block) and
+    # transport, which a Triton-less rank would choose differently (its Ulysses packs could not push).
+    shared = (max_bytes, blocks, forced, settings.ALLTOALL_ALGO.get(), settings.PULL_BLOCKS.get(),
+              pack.triton_available(), capability_major)  # fmt: skip
+    facts = exchange.all_gather(_local_facts(device, shared), what)
+    reason = _shared_reason(facts)
+    if reason is None and world_size > 2:
+        reason = first_reason(exchange.all_gather(_nvlink_reason([f["bus"] for f in facts], rank), what))
+    if reason is not None:
+        return None, reason
+
+    comm: Communicator | None = None
+    local: str | None = None
+    handles = b""
+    try:
+        comm = Communicator(group_name=name, rank=rank, world_size=world_size, device=device, max_bytes=max_bytes,
+                            timeout_s=timeout_s, blocks=blocks, forced_algo=forced,
+                            capability_major=capability_major, store=exchange)  # fmt: skip
+        handles = comm._ipc_handles()
+    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+        local = str(e)
+    gathered = exchange.all_gather((handles, local), what)
+    reason = first_reason([error for _, error in gathered])
+    if reason is None:
+        reason = agree(exchange, what, lambda: comm._open_peers([h for h, _ in gathered]) or comm._probe(0))
+    if reason is None:  # every rank has stored into every peer: load it all back
+        reason = agree(exchange, what, lambda: comm._probe(1))
+    if reason is not None:
+        if comm is not None:
+            comm.close()
+        return None, reason
+    return comm, None
