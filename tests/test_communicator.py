@@ -112,6 +112,7 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
     try:
         existing = types.SimpleNamespace(max_bytes=MB, timeout_s=60.0)
         monkeypatch.setitem(cm._communicators, dist.group.WORLD.group_name, existing)
+        monkeypatch.setitem(set_up._settled, dist.group.WORLD.group_name, dist.group.WORLD)
         with caplog.at_level(logging.WARNING, logger="graphar"):
             assert set_up.init() is existing and set_up.init(max_bytes=MB, timeout_s=60) is existing
             assert not caplog.records
@@ -119,6 +120,25 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
         assert len(caplog.records) == 1 and "{'max_bytes': 4194304} are not applied" in caplog.records[0].getMessage()
     finally:
         dist.destroy_process_group()
+
+
+def test_init_closes_the_communicator_of_a_destroyed_group_of_the_same_name(caplog, monkeypatch) -> None:
+    closed = []
+    stale = types.SimpleNamespace(close=lambda: closed.append(True) or cm._communicators.pop(name))
+    for generation in range(2):  # the second world reuses the first's group name
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        try:
+            name = dist.group.WORLD.group_name
+            if generation == 0:
+                monkeypatch.setitem(cm._communicators, name, stale)
+                monkeypatch.setitem(set_up._settled, name, dist.group.WORLD)
+                assert set_up.init() is stale and not closed
+            else:
+                with caplog.at_level(logging.WARNING, logger="graphar"):
+                    assert set_up.init() is None  # the fake backend: no new one
+                assert closed == [True] and "destroyed group of that name" in caplog.records[0].getMessage()
+        finally:
+            dist.destroy_process_group()
 
 
 @pytest.fixture

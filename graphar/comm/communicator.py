@@ -229,7 +229,8 @@ def communicator(group_name: str) -> Communicator | None:
 
 
 def shutdown() -> None:
-    """Close every communicator (each waits for its device first)."""
+    """Close every communicator (each waits for its device first). Call it before
+    `dist.destroy_process_group()`: torch reuses group names, and the registry is by name."""
     errors = []
     for comm in list(_communicators.values()):
         try:

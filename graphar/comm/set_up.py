@@ -103,6 +103,10 @@ def init(
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
+    if name in _communicators and _settled.get(name) is not group:
+        logger.warning("graphar.init of group %r: closing the communicator of a destroyed group of that name (torch "
+                       "reuses names; call graphar.shutdown() before destroy_process_group)", name)  # fmt: skip
+        _communicators[name].close()
     if name in _communicators:
         comm = _communicators[name]
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
