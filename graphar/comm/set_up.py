@@ -198,7 +198,8 @@ def _set_up(
     store = dist.distributed_c10d._world.pg_map[group][1]
     exchange = StoreExchange(store, f"graphar/allreduce/{name}/{generation}", rank, world_size,
                              settings.EXCHANGE_TIMEOUT_S.get())  # fmt: skip
-    what = f"graphar.init of group {name!r}"
+    # A rank that never comes: it did not call graphar.init, or set GRAPHAR_AUTO_INIT otherwise.
+    what = f"graphar.init of group {name!r} (every rank of it must: graphar.init, or GRAPHAR_AUTO_INIT set alike)"
 
     capability_major = torch.cuda.get_device_capability(device)[0]
     blocks = block_limit(capability_major)
