@@ -23,32 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-KB, MB = 1 << 10, 1 << 20
-ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
-
-
-def _integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype).cuda()
-
-
-def _reference_sum(x: torch.Tensor) -> torch.Tensor:
-    ref = x.float().cpu()
-    dist.all_reduce(ref)  # gloo, on the CPU
-    return ref.to(x.dtype).cuda()
-
-
-def _world() -> int:
-    return dist.get_world_size()
-
-
-def _assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
-    """Every rank's `mine` is bitwise rank 0's, NaN payloads included (a 16- or 32-bit float)."""
-    everyone = [torch.empty_like(mine) for _ in range(_world())]
-    dist.all_gather(everyone, mine)
-    bits = {2: torch.int16, 4: torch.int32}[mine.element_size()]
-    assert all(torch.equal(everyone[0].view(bits), other.view(bits)) for other in everyone[1:]), f"{what}: ranks differ"
+from one_gpu_common import ALGOS, KB, MB, assert_ranks_equal, integers, reference_sum, world_size
+from one_gpu_compiled import (
+    check_compiled,
+    check_compiled_attention,
+    check_compiled_fused_norm,
+    check_compiled_on_fresh_pairs,
+)
 
 
 def _init_relaxed():
@@ -64,18 +45,18 @@ def _init_relaxed():
     return comm
 
 
-def _check_all_reduce(comm, rank: int) -> None:
+def check_all_reduce(comm, rank: int) -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for nbytes in (16, 48, 64 * KB + 16, MB, 8 * MB):
             for algo in ALGOS:
                 if comm.allreduce.policy.picks(nbytes, algo).eager is None:
                     continue  # over this kernel's limit at this world size (the push one-shot's shrinks with it)
-                x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
+                x = integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
                 y = comm.all_reduce(x, algo=algo)
-                assert torch.equal(y, _reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
+                assert torch.equal(y, reference_sum(x)), f"all_reduce {dtype} {nbytes} B {algo}"
 
 
-def _check_native_op(comm, rank: int) -> None:
+def check_native_op(comm, rank: int) -> None:
     """graphar::all_reduce's C++ kernel serves eager calls exactly; strided inputs and captures go to
     the Python kernel; the eager choice follows a changed policy."""
     import graphar
@@ -87,30 +68,30 @@ def _check_native_op(comm, rank: int) -> None:
         comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for nbytes in (16, 64 * KB + 16, MB):
-                x = _integers(nbytes // dtype.itemsize, dtype, seed=rank * 7 + nbytes)
+                x = integers(nbytes // dtype.itemsize, dtype, seed=rank * 7 + nbytes)
                 before = comm.native_calls()
                 y = op(x, name)
                 assert comm.native_calls() == before + 1, f"C++ kernel skipped {dtype} {nbytes} B {algo}"
-                assert torch.equal(y, _reference_sum(x)), f"C++ kernel {dtype} {nbytes} B {algo}"
+                assert torch.equal(y, reference_sum(x)), f"C++ kernel {dtype} {nbytes} B {algo}"
     comm.allreduce.policy = comm.allreduce.policy.forcing(None)
-    x = _integers(64 * 64, torch.bfloat16, seed=rank).view(64, 64)
+    x = integers(64 * 64, torch.bfloat16, seed=rank).view(64, 64)
     before, calls = comm.native_calls(), comm.allreduce.calls
-    assert torch.equal(op(x.t(), name), _reference_sum(x.t().contiguous())), "strided input"
-    misaligned = _integers(64 * 64 + 1, torch.bfloat16, seed=rank)[1:]  # contiguous, 2 bytes off
-    assert torch.equal(op(misaligned, name), _reference_sum(misaligned)), "misaligned input"
+    assert torch.equal(op(x.t(), name), reference_sum(x.t().contiguous())), "strided input"
+    misaligned = integers(64 * 64 + 1, torch.bfloat16, seed=rank)[1:]  # contiguous, 2 bytes off
+    assert torch.equal(op(misaligned, name), reference_sum(misaligned)), "misaligned input"
     for capture in (torch.cuda.graph, graphar.graph):
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
             y = op(x, name)
-        x.copy_(_integers(64 * 64, torch.bfloat16, seed=rank + 9).view(64, 64))
+        x.copy_(integers(64 * 64, torch.bfloat16, seed=rank + 9).view(64, 64))
         y.fill_(float("nan"))
         graph.replay()
-        assert torch.equal(y, _reference_sum(x)), f"{capture.__name__} replay"
+        assert torch.equal(y, reference_sum(x)), f"{capture.__name__} replay"
     assert comm.native_calls() == before and comm.allreduce.calls == calls + 4, "the Python kernel's calls"
     # The fused norm's C++ kernel: the same kernel as the Python one's, in and out of a capture; a
     # strided input goes to Python, which copies it and fuses too.
-    x = _integers(8 * 4096, torch.bfloat16, seed=rank).view(8, 4096)
-    residual, weight = _integers(8 * 4096, torch.bfloat16, seed=3).view(8, 4096), torch.full_like(x[0], 1.5)
+    x = integers(8 * 4096, torch.bfloat16, seed=rank).view(8, 4096)
+    residual, weight = integers(8 * 4096, torch.bfloat16, seed=3).view(8, 4096), torch.full_like(x[0], 1.5)
     want = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
     norm_op = torch.ops.graphar.all_reduce_add_rms_norm
     before = comm.native_calls()
@@ -126,30 +107,7 @@ def _check_native_op(comm, rank: int) -> None:
     assert comm.native_calls() == before + 2 and all(map(torch.equal, strided, want)), "strided fused norm"
 
 
-def _check_compiled(comm, rank: int) -> None:
-    """A tensor-parallel step compiled with backend="graphar" as users call it: the default mode with
-    changing batch sizes (automatic dynamic shapes), then mode="reduce-overhead"; exact against the
-    reference, and the default mode's all-reduces served by the op's C++ kernel."""
-    w = _integers(256 * 256, torch.float32, seed=rank).view(256, 256)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        y = x @ w  # integer-valued: exact in fp32
-        dist.all_reduce(y)
-        return y + 1
-
-    for mode in (None, "reduce-overhead"):
-        torch._dynamo.reset()
-        compiled = torch.compile(step, backend="graphar", mode=mode)
-        before, batches = comm.native_calls(), (1, 8, 3, 8, 8, 5)
-        for batch in batches:
-            x = _integers(batch * 256, torch.float32, seed=rank + batch).view(batch, 256)
-            assert torch.equal(compiled(x), _reference_sum(x @ w) + 1), f"compiled, mode {mode}, batch {batch}"
-        if mode is None:
-            assert comm.native_calls() - before == len(batches), "the compiled step's all-reduces skipped C++"
-    torch._dynamo.reset()
-
-
-def _check_special_values(comm, rank: int) -> None:
+def check_special_values(comm, rank: int) -> None:
     """-0.0, Inf and NaNs (the push kernels' empty-slot pattern among them) sum as in PyTorch,
     NaN payloads aside; the ranks agree bitwise."""
     bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
@@ -167,29 +125,29 @@ def _check_special_values(comm, rank: int) -> None:
             ref = ref.to(dtype)
             nan = torch.isnan(ref)
             assert torch.equal(torch.isnan(y), nan) and torch.equal(y.view(ints)[~nan], ref.view(ints)[~nan]), algo
-            _assert_ranks_equal(y, algo)
+            assert_ranks_equal(y, algo)
 
 
-def _check_fused_norm(comm, rank: int) -> None:
+def check_fused_norm(comm, rank: int) -> None:
     """The fused all-reduce + residual add + RMSNorm: the sum exact, the norm within one ulp of the
     unfused ops, the ranks bitwise equal."""
     from graphar.ops import unfused_add_rms_norm
 
     for dtype, hidden, rows in ((torch.bfloat16, 4096, 8), (torch.float32, 1024, 3), (torch.float16, 5120, 1)):
-        x = _integers(rows * hidden, dtype, seed=rank).view(rows, hidden)
-        residual = _integers(rows * hidden, dtype, seed=77).view(rows, hidden)
+        x = integers(rows * hidden, dtype, seed=rank).view(rows, hidden)
+        residual = integers(rows * hidden, dtype, seed=77).view(rows, hidden)
         weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(5)) + 0.5).to(dtype).cuda()
         for weight_first in (False, True):
             fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, weight_first)
             assert fused is not None, f"fused norm refused {dtype} {rows}x{hidden}"
-            want_normed, want_summed = unfused_add_rms_norm(_reference_sum(x), residual, weight, 1e-6, weight_first)
+            want_normed, want_summed = unfused_add_rms_norm(reference_sum(x), residual, weight, 1e-6, weight_first)
             assert torch.equal(fused[1], want_summed), f"fused norm: sum + residual {dtype}"
             err = ((fused[0].float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-3)).max()
             assert err <= {torch.float32: 2**-20, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype], f"{dtype}: {err}"
-            _assert_ranks_equal(fused[0].float().cpu(), "fused norm")  # exact, and a dtype gloo gathers
+            assert_ranks_equal(fused[0].float().cpu(), "fused norm")  # exact, and a dtype gloo gathers
 
 
-def _check_overlap(comm, rank: int) -> None:
+def check_overlap(comm, rank: int) -> None:
     """The pipelined Ulysses attention equals the unchunked path bit for bit, eager and captured."""
     import torch.nn.functional as F
 
@@ -203,7 +161,7 @@ def _check_overlap(comm, rank: int) -> None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
         return ulysses.heads_to_seq(o, name)
 
-    heads = (4 * _world(), 2 * _world(), 2 * _world())  # GQA, and two chunks of whole groups
+    heads = (4 * world_size(), 2 * world_size(), 2 * world_size())  # GQA, and two chunks of whole groups
     for b in (1, 2):  # b > 1: the output exchange's rows span batch rows of the chunk's run of heads
         q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
         for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
@@ -221,12 +179,12 @@ def _check_overlap(comm, rank: int) -> None:
     comm.exchange.push = False
 
 
-def _check_graphs(comm, rank: int) -> None:
+def check_graphs(comm, rank: int) -> None:
     import graphar
 
     cases = [(capture, algo) for capture in (graphar.graph, torch.cuda.graph) for algo in (None, "push-oneshot")]
     for capture, algo in cases:
-        x = _integers(32 * KB, torch.bfloat16, seed=rank)
+        x = integers(32 * KB, torch.bfloat16, seed=rank)
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         before = comm.allreduce.graph_calls
         with capture(graph):
@@ -240,30 +198,30 @@ def _check_graphs(comm, rank: int) -> None:
             total, programmatic = graphar._cuda.graph_edges(graph)
             assert programmatic >= 1, f"no programmatic edge among {total}"
         for i in range(3):
-            values = _integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
+            values = integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
             x.copy_(values)
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(y, _reference_sum(values)), f"{capture.__name__} replay {i}: first"
-            assert torch.equal(z, _reference_sum(-values)), f"{capture.__name__} replay {i}: second"
+            assert torch.equal(y, reference_sum(values)), f"{capture.__name__} replay {i}: first"
+            assert torch.equal(z, reference_sum(-values)), f"{capture.__name__} replay {i}: second"
         del graph
         gc.collect()  # a freed graph hands its slots back; the next capture takes them
         assert comm.allreduce.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
 
 
-def _check_ulysses(comm, rank: int) -> None:
+def check_ulysses(comm, rank: int) -> None:
     """Both exchanges against gloo's, pulled and pushed, in one stage and pipelined over several,
     eager and replayed from a torch.cuda.graph capture."""
     from unittest import mock
 
     from graphar.comm import ulysses
 
-    group, world = dist.group.WORLD, _world()
+    group, world = dist.group.WORLD, world_size()
     for push, stage_bytes in ((False, ulysses._STAGE_BYTES), (True, ulysses._STAGE_BYTES), (True, 4 * KB)):
         comm.exchange.push = push  # both ranks alike, as the setting would be
         with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes):
             for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
-                q, k, v = (_integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
+                q, k, v = (integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
                            for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
                 want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
                 got = ulysses.seq_to_heads(q, k, v, group.group_name)
@@ -277,14 +235,14 @@ def _check_ulysses(comm, rank: int) -> None:
                 graph.replay()
                 assert all(torch.equal(g, w) for g, w in zip(captured, want)), f"captured qkv exchange {what}"
                 shape = (b, world * s, h // world, d)
-                o = _integers(math.prod(shape), torch.bfloat16, seed=rank).view(shape)
+                o = integers(math.prod(shape), torch.bfloat16, seed=rank).view(shape)
                 got = ulysses.heads_to_seq(o, group.group_name)
                 assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
     comm.exchange.push = False
     assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
 
 
-def _check_pairs(comm, rank: int) -> None:
+def check_pairs(comm, rank: int) -> None:
     """Groups of two ranks beside the world's communicator, as a 2-D mesh's tensor-parallel rows
     have, never given graphar.init: each pair's first all-reduce (or, in a second set of pairs, its
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
@@ -292,21 +250,21 @@ def _check_pairs(comm, rank: int) -> None:
     from graphar.comm import communicator as cm
     from graphar.comm import ulysses
 
-    world = _world()
+    world = world_size()
     reducing, exchanging = ([dist.new_group([r, r + 1]) for r in range(0, world, 2)] for _ in range(2))
     pair, other = reducing[rank // 2], exchanging[rank // 2]  # every rank creates every group, in order
     op = torch.ops.graphar.all_reduce
     try:
         assert cm.communicator(pair.group_name) is None and cm.communicator(other.group_name) is None
         for i, nbytes in enumerate((16, 64 * KB + 16, MB)):
-            x = _integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
+            x = integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
             pair_sum, world_sum = op(x, pair.group_name), op(x, dist.group.WORLD.group_name)
             ref = x.float().cpu()
             dist.all_reduce(ref, group=pair)
             assert torch.equal(pair_sum, ref.to(x.dtype).cuda()), f"pair all-reduce {nbytes} B"
-            assert torch.equal(world_sum, _reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
+            assert torch.equal(world_sum, reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
         assert cm.communicator(pair.group_name) is not None, "the pair's first all-reduce did not set it up"
-        q, k, v = (_integers(64 * 4 * 32, torch.bfloat16, seed=rank + i).view(1, 64, 4, 32) for i in range(3))
+        q, k, v = (integers(64 * 4 * 32, torch.bfloat16, seed=rank + i).view(1, 64, 4, 32) for i in range(3))
         got = ulysses.seq_to_heads(q, k, v, other.group_name)
         want = [ulysses.seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
         assert all(map(torch.equal, got, want)), "the pair's first Q/K/V exchange"
@@ -317,38 +275,6 @@ def _check_pairs(comm, rank: int) -> None:
                 cm.communicator(group.group_name).close()
 
 
-def _check_compiled_on_fresh_pairs(comm, rank: int) -> None:
-    """mode="reduce-overhead" on groups that never had graphar.init: the warm-up call (eager) sets
-    each pair up, and the recorded graph's all-reduce is graphar's."""
-    from graphar.comm import communicator as cm
-
-    world = _world()
-    pair = [dist.new_group([r, r + 1]) for r in range(0, world, 2)][rank // 2]
-    w = _integers(256 * 256, torch.float32, seed=rank).view(256, 256)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        y = x @ w  # integer-valued: exact in fp32
-        dist.all_reduce(y, group=pair)
-        return y + 1
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend="graphar", mode="reduce-overhead")
-    try:
-        calls = []  # the pair's custom-kernel calls after each step
-        for i in range(4):  # warm-up (eager: sets the pair up), recording, replays
-            x = _integers(8 * 256, torch.float32, seed=rank + 40 + i).view(8, 256)
-            ref = (x @ w).cpu()
-            dist.all_reduce(ref, group=pair)
-            assert torch.equal(compiled(x), ref.cuda() + 1), f"compiled on a fresh pair, call {i}"
-            served = cm.communicator(pair.group_name)
-            calls.append(served.allreduce.calls if served is not None else 0)
-        assert calls[0] >= 1 and calls[1] > calls[0], f"the recorded graph's all-reduce is not graphar's: {calls}"
-    finally:
-        torch._dynamo.reset()
-        if cm.communicator(pair.group_name) is not None:
-            cm.communicator(pair.group_name).close()
-
-
 def _worker(rank: int, port: int, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
@@ -357,9 +283,9 @@ def _worker(rank: int, port: int, world: int) -> None:
 
     comm = _init_relaxed()
     try:
-        checks = (_check_all_reduce, _check_native_op, _check_compiled, _check_special_values, _check_fused_norm,
-                  _check_graphs, _check_ulysses, _check_overlap, _check_pairs,
-                  _check_compiled_on_fresh_pairs)  # fmt: skip
+        checks = (check_all_reduce, check_native_op, check_compiled, check_special_values, check_fused_norm,
+                  check_compiled_fused_norm, check_graphs, check_ulysses, check_overlap, check_compiled_attention,
+                  check_pairs, check_compiled_on_fresh_pairs)  # fmt: skip
         for check in checks:
             start = time.perf_counter()
             check(comm, rank)

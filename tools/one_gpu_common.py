@@ -1,0 +1,35 @@
+"""What the one-GPU harness's checks share (tools/one_gpu_check.py): integer-valued inputs, gloo
+references, the group's size, a bitwise comparison across ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+KB, MB = 1 << 10, 1 << 20
+ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
+
+
+def integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Integers in [-8, 8] on this rank's GPU: their sums are exact in every dtype the kernels take."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype).cuda()
+
+
+def reference_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the world group by gloo, on the CPU in fp32."""
+    ref = x.float().cpu()
+    dist.all_reduce(ref)  # gloo, on the CPU
+    return ref.to(x.dtype).cuda()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
+    """Every rank's `mine` is bitwise rank 0's, NaN payloads included (a 16- or 32-bit float)."""
+    everyone = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(everyone, mine)
+    bits = {2: torch.int16, 4: torch.int32}[mine.element_size()]
+    assert all(torch.equal(everyone[0].view(bits), other.view(bits)) for other in everyone[1:]), f"{what}: ranks differ"
