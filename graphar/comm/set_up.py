@@ -95,9 +95,9 @@ def init(
     Collective: every rank of the group calls it. Optional: a group without it sets up at its first
     eager collective (`serving`); call it to choose the moment, the buffers' size or the timeout, or
     before a capture that would be the group's first collective. Returns None on every rank (and
-    logs why, once) when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the
-    all-reduce's IPC buffers and bounds eligible calls; `timeout_s` (default GRAPHAR_TIMEOUT_S, 60;
-    0 = unbounded) bounds every spin wait on a peer.
+    logs why, once) when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES,
+    8 MiB) sizes the all-reduce's IPC buffers and bounds eligible calls; `timeout_s` (default
+    GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer.
     """
     if not dist.is_initialized():
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
