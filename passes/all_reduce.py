@@ -116,7 +116,7 @@ def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
     comm = communicator(match.group_name)
     if comm is not None:
         limit = comm.max_bytes
-    elif match.x.meta["val"].device.type == "cuda" and sets_up_later(match.group_name):
+    elif sets_up_later(match.group_name, match.x.meta["val"].device):
         limit = settings.MAX_ALLREDUCE_BYTES.get()
     else:
         return  # no communicator will serve these calls: nothing to compare with

@@ -31,8 +31,8 @@ for stage in "$@"; do
       [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       step cpu-tests 400 python -m pytest -q -p no:cacheprovider --ignore=tests/gpu tests ;;
-    one-gpu) step one-gpu 400 python tools/one_gpu_check.py ;;
-    one-gpu=*) step "$stage" 400 python tools/one_gpu_check.py --world "${stage#one-gpu=}" ;;
+    one-gpu|one-gpu=*) world=${stage#one-gpu=}; [ "$world" = one-gpu ] && world=2
+      step "$stage" 400 python tools/one_gpu_check.py --world "$world" ;;
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;

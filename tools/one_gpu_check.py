@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from one_gpu_common import ALGOS, KB, MB, assert_ranks_equal, integers, reference_sum, world_size
+from one_gpu_common import ALGOS, KB, MB, assert_ranks_equal, integers, new_pair, reference_sum, world_size
 from one_gpu_compiled import (
     check_compiled,
     check_compiled_attention,
@@ -250,9 +250,7 @@ def check_pairs(comm, rank: int) -> None:
     from graphar.comm import communicator as cm
     from graphar.comm import ulysses
 
-    world = world_size()
-    reducing, exchanging = ([dist.new_group([r, r + 1]) for r in range(0, world, 2)] for _ in range(2))
-    pair, other = reducing[rank // 2], exchanging[rank // 2]  # every rank creates every group, in order
+    pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce
     try:
         assert cm.communicator(pair.group_name) is None and cm.communicator(other.group_name) is None

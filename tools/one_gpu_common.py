@@ -33,3 +33,10 @@ def assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
     dist.all_gather(everyone, mine)
     bits = {2: torch.int16, 4: torch.int32}[mine.element_size()]
     assert all(torch.equal(everyone[0].view(bits), other.view(bits)) for other in everyone[1:]), f"{what}: ranks differ"
+
+
+def new_pair() -> dist.ProcessGroup:
+    """A new group of this rank and its neighbour (ranks 0-1, 2-3, ...), as a 2-D mesh's
+    tensor-parallel rows; every rank creates every pair, in the same order, as new_group requires."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size(), 2)]
+    return pairs[dist.get_rank() // 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from one_gpu_common import integers, reference_sum, world_size
+from one_gpu_common import integers, new_pair, reference_sum, world_size
 
 
 def check_compiled(comm, rank: int) -> None:
@@ -101,8 +101,7 @@ def check_compiled_on_fresh_pairs(comm, rank: int) -> None:
     each pair up, and the recorded graph's all-reduce is graphar's."""
     from graphar.comm import communicator as cm
 
-    world = world_size()
-    pair = [dist.new_group([r, r + 1]) for r in range(0, world, 2)][rank // 2]
+    pair = new_pair()
     w = integers(256 * 256, torch.float32, seed=rank).view(256, 256)
 
     def step(x: torch.Tensor) -> torch.Tensor:

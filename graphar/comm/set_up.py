@@ -36,9 +36,12 @@ _settled: dict[str, dist.ProcessGroup] = {}
 _captured_first: set[str] = set()  # groups whose first collective was captured, before any set-up
 
 
-def _is_settled(group_name: str) -> bool:
-    group = _settled.get(group_name)
-    return group is not None and group in dist.distributed_c10d._world.pg_map  # a destroyed group has left it
+def _awaits_set_up(group_name: str, device: torch.device) -> bool:
+    """Whether a collective of the group on `device` is where its set-up is still to be decided: a
+    CUDA device, no communicator, nothing settled for this group (a destroyed one has left pg_map)."""
+    settled = _settled.get(group_name)
+    return (device.type == "cuda" and group_name not in _communicators
+            and (settled is None or settled not in dist.distributed_c10d._world.pg_map))  # fmt: skip
 
 
 def serving(group_name: str, device: torch.device) -> Communicator | None:
@@ -47,9 +50,9 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     every rank must set alike), so that backend="graphar" alone turns the custom paths on. Every rank
     makes the same call at the same point of the same program, so the ranks set up together, as
     `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
-    the next eager call sets up. Cheap once settled: two dict lookups."""
+    the next eager call sets up. Cheap once settled: a few dict lookups."""
     comm = _communicators.get(group_name)
-    if comm is not None or device.type != "cuda" or _is_settled(group_name):
+    if comm is not None or not _awaits_set_up(group_name, device):
         return comm
     group = dist.distributed_c10d._resolve_process_group(group_name)
     skip = _not_worth_setting_up(group)
@@ -69,11 +72,10 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
         return init(group)
 
 
-def sets_up_later(group_name: str) -> bool:
-    """Whether a group with no communicator yet will set one up at its first eager CUDA collective."""
-    if group_name in _communicators or _is_settled(group_name):
-        return False
-    return _not_worth_setting_up(dist.distributed_c10d._resolve_process_group(group_name)) is None
+def sets_up_later(group_name: str, device: torch.device) -> bool:
+    """Whether a collective of the group on `device` will set up its communicator when it first runs."""
+    return _awaits_set_up(group_name, device) and _not_worth_setting_up(
+        dist.distributed_c10d._resolve_process_group(group_name)) is None
 
 
 def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:
