@@ -119,6 +119,9 @@ def _worker(rank: int, port: int, cache_dir: str) -> None:
             _run_shapes(rank, "automatic dynamic", [8, 4, 2, 1])
             _run_shapes(rank, "dynamic=True", [2, 3, 5], dynamic=True)
             _run_shapes(rank, "mark_dynamic", [3, 6, 9])
+        with torch.inference_mode():  # how serving loops run (vLLM's, for one)
+            _run_shapes(rank, "inference_mode", [1, 2, 3])
+        with torch.no_grad():
             _strided_inputs(rank)
             _shared_cache(rank, cache_dir)
     finally:

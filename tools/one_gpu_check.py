@@ -182,31 +182,40 @@ def check_overlap(comm, rank: int) -> None:
 def check_graphs(comm, rank: int) -> None:
     import graphar
 
-    cases = [(capture, algo) for capture in (graphar.graph, torch.cuda.graph) for algo in (None, "push-oneshot")]
-    for capture, algo in cases:
-        x = integers(32 * KB, torch.bfloat16, seed=rank)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        before = comm.allreduce.graph_calls
-        with capture(graph):
-            y = comm.all_reduce(x, algo=algo)
-            x.mul_(-1)
-            z = comm.all_reduce(x, algo="push-twoshot" if algo else None)
-        graph.instantiate()
-        assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
-        held = comm.allreduce.slots_in_use
-        if algo is not None:
-            total, programmatic = graphar._cuda.graph_edges(graph)
-            assert programmatic >= 1, f"no programmatic edge among {total}"
-        for i in range(3):
-            values = integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
-            x.copy_(values)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, reference_sum(values)), f"{capture.__name__} replay {i}: first"
-            assert torch.equal(z, reference_sum(-values)), f"{capture.__name__} replay {i}: second"
-        del graph
-        gc.collect()  # a freed graph hands its slots back; the next capture takes them
-        assert comm.allreduce.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
+    cases = [(capture, algo, False) for capture in (graphar.graph, torch.cuda.graph) for algo in (None, "push-oneshot")]
+    for capture, algo, inference in cases + [(graphar.graph, None, True)]:  # serving loops run in inference_mode
+        with torch.inference_mode(inference):
+            _check_graph(comm, rank, capture, algo)
+
+
+def _check_graph(comm, rank: int, capture, algo: str | None) -> None:
+    """Two all-reduces captured (the input changed between them), replayed on fresh inputs; the
+    graph's registrations and slots handed back when it is freed."""
+    import graphar
+
+    x = integers(32 * KB, torch.bfloat16, seed=rank)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    before = comm.allreduce.graph_calls
+    with capture(graph):
+        y = comm.all_reduce(x, algo=algo)
+        x.mul_(-1)
+        z = comm.all_reduce(x, algo="push-twoshot" if algo else None)
+    graph.instantiate()
+    assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
+    held = comm.allreduce.slots_in_use
+    if algo is not None:
+        total, programmatic = graphar._cuda.graph_edges(graph)
+        assert programmatic >= 1, f"no programmatic edge among {total}"
+    for i in range(3):
+        values = integers(32 * KB, torch.bfloat16, seed=100 + i + rank)
+        x.copy_(values)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, reference_sum(values)), f"{capture.__name__} replay {i}: first"
+        assert torch.equal(z, reference_sum(-values)), f"{capture.__name__} replay {i}: second"
+    del graph
+    gc.collect()  # a freed graph hands its slots back; the next capture takes them
+    assert comm.allreduce.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
 
 
 def check_ulysses(comm, rank: int) -> None:

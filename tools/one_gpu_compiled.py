@@ -10,8 +10,9 @@ from one_gpu_common import integers, new_pair, reference_sum, world_size
 
 def check_compiled(comm, rank: int) -> None:
     """A tensor-parallel step compiled with backend="graphar" as users call it: the default mode with
-    changing batch sizes (automatic dynamic shapes), then mode="reduce-overhead"; exact against the
-    reference, and the default mode's all-reduces served by the op's C++ kernel."""
+    changing batch sizes (automatic dynamic shapes), then mode="reduce-overhead", each also under
+    torch.inference_mode (as serving loops run); exact against the reference, and the default mode's
+    all-reduces served by the op's C++ kernel."""
     w = integers(256 * 256, torch.float32, seed=rank).view(256, 256)
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -19,13 +20,15 @@ def check_compiled(comm, rank: int) -> None:
         dist.all_reduce(y)
         return y + 1
 
-    for mode in (None, "reduce-overhead"):
+    for mode, inference in ((None, False), ("reduce-overhead", False), (None, True), ("reduce-overhead", True)):
         torch._dynamo.reset()
         compiled = torch.compile(step, backend="graphar", mode=mode)
         before, batches = comm.native_calls(), (1, 8, 3, 8, 8, 5)
         for batch in batches:
-            x = integers(batch * 256, torch.float32, seed=rank + batch).view(batch, 256)
-            assert torch.equal(compiled(x), reference_sum(x @ w) + 1), f"compiled, mode {mode}, batch {batch}"
+            with torch.inference_mode(inference):
+                x = integers(batch * 256, torch.float32, seed=rank + batch).view(batch, 256)
+                got, want = compiled(x), reference_sum(x @ w) + 1
+            assert torch.equal(got, want), f"compiled, mode {mode}, inference_mode {inference}, batch {batch}"
         if mode is None:
             assert comm.native_calls() - before == len(batches), "the compiled step's all-reduces skipped C++"
     torch._dynamo.reset()
