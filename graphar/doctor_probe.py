@@ -49,7 +49,7 @@ def _init_verdict(group: dist.ProcessGroup, log: _Warnings, **kwargs: Any) -> tu
     said = log.messages[before:]
     if comm is not None:
         return "ok", said
-    # The warning reads "... NCCL serves it: <reason>": the reason alone makes the matrix's footnote.
+    # The warning reads "... its backend (nccl) serves it: <reason>": the reason alone makes the matrix's footnote.
     return (said[-1].split("serves it: ", 1)[-1] if said else "graphar.init returned None, logging no reason"), said
 
 

@@ -16,7 +16,7 @@ from graphar import doctor
 
 TWO_H200 = [{"name": "NVIDIA H200", "cc": "90", "memory": "140 GiB", "bus": f"0000:{b}:00.0"} for b in ("19", "3B")]
 OFF = "rank 1: P2P store/load with rank 0 did not round-trip"
-WARNING = f"graphar: custom all-reduce off for group '0', NCCL serves it: {OFF}"
+WARNING = f"graphar: custom all-reduce off for group '0', its backend (nccl) serves it: {OFF}"
 
 
 def test_without_gpus_it_reports_what_it_can_and_exits_3() -> None:

@@ -132,17 +132,18 @@ def init(
     if reason is None:
         comm, reason = _set_up(group, name, max_bytes, timeout_s)
     if comm is None:
-        _disabled(name, reason or "unknown")
+        _disabled(name, str(dist.get_backend(group)), reason or "unknown")
         return None
     _communicators[name] = comm
     comm.allreduce.publish()
     return comm
 
 
-def _disabled(group_name: str, reason: str) -> None:
+def _disabled(group_name: str, backend: str, reason: str) -> None:
     if group_name not in _logged:
         _logged.add(group_name)
-        logger.warning("graphar: custom all-reduce off for group %r, NCCL serves it: %s", group_name, reason)
+        logger.warning("graphar: custom all-reduce off for group %r, its backend (%s) serves it: %s", group_name,
+                       backend, reason)  # fmt: skip
 
 
 def _uniform_reason(group: dist.ProcessGroup) -> str | None:
