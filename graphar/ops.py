@@ -7,8 +7,9 @@
   packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
 - `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one;
-- `graphar::ulysses_attention(q, k, v, group_name, is_causal, scale, chunks)`: the Q/K/V exchange,
-  attention and output exchange as one pipeline over chunks of heads (`graphar.comm.overlap`);
+- `graphar::ulysses_attention(q, k, v, group_name, is_causal, scale, chunks, kernel)`: the Q/K/V
+  exchange, attention (on the SDPA kernel named, if any) and output exchange as one pipeline over
+  chunks of heads (`graphar.comm.overlap`);
 - `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
   RMS-normalised; returns (normed, the sum plus the residual): one fused kernel up to the policy's
   size, else the all-reduce and the norm apart.
@@ -122,7 +123,7 @@ _define(
 
 def _ulysses_attention_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
-    scale: float | None = None, chunks: int = 2,
+    scale: float | None = None, chunks: int = 2, kernel: str | None = None,
 ) -> torch.Tensor:
     ulysses.qkv_shape((q, k, v), group_name)  # the same checks as the exchange
     return q.new_empty(q.shape)
@@ -130,7 +131,7 @@ def _ulysses_attention_fake(
 
 _define(
     "ulysses_attention(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal=False, float? scale=None, "
-    "int chunks=2) -> Tensor",
+    "int chunks=2, str? kernel=None) -> Tensor",
     overlap.ulysses_attention, _ulysses_attention_fake,
 )
 

@@ -16,9 +16,11 @@ becomes
 where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
 efficient, cudnn, the CPU flash). Heads are independent in attention, so the result is the same bits.
 K and V may reach the kernel repeated for GQA as HF's repeat_kv writes it (the op then attends with
-fewer K/V heads, which reads the same values). Anything else is left alone with the reason logged: a
-mask or dropout, an attention output other than the first used, an intermediate used elsewhere,
-another group, V with other heads than K, or head counts that do not split into two chunks per rank.
+fewer K/V heads, which reads the same values), and any input as a contiguous copy (diffusers' cuDNN
+and native-flash backends copy before the kernel). Anything else is left alone with the reason
+logged: a mask or dropout, an attention output other than the first used, an intermediate used
+elsewhere, another group, V with other heads than K, or head counts that do not split into two
+chunks per rank.
 """
 
 from __future__ import annotations
@@ -42,13 +44,16 @@ graphar_ops = torch.ops.graphar
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
+# Inductor's attention kernels, by the name graphar.comm.overlap gives their SDPA backend.
+_KERNEL_NAMES = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_efficient_attention": "efficient",
+                 "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention_for_cpu": "flash"}
+
+
 def _sdpa_kernels() -> dict[Any, dict[str, int]]:
     """Inductor's attention kernels: where each takes its mask or bias, dropout and is_causal
     (positional index, or absent), as their schemas say."""
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
     kernels = {}
-    for name in names:
+    for name in _KERNEL_NAMES:
         op = getattr(aten, name, None)
         if op is None:
             continue
@@ -82,13 +87,19 @@ class _AttentionMatch:
     def option(self, name: str, default: Any = None) -> Any:
         return _arg(self.sdpa, SDPA_KERNELS[self.sdpa.target].get(name), name, default)
 
+    @property
+    def kernel(self) -> str:
+        """The attention kernel the graph runs, which the op runs too: the same kernel on each head
+        gives the same bits, whichever kernel SDPA would pick for a chunk's shapes."""
+        return _KERNEL_NAMES[self.sdpa.target._schema.name.removeprefix("aten::")]
+
     def replace_with_graphar(self, chunks: int) -> None:
         graph = self.output.graph
         q, k, v, group = self.exchange.args
         with graph.inserting_before(self.output):
             new = graph.call_function(graphar_ops.ulysses_attention.default,
                                       (q, k, v, group, bool(self.option("is_causal", False)),
-                                       self.option("scale"), chunks))  # fmt: skip
+                                       self.option("scale"), chunks, self.kernel))  # fmt: skip
         new.meta.update({key: self.output.meta[key] for key in ("val", "stack_trace") if key in self.output.meta})
         self.output.replace_all_uses_with(new)
         position = {node: i for i, node in enumerate(graph.nodes)}
@@ -120,6 +131,9 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
     between = [getitem, permuted, *copied]
     sources = []
     for i, arg in enumerate(sdpa.args[:3]):
+        copy = []
+        if arg.target == aten.clone.default and len(arg.users) == 1:  # `.contiguous()` before the kernel
+            arg, copy = arg.args[0], [arg]
         repeat = _repeated_kv(arg) if i > 0 else None  # K and V may be repeated for GQA, as HF does
         arg, repeats = (arg, []) if repeat is None else repeat
         if not _is_permute(arg) or len(arg.users) != 1 or arg.args[0].target != aten.slice.Tensor:
@@ -127,7 +141,7 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
         sliced = arg.args[0]
         if len(sliced.users) != 1:
             return "a Q/K/V slice is used elsewhere too"
-        between += [*repeats, arg, sliced]
+        between += [*copy, *repeats, arg, sliced]
         sources.append(sliced)
     exchange = sources[0].args[0]
     if exchange.target != graphar_ops.qkv_all_to_all.default or any(s.args[0] is not exchange for s in sources):

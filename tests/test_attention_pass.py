@@ -65,7 +65,7 @@ class <lambda>(torch.nn.Module):
         mm_2: "f32[6, 128]" = torch.ops.aten.mm.default(view_16, arg3_1);  view_16 = arg3_1 = None
         view_17: "f32[1, 6, 128]" = torch.ops.aten.view.default(mm_2, [1, 6, 128]);  mm_2 = None
         view_18: "f32[1, 6, 8, 16]" = torch.ops.aten.view.default(view_17, [1, 6, 8, 16]);  view_17 = None
-        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(view_2, view_10, view_18, '0', False, None, 2);  view_2 = view_10 = view_18 = None
+        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(view_2, view_10, view_18, '0', False, None, 2, 'flash');  view_2 = view_10 = view_18 = None
         view_41: "f32[1, 6, 128]" = torch.ops.aten.view.default(ulysses_attention_default, [1, 6, 128]);  ulysses_attention_default = None
         return (view_41,)
 """)
@@ -74,14 +74,14 @@ class <lambda>(torch.nn.Module):
         _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25),
                                             *_qkv(), config=PIPELINE)  # fmt: skip
         self.assertEqual(counts["ulysses_attention"], 1)
-        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2)", after)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2, 'flash')", after)
 
     def test_gqa_with_a_kernel_that_takes_it(self) -> None:
         # The CPU flash kernel takes fewer K/V heads itself; the op runs SDPA with enable_gqa.
         _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4),
                                             config=PIPELINE)  # fmt: skip
         self.assertEqual(counts["ulysses_attention"], 1)
-        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
 
     def test_contiguous_output_as_diffusers_writes_it(self) -> None:
         def contiguous(q, k, v):
@@ -115,7 +115,7 @@ class <lambda>(torch.nn.Module):
         permute_default: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg0_1, [0, 2, 1, 3]);  arg0_1 = None
         permute_default_1: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg1_1, [0, 2, 1, 3]);  arg1_1 = None
         permute_default_2: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg2_1, [0, 2, 1, 3]);  arg2_1 = None
-        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(permute_default, permute_default_1, permute_default_2, '0', True, None, 2);  permute_default = permute_default_1 = permute_default_2 = None
+        ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(permute_default, permute_default_1, permute_default_2, '0', True, None, 2, 'flash');  permute_default = permute_default_1 = permute_default_2 = None
         permute_default_7: "f32[1, 8, 6, 16]" = torch.ops.aten.permute.default(ulysses_attention_default, [0, 2, 1, 3]);  ulysses_attention_default = None
         return (permute_default_7,)
 """)
@@ -134,7 +134,7 @@ class <lambda>(torch.nn.Module):
 
         _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
         self.assertEqual(counts["ulysses_attention"], 1)
-        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2)", after)
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
 
     def test_dynamic_sequence_and_batch(self) -> None:
         # A second shape under default torch.compile recompiles with symbolic sizes: the rewrite holds.
@@ -147,7 +147,7 @@ class <lambda>(torch.nn.Module):
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s25)", arg1_1: "f32[1, s25, 8, 16]", arg2_1: "Sym(s25)", arg3_1: "f32[1, s25, 8, 16]", arg4_1: "Sym(s25)", arg5_1: "f32[1, s25, 8, 16]"):
-        ulysses_attention_default: "f32[1, s25, 8, 16]" = torch.ops.graphar.ulysses_attention.default(arg1_1, arg3_1, arg5_1, '0', True, None, 2);  arg1_1 = arg3_1 = arg5_1 = None
+        ulysses_attention_default: "f32[1, s25, 8, 16]" = torch.ops.graphar.ulysses_attention.default(arg1_1, arg3_1, arg5_1, '0', True, None, 2, 'flash');  arg1_1 = arg3_1 = arg5_1 = None
         return (ulysses_attention_default,)
 """)
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphar.comm import ulysses
 
@@ -35,10 +36,12 @@ def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> in
 
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
-    scale: float | None = None, chunks: int = 2,
+    scale: float | None = None, chunks: int = 2, kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V over the whole sequence, for `[b, S, h, d]` local-sequence Q, K, V
-    (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory."""
+    (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory. `kernel`
+    ("flash", "efficient", "cudnn", "math"): the SDPA backend to attend with where it takes the
+    chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
     p = ulysses.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
     n = chunk_count(hq, hk, p, chunks)
@@ -55,13 +58,33 @@ def ulysses_attention(
         for c in range(n):
             arrived[c].wait()
             qh, kh, vh = (x.transpose(1, 2) for x in ulysses.split_heads(inputs[c], counts))
-            outputs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale,
-                                                          enable_gqa=hk != hq))  # fmt: skip
+            outputs.append(_attention(qh, kh, vh, is_causal, scale, kernel))
             attended = mark()
             with side():
                 attended.wait()
                 ulysses.output_exchange(outputs[c].transpose(1, 2), group_name, out=_chunk(out, c, n))
     return out
+
+
+# SDPA's backends in its default order of preference.
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+               kernel: str | None) -> torch.Tensor:  # fmt: skip
+    """SDPA of `[b, h, S, d]` heads on `kernel`'s backend first (SDPA's own pick when None): the
+    kernel the replaced graph ran. GQA as that graph fed it: flash attends fewer K/V heads natively;
+    the other kernels got each K/V head repeated (HF's repeat_kv, or math's own), so they get that."""
+    gqa = k.shape[1] != q.shape[1]
+    if kernel is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if gqa and kernel != "flash":
+        r = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+    first = _BACKENDS[kernel]  # then the others, should it not take these inputs: never an error
+    with sdpa_kernel([first, *(b for b in _BACKENDS.values() if b != first)], set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
 def _chunk(x: torch.Tensor, c: int, n: int) -> torch.Tensor:
