@@ -149,16 +149,28 @@ def check_fused_norm(comm, rank: int) -> None:
 
 def check_overlap(comm, rank: int) -> None:
     """The pipelined Ulysses attention equals the unchunked path bit for bit, eager and captured."""
+    import contextlib
+    import itertools
+
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from graphar.comm import ulysses
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
 
-    def unchunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def unchunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        """The exchanges and attention apart, on the graph's kernel (the efficient one takes GQA's
+        K/V heads repeated, as HF's repeat_kv feeds it)."""
         qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, name))
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
+        gqa = kernel != "efficient"
+        if not gqa:
+            r = q.shape[2] // k.shape[2]
+            kh, vh = kh.repeat_interleave(r, dim=1), vh.repeat_interleave(r, dim=1)
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+        with sdpa_kernel(backends[kernel]) if kernel else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa).transpose(1, 2)
         return ulysses.heads_to_seq(o, name)
 
     heads = (4 * world_size(), 2 * world_size(), 2 * world_size())  # GQA, and two chunks of whole groups
@@ -166,9 +178,9 @@ def check_overlap(comm, rank: int) -> None:
         q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
         for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
             comm.exchange.push = push
-            for chunks in (1, 2):
-                got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks)
-                assert torch.equal(got, unchunked(q, k, v)), f"b={b} push={push} chunks={chunks}"
+            for chunks, kernel in itertools.product((1, 2), (None, "flash", "efficient")):
+                got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks, kernel)
+                assert torch.equal(got, unchunked(q, k, v, kernel)), f"b={b} push={push} chunks={chunks} {kernel}"
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)

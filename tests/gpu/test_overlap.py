@@ -3,6 +3,7 @@ in the three capture modes."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import WORLD_SIZES, assert_equal_across_ranks, run_workers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphar
 from graphar.comm import ulysses
@@ -17,10 +19,20 @@ from graphar.comm import ulysses
 pytestmark = pytest.mark.gpu
 
 
-def _unchunked(q, k, v, group_name, is_causal=False, scale=None):
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _unchunked(q, k, v, group_name, is_causal=False, scale=None, kernel=None):
+    """The exchanges and attention apart; `kernel`: the graph's attention kernel (the efficient one
+    takes GQA's K/V heads repeated, as HF's repeat_kv feeds it)."""
     p = ulysses.world_size(group_name)
     qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, group_name))
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    gqa = k.shape[2] != q.shape[2]
+    if gqa and kernel == "efficient":
+        r = q.shape[2] // k.shape[2]
+        kh, vh, gqa = kh.repeat_interleave(r, dim=1), vh.repeat_interleave(r, dim=1), False
+    with sdpa_kernel(_BACKENDS[kernel]) if kernel else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     assert o.shape[1] == q.shape[2] // p
     return ulysses.heads_to_seq(o.transpose(1, 2), group_name)
 
@@ -35,12 +47,12 @@ def _bitwise_on_both_transports(rank: int, world_size: int) -> None:
     try:
         for group_name in (comm.group_name, nccl_group.group_name):
             cases = itertools.product((1, 2), ((8 * world_size, 8 * world_size), (8 * world_size, 2 * world_size)),
-                                      (False, True), (2, 4))  # fmt: skip
-            for b, (hq, hk), is_causal, chunks in cases:
+                                      (False, True), (2, 4), (None, "flash", "efficient"))  # fmt: skip
+            for b, (hq, hk), is_causal, chunks, kernel in cases:
                 q, k, v = _qkv(b, 256, hq, hk)
-                got = torch.ops.graphar.ulysses_attention(q, k, v, group_name, is_causal, None, chunks)
-                want = _unchunked(q, k, v, group_name, is_causal)
-                what = f"group {group_name} b={b} heads={hq}/{hk} causal={is_causal} chunks={chunks}"
+                got = torch.ops.graphar.ulysses_attention(q, k, v, group_name, is_causal, None, chunks, kernel)
+                want = _unchunked(q, k, v, group_name, is_causal, kernel=kernel)
+                what = f"group {group_name} b={b} heads={hq}/{hk} causal={is_causal} chunks={chunks} kernel={kernel}"
                 assert torch.equal(got, want), f"{what}: differs from the unchunked path"
         assert_equal_across_ranks(torch.ones(1, device="cuda"), "done")
     finally:
