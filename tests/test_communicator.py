@@ -306,6 +306,9 @@ def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch) ->
     comm.publish_eager(segments, 0, True)  # not registered (another communicator, or none, holds the name)
     monkeypatch.setitem(cm._communicators, "g", comm)
     comm.publish_eager(segments, 0, True)
+    too_long = tuple((16 * (i + 1), "1stage") for i in range(abi.OP_MAX_ROWS)) + segments
+    comm.publish_eager(too_long, 0, True)  # more rows than the C struct holds: withdrawn, said, no error
+    comm.publish_eager(segments, 0, True)
     comm.mark_broken("out of step")
     comm.publish_eager(segments, 0, True)
-    assert published == [("g", "state"), ("g", None)]
+    assert published == [("g", "state"), ("g", None), ("g", "state"), ("g", None)]

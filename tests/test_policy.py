@@ -292,3 +292,24 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
     comm.native = 5
     allreduce.try_all_reduce(torch.randn(64))
     assert allreduce.calls == 6  # both kernels of the op count
+
+
+def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
+    """Noise between near-equal kernels must not cut the policy into many rows (the C++ kernel holds
+    abi.OP_MAX_ROWS of them)."""
+    s = allreduce_bench.Settings(sizes=[16 * KB << i for i in range(13)], dtype="bf16", modes=["eager"], ops=1,
+                                 replays=1, eager_iters=1)  # fmt: skip
+    results = {("eager", n, c): 9.0 for n in s.sizes for c in allreduce_bench.column_names("eager")}
+    for i, n in enumerate(s.sizes):  # 1stage and the push one-shot trade places by 1%, size after size
+        results[("eager", n, "graphar 1stage")] = 5.0 * (1.01 if i % 2 else 1.0)
+        results[("eager", n, "graphar push-oneshot")] = 5.0 * (1.0 if i % 2 else 1.01)
+    results[("eager", s.sizes[-1], "graphar push-twoshot")] = 4.0  # a clear win is taken
+    eager = winners.fastest(results, s.sizes, s.modes, allreduce_bench.GRAPHAR_KERNELS)[policy.EAGER]
+    assert winners.policy_rows(eager) == ((s.sizes[-2], "1stage"), (policy.OPEN, "push-twoshot"))
+
+
+def test_every_table_fits_the_cpp_kernel() -> None:
+    for (major, world_size), modes in policy.TABLE.items():
+        for mode in policy.MODES:
+            p = policy.Policy(major, world_size, policy.Limits(max_bytes=64 * MB, push_one_shot=16 * KB))
+            assert len(p.segments(mode)) <= abi.OP_MAX_ROWS, (major, world_size, mode)

@@ -23,6 +23,10 @@ def main(argv: list[str]) -> int:
     if winners is None:
         print(f"{argv[0]} has no fastest-kernel section: rerun python -m graphar bench allreduce")
         return 1
+    missing = [mode for mode in policy.MODES if not winners.get(mode)]
+    if missing:
+        print(f"{argv[0]} has no winners for {missing}: rerun the benchmark with the graph and eager modes")
+        return 1
     print(f"    ({int(argv[1])}, {int(argv[2])}): {{")
     for mode in policy.MODES:
         rows = ", ".join(f"({'OPEN' if n == policy.OPEN else n}, {a!r})" for n, a in policy_rows(winners[mode]))

@@ -10,7 +10,7 @@
 
 #include "../graphar_cuda.h"
 
-#define GRAPHAR_OP_MAX_ROWS 8
+#define GRAPHAR_OP_MAX_ROWS 16
 
 #ifdef __cplusplus
 extern "C" {

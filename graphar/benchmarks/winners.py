@@ -16,6 +16,9 @@ from graphar.comm import policy
 
 FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
 Winners = dict[str, list[tuple[int, str]]]  # capture mode -> [(bytes, kernel)]
+# A kernel keeps its sizes while it stays within this fraction of the fastest: timing noise between
+# near-equal kernels must not cut the table into many rows.
+TIE = 0.03
 
 
 def policy_columns(kernels: Mapping[str, Any]) -> dict[str, tuple[str, list[str]]]:
@@ -30,16 +33,22 @@ def policy_columns(kernels: Mapping[str, Any]) -> dict[str, tuple[str, list[str]
 
 def fastest(results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: Sequence[str],
             kernels: Mapping[str, Any]) -> Winners:  # fmt: skip
-    """The fastest kernel per size, for each capture mode whose benchmark mode ran."""
+    """The fastest kernel per size, for each capture mode whose benchmark mode ran; the previous
+    size's kernel wins a near tie (within TIE of the fastest)."""
     winners = {}
     for capture, (mode, names) in policy_columns(kernels).items():
         if mode not in modes:
             continue
-        rows = []
+        rows: list[tuple[int, str]] = []
         for nbytes in sizes:
-            timed = [(results[(mode, nbytes, n)], n) for n in names if isinstance(results[(mode, nbytes, n)], float)]
-            if timed:
-                rows.append((nbytes, kernels[min(timed)[1]].algo))
+            timed = {kernels[n].algo: results[(mode, nbytes, n)] for n in names}
+            timed = {algo: t for algo, t in timed.items() if isinstance(t, float)}
+            if not timed:
+                continue
+            best = min(timed, key=timed.__getitem__)
+            held = rows[-1][1] if rows else None
+            keep = held in timed and timed[held] <= timed[best] * (1 + TIE)
+            rows.append((nbytes, held if keep else best))
         winners[capture] = rows
     return winners
 

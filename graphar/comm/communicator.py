@@ -11,6 +11,7 @@ and GrapharTimeoutError after a peer failed to arrive.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce
 from graphar.comm.exchange import IpcExchange
 from graphar.comm.rendezvous import StoreExchange
 from graphar.errors import GrapharCommError, GrapharTimeoutError
+
+logger = logging.getLogger("graphar")
 
 
 class Communicator:
@@ -132,6 +135,11 @@ class Communicator:
         on first use; when they cannot be, the Python kernels serve every call). Only the group's
         registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
         if not (self.usable and _communicators.get(self.group_name) is self) or native_op.library() is None:
+            return
+        if len(segments) > abi.OP_MAX_ROWS:  # a policy table longer than the C struct holds
+            logger.warning("graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
+                           "all-reduces run the Python kernel", self.group_name, len(segments), abi.OP_MAX_ROWS)
+            self._withdraw()
             return
         native_op.publish(self.group_name, native_op.group_state(
             comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
