@@ -3,9 +3,14 @@
 With matplotlib (CI installs it through the `test` extra) every benchmark writes a real plot; without
 it (simulated by hiding the module) the table is written all the same and a line says how to get the
 plot. Also: where results go by default, the charts built from a benchmark's own results, progress
-lines, and the `python bench/NAME.py` entry points of a checkout.
+lines, the `python bench/NAME.py` entry points of a checkout, partial reports, the ranks' agreement
+on what to measure (two gloo processes), and each benchmark's NCCL timeout against its time limit
+in tools/gpu_session.sh.
 """
 
+import datetime
+import importlib.util
+import os
 import re
 import struct
 import subprocess
@@ -14,9 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from graphar._launch import end_worker, free_port
 from graphar.__main__ import main
-from graphar.benchmarks import allreduce, common, plot
+from graphar.benchmarks import allreduce, cli, common, plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +59,45 @@ def test_dry_run_writes_the_table_and_a_plot(name: str, tmp_path: Path, capsys: 
     assert_real_png(out.with_suffix(".png"))
     printed = capsys.readouterr().out
     assert f"written to {out}\nplot written to {out.with_suffix('.png')}\n" in printed
+
+
+def test_decode_checks_every_graphar_variant_against_inductor(tmp_path: Path) -> None:
+    out = tmp_path / "decode.md"
+    assert main(["bench", "decode", "--dry-run", "--out", str(out)]) == 0
+    header = next(line for line in out.read_text().splitlines() if line.startswith("| batch"))
+    assert all(f"max abs diff (a, {v})" in header for v in "bde")
+
+
+@pytest.mark.parametrize("name", list(HEADINGS))
+def test_a_report_where_nothing_was_measured_is_written(name: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The first partial report of a run whose first unit failed: every cell a string, no point to plot."""
+    module = cli.BENCHMARKS[name]
+    calls: list[tuple] = []
+    monkeypatch.setattr(module, "write", lambda *args: calls.append(args))
+    assert main(["bench", name, "--dry-run", "--quick", "--out", str(tmp_path / "x.md")]) == 0
+    monkeypatch.undo()
+    cells, *rest = calls[0]
+    module.write({key: "err" for key in cells}, *rest, final=False)
+    assert (tmp_path / "x.md").read_text().startswith(HEADINGS[name])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "x.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_partial_report_goes_to_the_files_only_and_a_failing_plot_costs_only_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "x.md"
+    common.write_report("# partial", path, [], "title", final=False)
+    assert path.read_text() == "# partial" and capsys.readouterr().out == ""
+
+    def broken(*args: object) -> str:
+        raise ValueError("no positive values on a log axis")
+
+    monkeypatch.setattr(plot, "write_png", broken)
+    common.write_report("# final", path, [], "title")
+    assert path.read_text() == "# final"
+    assert "plot not written: ValueError: no positive values on a log axis" in capsys.readouterr().out
 
 
 def test_without_matplotlib_the_table_is_written_and_says_how_to_plot(
@@ -119,3 +167,57 @@ def test_the_checkout_scripts_run_the_packaged_benchmarks(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "ulysses-cpu-ws2.md").read_text().startswith(HEADINGS["ulysses"])
     assert f"written to {tmp_path / 'ulysses-cpu-ws2.md'}" in out.stdout
+
+
+def test_every_benchmark_times_out_well_before_its_session_limit() -> None:
+    """A hang must end at NCCL's timeout, with a traceback, not at gpu_session.sh's kill; and graphar's
+    store exchanges give up on a dead peer before NCCL does."""
+    script = (REPO / "tools" / "gpu_session.sh").read_text()
+    default, longer, limit = re.search(r'limit=(\d+); case "\$name" in ([\w|-]+)\) limit=(\d+)', script).groups()
+    for name, module in cli.BENCHMARKS.items():
+        step_limit = int(limit if f"bench-{name}" in longer.split("|") else default)
+        assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S <= step_limit - 120, name
+
+
+def _all_ranks_on_cpu(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _agreement_worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    common.all_ranks = _all_ranks_on_cpu  # gloo: the flag on the CPU
+    try:
+        reasons: dict[str, str] = {}
+        timed: list[object] = []
+
+        def capture() -> str:
+            if rank == 1:
+                raise RuntimeError("capture failed")
+            return "graph"
+
+        # One rank's failure: neither times (the timing holds collectives), both say why.
+        assert common.measured(capture, timed.append, "capture", reasons, "col") == "err" and timed == []
+        assert reasons == {"col": "capture raised on rank 1: RuntimeError: capture failed"}
+        assert common.measured(lambda: "graph", lambda graph: 2.0 + rank, "capture", reasons, "col") == 2.0 + rank
+        assert common.verdict(lambda: "WRONG" if rank == 1 else None, "check", reasons, "c") == "WRONG"
+        assert common.verdict(lambda: None, "check", reasons, "c") is None
+        made = {"fuse_norm": 2} if rank == 0 else {}
+        assert common.rewritten(made, "fuse_norm", reasons, "(d)") == "not rewritten"
+        assert reasons["(d)"] == "not rewritten: no fuse_norm rewrite, rewrites {}"
+        assert common.rewritten({"fuse_norm": 1}, "fuse_norm", reasons, "(e)") is None
+        # After each unit, rank 0 gets the cells so far (max over ranks) to write.
+        written: list[tuple] = []
+        common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit + rank)},
+                         lambda cells, done, final: written.append((dict(cells), done, final)))  # fmt: skip
+        expected = [({(1, "t"): 2.0}, [1], False), ({(1, "t"): 2.0, (2, "t"): 3.0}, [1, 2], True)]
+        assert written == (expected if rank == 0 else [])
+    finally:
+        dist.destroy_process_group()
+    end_worker()
+
+
+def test_the_ranks_agree_on_what_to_measure() -> None:
+    mp.spawn(_agreement_worker, args=(free_port(),), nprocs=2, join=True)

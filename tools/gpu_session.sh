@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: build, GPU tests, demo, benchmarks; logs and tables under $OUT.
-# Usage: tools/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu[=WORLD]] [doctor] [demo]
-#        [bench-allreduce] [bench-decode] [bench-norm] [bench-attention] [bench-ulysses] [eager-breakdown]
+# One call on the lent GPU machine: build, GPU tests, demo, benchmarks; under $OUT, session.log and
+# results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
+# call cut short still returns what its earlier steps wrote; the device tool returns few files).
+# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu[=WORLD]] [doctor]
+#        [demo] [bench-NAME[=ARGS]] [eager-breakdown]
+# NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
+# "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
+# builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -9,22 +14,29 @@ export GRAPHAR_CUDA_ARCHS="${GRAPHAR_CUDA_ARCHS:-90a}"
 OUT="${OUT:-/tmp/graphar-out}"
 mkdir -p "$OUT"
 log="$OUT/session.log"
-start_mark=$(mktemp)  # the tables and plots this call writes are those newer than it
-step() {  # step NAME LIMIT_S CMD...: run with a time limit, log, report status
-  local name=$1 limit=$2; shift 2
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log, report status, archive its results
+  local name=$1 limit=$2 mark; shift 2
+  mark=$(mktemp)  # the step's tables and plots are those newer than it
   echo "=== $name ($(date +%T))" | tee -a "$log"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 60
   local rc=${PIPESTATUS[0]}
   echo "=== $name rc=$rc" | tee -a "$log"
-  # Each step's tables and plots go to $OUT at once: a call cut at its limit still returns them.
-  find bench/results -newer "$start_mark" \( -name '*.md' -o -name '*.png' \) -exec cp {} "$OUT/" \;
+  # The benchmarks rewrite their report after each size or shape: a step cut at its limit has some.
+  [ -d bench/results ] && find bench/results -newer "$mark" \( -name '*.md' -o -name '*.png' \) \
+    -exec tar -rf "$OUT/results.tar" {} +
+  rm -f "$mark"
+}
+native() {
+  step native 300 python -c "from graphar import native_op as n; assert n.library() is not None, 'see the log above'"
 }
 for stage in "$@"; do
   case "$stage" in
     build)
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$log"
       nvidia-smi topo -m >>"$log" 2>&1
-      step build 400 python -m pip install --no-build-isolation --no-deps -e . ;;
+      step build 400 python -m pip install --no-build-isolation --no-deps -e .
+      native ;;
+    native) native ;;
     tests=*) step tests 560 python -m pytest -q -x -rs ${stage#tests=} ;;
     tests) step tests 560 python -m pytest -q -rs --durations=10 tests/gpu ;;  # about 480 s on 2 H200
     cpu-tests)
@@ -37,8 +49,11 @@ for stage in "$@"; do
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
     bench-*)
-      limit=300; [ "$stage" = bench-decode ] && limit=540  # decode compiles 5 variants x 2 batches
-      step "$stage" "$limit" python "bench/${stage#bench-}.py" ;;
+      name=${stage%%=*}; args=""; [ "$name" != "$stage" ] && args=${stage#*=}
+      # Each benchmark's NCCL timeout (its TIMEOUT_S) is well below its limit: a hang ends with a traceback.
+      limit=300; case "$name" in bench-decode|bench-attention) limit=540 ;; esac  # they compile per variant
+      step "$name" "$limit" python "bench/${name#bench-}.py" $args ;;
   esac
 done
 ls "$OUT"
+if [ -f "$OUT/results.tar" ]; then tar -tvf "$OUT/results.tar"; fi

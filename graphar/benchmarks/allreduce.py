@@ -12,6 +12,7 @@ current folder, or --out), with a log-log plot of latency against size beside it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ GRAPHAR_KERNELS = {
 def column_names(mode: str) -> list[str]:
     graphar = [name for name, k in GRAPHAR_KERNELS.items() if mode != "eager" or not k.zero_copy]
     return ([MM_ONLY] if mode == "graph-mm" else []) + [NCCL, ONE_SHOT, TWO_SHOT] + graphar
+
+
+ALL_COLUMNS = list(dict.fromkeys(name for mode in MODES for name in column_names(mode)))
 
 
 def ratio_pair(mode: str) -> tuple[str, str]:
@@ -123,7 +127,8 @@ class Column:
     symmetric: bool = False  # the input must live in a symmetric-memory buffer
     eligible: Callable[[torch.Tensor], bool] = lambda x: True
     context: Callable[..., Any] = torch.cuda.graph  # how graph modes capture it
-    graphar: bool = False  # verified against NCCL before timing
+    # graphar's count of calls its kernels served; a column that has one is verified before timing
+    calls: Callable[[], int] | None = None
 
 
 @dataclass
@@ -171,6 +176,8 @@ def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
 def add_graphar(c: Contenders, max_bytes: int) -> None:
     try:
         import graphar
+        from graphar.comm import policy
+        from graphar.comm.allreduce import ineligible_reason
 
         comm = graphar.init(None, max_bytes=max_bytes)
         reason = "" if comm is not None else "graphar.init returned None (its log says why)"
@@ -191,37 +198,79 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
             ar.policy = ar.policy.forcing(kernel.algo)
         return torch.ops.graphar.all_reduce(x, comm.group_name)
 
+    def eligible(x: torch.Tensor, kernel: Kernel) -> bool:
+        # The column's own kernel: run() leaves the previous column's forced in comm's policy (and
+        # comm.eligible reads that).
+        return (comm.usable and ineligible_reason(x, comm.device, comm.max_bytes) is None
+                and comm.allreduce.policy.forcing(kernel.algo).pick(x.nbytes, policy.EAGER) is not None)  # fmt: skip
+
     for name, kernel in GRAPHAR_KERNELS.items():
         c.columns[name] = Column(
             op=lambda x, out, kernel=kernel: run(x, kernel),
-            eligible=lambda x, kernel=kernel: comm.eligible(x) and comm.allreduce.policy.pick(
-                x.nbytes, "eager", kernel.algo) is not None,
+            eligible=lambda x, kernel=kernel: eligible(x, kernel),
             context=graphar.graphs.graph if kernel.zero_copy else torch.cuda.graph,
-            graphar=True,
+            calls=lambda: comm.allreduce.calls,
         )
+
+
+def agree_on_columns(c: Contenders) -> None:
+    """Collective: a column that some rank could not set up is n/a on every rank (a rank timing it
+    alone would wait for its peer in each collective)."""
+    for name in ALL_COLUMNS:  # one order on every rank
+        reason = common.agree(c.unavailable.get(name))
+        if reason is not None:
+            c.columns.pop(name, None)
+            c.unavailable[name] = reason
 
 
 # ---- measuring ---------------------------------------------------------------------------------
 
+# Why a verified column is not timed at a size (the notes give the first size).
+UNTIMED = {"WRONG": "differs from NCCL at {}",
+           "fallback": "graphar's op handed the call to NCCL at {} (its kernels did not run)"}
 
-def verify(col: Column, numel: int, dtype: torch.dtype) -> bool:
-    """Integer-valued inputs: the eager call and a replay (output poisoned first) equal NCCL exactly."""
+
+def verify(col: Column, numel: int, dtype: torch.dtype) -> str | None:
+    """None when graphar's kernels served the eager call and every call of a capture ("fallback"
+    otherwise: NCCL equals NCCL whatever graphar does), and both results equal NCCL's exactly on
+    integer-valued inputs, the replay's output poisoned first ("WRONG" otherwise)."""
     x = torch.randint(-4, 5, (numel,), device="cuda").to(dtype)
     before = x.clone()
     ref = x.clone()
     dist.all_reduce(ref)
-    ok = col.context is not torch.cuda.graph or torch.equal(col.op(x, None), ref)
-    outs: list[torch.Tensor] = []
+    served_before = col.calls()
+    # A zero-copy column's eager call is its plain twin's: only its captures are its own.
+    eager = [col.op(x, None)] if col.context is torch.cuda.graph else []
+    outs: list[torch.Tensor] = []  # the warm-up calls' and the captured one's
     graph = common.capture(lambda i: outs.append(col.op(x, None)), 1, context=col.context)
+    served = col.calls() - served_before
     outs[-1].fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    return ok and torch.equal(outs[-1], ref) and torch.equal(x, before)
+    if served != len(eager) + len(outs):
+        return "fallback"
+    right = all(torch.equal(y, ref) for y in eager + outs[-1:]) and torch.equal(x, before)
+    return None if right else "WRONG"
 
 
-def measure(
-    col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tensor, s: Settings, mm: list[torch.Tensor]
-) -> float:
+def column_status(col: Column | None, name: str, x: torch.Tensor, reasons: dict[str, str]) -> str | None:
+    """The cell of a column that is not timed at x's size ("n/a", "-", "fallback", "WRONG", "err"),
+    alike on every rank; None: time it."""
+    if col is None:  # agreed at set-up
+        return "n/a"
+    if not common.all_ranks(col.eligible(x)):
+        return "-"
+    if col.calls is None:
+        return None
+    size = common.format_bytes(x.nbytes)
+    status = common.verdict(lambda: verify(col, x.numel(), x.dtype), f"verification at {size}", reasons, name)
+    if status in UNTIMED:
+        reasons.setdefault(name, UNTIMED[status].format(size))
+    return status
+
+
+def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tensor, s: Settings,
+            mm: list[torch.Tensor], reasons: dict[str, str], name: str) -> common.Cell:  # fmt: skip
     def step(i: int) -> None:
         col.op(inputs[i % len(inputs)], out)
 
@@ -230,15 +279,19 @@ def measure(
         step(i)
 
     if mode == "eager":
-        return common.time_host(step, iters=s.eager_iters)
+        # One call first, agreed: a rank whose call raises must not leave its peer in the timed loop.
+        return common.measured(lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters),
+                               "the eager call", reasons, name)  # fmt: skip
     fn = step_with_matmul if mode == "graph-mm" else step
-    graph = common.capture(fn, s.ops, context=col.context)
-    return common.time_gpu(graph.replay, repeats=s.replays, per=s.ops)
+    return common.measured(lambda: common.capture(fn, s.ops, context=col.context),
+                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
+                           f"{mode} capture", reasons, name)  # fmt: skip
 
 
-def run_size(
-    c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
-) -> dict[tuple, common.Cell]:
+def run_size(c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
+             ) -> dict[tuple, common.Cell]:  # fmt: skip
+    """(mode, nbytes, column) -> cell; every rank takes the columns in one order and the same
+    decisions (each goes through a collective), so their collectives match."""
     dtype = DTYPES[s.dtype]
     numel = nbytes // dtype.itemsize
     plain = [torch.randn(numel, device="cuda", dtype=dtype) for _ in range(N_BUFFERS)]
@@ -249,30 +302,12 @@ def run_size(
     cells: dict[tuple, common.Cell] = {}
     for name in dict.fromkeys(n for mode in s.modes for n in column_names(mode)):
         col = c.columns.get(name)
-        status = "n/a" if col is None else None
-        if col is not None and not col.eligible(plain[0]):
-            status = "-"
-        if status is None and col.graphar:
-            try:
-                ok = verify(col, numel, dtype)
-            except Exception as e:
-                ok = False
-                reasons.setdefault(name, f"verification raised {type(e).__name__}: {e}")
-            if not common.all_ranks(ok):
-                status = "WRONG"
-                reasons.setdefault(name, f"differs from NCCL (or raised) at {common.format_bytes(nbytes)}")
+        status = column_status(col, name, plain[0], reasons)
         for mode in s.modes:
-            if name not in column_names(mode):
-                continue
-            if status is not None:
-                cells[(mode, name)] = status
-                continue
-            try:
-                cells[(mode, name)] = measure(col, mode, symm if col.symmetric else plain, out, s, mm)
-            except Exception as e:
-                cells[(mode, name)] = "err"
-                reasons.setdefault(name, f"{mode}: {type(e).__name__}: {e}")
-            torch.cuda.synchronize()
+            if name in column_names(mode):
+                cells[(mode, nbytes, name)] = status or measure(col, mode, symm if col.symmetric else plain, out, s,
+                                                                mm, reasons, name)  # fmt: skip
+                torch.cuda.synchronize()
     return cells
 
 
@@ -283,19 +318,18 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     add_nccl(c)
     add_symm_mem(c, dtype, max(s.sizes) // dtype.itemsize)
     add_graphar(c, max(GRAPHAR_MAX_BYTES, max(s.sizes)))
+    agree_on_columns(c)
     m, k, n = MM_SHAPE
     mm = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n))]
     reasons = dict(c.unavailable)
     common.progress(f"set up; timing {len(s.sizes)} sizes in modes {', '.join(s.modes)}")
-    results: dict[tuple, common.Cell] = {}
-    for i, nbytes in enumerate(s.sizes, 1):
-        cells = run_size(c, nbytes, s, mm, reasons)
-        results.update({(mode, nbytes, name): v for (mode, name), v in cells.items()})
-        common.progress(f"done {common.format_bytes(nbytes)} ({i}/{len(s.sizes)})")
-    results = common.max_over_ranks(results)
-    if rank == 0:
-        gpu = common.gpu_name()
-        write(results, s, world_size, reasons, gpu, common.results_path("allreduce", gpu, world_size, out_path))
+    gpu = common.gpu_name()
+    path = common.results_path("allreduce", gpu, world_size, out_path)
+
+    def write_sizes(results: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
+        write(results, dataclasses.replace(s, sizes=done), world_size, reasons, gpu, path, final)
+
+    common.run_units(s.sizes, common.format_bytes, lambda nbytes: run_size(c, nbytes, s, mm, reasons), write_sizes)
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -344,7 +378,9 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).",
         f"graph-mm: each iteration is a bf16 [{m}, {k}] x [{k}, {n}] matmul then the collective; "
         "'matmul only' is the matmul alone.",
-        "graphar columns are checked against NCCL on integer-valued inputs before timing (WRONG = mismatch).",
+        "graphar columns are checked against NCCL on integer-valued inputs before timing (WRONG = mismatch), "
+        "and that graphar's kernels served those calls ('fallback': its op handed them to NCCL, so the "
+        "column is not timed under graphar's name); 'err': a call or capture raised (the reason below).",
     ]
     return lines + [f"{name}: {why}" for name, why in sorted(reasons.items())]
 
@@ -362,13 +398,15 @@ def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     return [plot.LineChart(title, "message size", "latency, us", lines, ticks)]
 
 
-def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
+          final: bool = True) -> None:  # fmt: skip
     info = common.header(",".join(s.modes), world_size, gpu)
-    for name, why in sorted(reasons.items()):
-        print(f"note: {name}: {why}", flush=True)
+    if final:
+        for name, why in sorted(reasons.items()):
+            print(f"note: {name}: {why}", flush=True)
     title = "All-reduce latency (us)"
     text = common.report(title, info, tables(results, s), notes(s, reasons))
-    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}")
+    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}", final)
 
 
 def dry_run(s: Settings, out: Path | None) -> None:

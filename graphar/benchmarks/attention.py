@@ -20,12 +20,14 @@ chart of the time per shape by variant beside it (.png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,8 +40,11 @@ QUICK_SHAPES = DEFAULT_SHAPES[:2]
 NCCL, PACKED, OVERLAPPED, FLOOR = "inductor + NCCL", "graphar packed", "graphar overlapped", "compute only"
 VARIANTS = (NCCL, PACKED, OVERLAPPED, FLOOR)
 LABELS = {v: f"({'abcd'[i]}) {v}" for i, v in enumerate(VARIANTS)}
+# The rewrite each graphar variant is about: without it, it would time another path under its name.
+EXPECTED_REWRITES = {PACKED: "qkv_all_to_all", OVERLAPPED: "ulysses_attention"}
 GRAPH_BYTES = 2 << 30  # activations per captured graph, which bounds its block count
-TIMEOUT_S = 600.0
+# NCCL's: past the ranks' compile skew, and a hang ends with a traceback well before gpu_session.sh's 540 s.
+TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -134,45 +139,73 @@ def variants(shape, rank: int, world_size: int, chunks: int, graphar_ok: bool) -
     return runs
 
 
+def variant_cell(v: str, run: Callable, x: torch.Tensor, outs: dict[str, torch.Tensor], blocks: int, s: Settings,
+                 reasons: dict[str, str]) -> common.Cell:  # fmt: skip
+    """One variant at x's shape: compiled (its first call, kept in outs), its rewrite and its output
+    checked, then timed; "err", "not rewritten" or "WRONG" instead, alike on every rank."""
+    with common.counting_rewrites() as made:
+        out, problem = common.attempt(lambda: run(x), f"compiling {LABELS[v]}")
+    if problem is not None:
+        reasons.setdefault(v, problem)
+        return "err"
+    outs[v] = out
+    status = graphar_status(v, out, made, outs, reasons) if v in EXPECTED_REWRITES else None
+    return status or common.measured(lambda: common.capture(lambda i: run(x), blocks),
+                                     lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=blocks),
+                                     "capture", reasons, v)  # fmt: skip
+
+
+def graphar_status(v: str, out: torch.Tensor, made: Mapping[str, int], outs: dict[str, torch.Tensor],
+                   reasons: dict[str, str]) -> str | None:  # fmt: skip
+    """Why a graphar variant is not timed ("not rewritten", "WRONG", "err"), alike on every rank; None: time it."""
+    status = common.rewritten(made, EXPECTED_REWRITES[v], reasons, v)
+    if status is not None:
+        return status
+    if NCCL not in outs:
+        reasons.setdefault(v, f"timed unchecked: {LABELS[NCCL]} failed")
+        return None
+    return common.verdict(lambda: None if _close(out, outs[NCCL]) else "WRONG", f"checking {LABELS[v]}", reasons, v)
+
+
+def run_shape(shape, rank: int, world_size: int, s: Settings, graphar_ok: bool, reasons: dict[str, str]
+              ) -> dict[tuple, common.Cell]:  # fmt: skip
+    """(shape, variant) -> cell; every rank takes the same decisions, each through a collective."""
+    b, seq, h, d = shape
+    x = torch.randn(b, seq // world_size, h * d, device="cuda", dtype=DTYPE)
+    runs = variants(shape, rank, world_size, s.chunks, graphar_ok)
+    blocks = max(1, min(s.max_blocks, GRAPH_BYTES // (8 * x.nbytes)))
+    outs: dict[str, torch.Tensor] = {}  # (a) first: the others are checked against it
+    with torch.no_grad():
+        cells = {(shape, v): variant_cell(v, runs[v], x, outs, blocks, s, reasons) if v in runs else "n/a"
+                 for v in VARIANTS}  # fmt: skip
+    reasons["graphar rewrites (rank 0)"] = str(dict(torch._dynamo.utils.counters["graphar"]))
+    return cells
+
+
+def set_up_graphar() -> None:
+    import graphar
+
+    if graphar.init() is None:
+        raise RuntimeError("graphar.init returned None: the exchanges would use NCCL (its log says why)")
+
+
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
     reasons: dict[str, str] = {}
-    try:
-        import graphar
+    _, problem = common.attempt(set_up_graphar, "graphar set-up")
+    if problem is not None:
+        reasons["graphar"] = problem
+    gpu = common.gpu_name()
+    path = common.results_path("attention", gpu, world_size, out_path)
 
-        graphar_ok = graphar.init() is not None
-        if not graphar_ok:
-            reasons["graphar"] = "graphar.init returned None: the exchanges use NCCL (its log says why)"
-    except Exception as e:
-        graphar_ok, reasons["graphar"] = False, f"unavailable: {type(e).__name__}: {e}"
-    cells: dict[tuple, common.Cell] = {}
-    for shape in s.shapes:
-        b, seq, h, d = shape
-        x = torch.randn(b, seq // world_size, h * d, device="cuda", dtype=DTYPE)
-        runs = variants(shape, rank, world_size, s.chunks, graphar_ok)
-        with torch.no_grad():
-            reference = runs[NCCL](x)
-            blocks = max(1, min(s.max_blocks, GRAPH_BYTES // (8 * x.nbytes)))
-            for v in VARIANTS:
-                if v not in runs:
-                    cells[(shape, v)] = "n/a"
-                    continue
-                if v in (PACKED, OVERLAPPED) and not _close(runs[v](x), reference):
-                    cells[(shape, v)] = "WRONG"
-                    continue
-                graph = common.capture(lambda i, run=runs[v]: run(x), blocks)
-                cells[(shape, v)] = common.time_gpu(graph.replay, repeats=s.replays, per=blocks)
-        common.progress(f"done {'x'.join(map(str, shape))}")
-    counts = dict(torch._dynamo.utils.counters["graphar"])
-    reasons["graphar rewrites (rank 0)"] = str(counts)
-    cells = common.max_over_ranks(cells)
-    if rank == 0:
-        gpu = common.gpu_name()
-        write(cells, s, world_size, reasons, gpu, common.results_path("attention", gpu, world_size, out_path))
+    def write_shapes(cells: dict[tuple, common.Cell], done: list, final: bool) -> None:
+        write(cells, dataclasses.replace(s, shapes=done), world_size, reasons, gpu, path, final)
+
+    common.run_units(s.shapes, lambda shape: "x".join(map(str, shape)),
+                     lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons), write_shapes)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    ok = (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
-    return common.all_ranks(ok)
+    return (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
 
 
 # ---- the report -----------------------------------------------------------------------------------
@@ -183,7 +216,8 @@ def _exposed(cells: dict, shape, v: str) -> common.Cell:
     return t - floor if isinstance(t, float) and isinstance(floor, float) else "-"
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
+          final: bool = True) -> None:  # fmt: skip
     columns = ["shape (b x s x h x d)", *LABELS.values(), "exposed (a)", "exposed (c)", "exposed (c) / (a)",
                "(a) / (b)", "(a) / (c)"]  # fmt: skip
     rows = []
@@ -198,7 +232,9 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
         "ranks; s is the global sequence, each rank holds s / world size tokens.",
         f"(c) pipelines the attention over up to {s.chunks} chunks of heads (graphar::ulysses_attention).",
         "Exposed communication: the variant's time minus the compute-only floor (d).",
-        "(b) and (c) are checked against (a) first (within 2% of the largest output; WRONG otherwise).",
+        "(b) and (c) are checked against (a) first (within 2% of the largest output; WRONG otherwise), and "
+        "must have been rewritten by graphar's pass (qkv_all_to_all, ulysses_attention; 'not rewritten' "
+        "otherwise, not timed).",
     ] + [f"{k}: {v}" for k, v in sorted(reasons.items())]
     info = common.header("attention block, CUDA graphs", world_size, gpu)
     title = "Ulysses attention block (us)"
@@ -206,7 +242,7 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
     bars = {label: [cells[(shape, v)] for shape in s.shapes] for v, label in LABELS.items()}
     chart = plot.BarChart("us per block, max over ranks", "us per block",
                           ["x".join(map(str, shape)) for shape in s.shapes], bars)  # fmt: skip
-    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}")
+    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}", final)
 
 
 def dry_run(s: Settings, out: Path | None) -> None:

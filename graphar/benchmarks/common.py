@@ -5,12 +5,19 @@
     launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
                                         with torch.cuda.set_device(rank) and an NCCL default group ready
     progress(text)                      a progress line (rank 0, the launcher): seconds since the start
-    capture(fn, n, ...)                 warm up fn(0..), then capture fn(0), ..., fn(n-1) in one CUDA graph
+    capture(fn, n, ...)                 warm up fn(0..) (agreed), then capture fn(0), ..., fn(n-1) in one CUDA graph
     time_gpu(run, repeats, per)         median GPU time (CUDA events) of run(), in us per `per` units,
                                         ranks aligned before each repeat
     time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
     max_over_ranks(cells)               {key: float | str} -> the same keys, max over ranks (a str wins)
     all_ranks(flag)                     True on every rank iff flag is True on every rank
+    agree(problem)                      None on every rank iff every rank passes None, else the lowest rank's problem
+    attempt(fn, what)                   fn() on every rank, (value, None), or (None, why) on every rank if one raised
+    verdict(fn, what, reasons, key)     a check's cell ("WRONG", ...; "err" if it raised), alike on every rank
+    measured(prepare, time_it, ...)     a timed cell: prepare() (a capture) agreed, then time_it(it); else "err"
+    counting_rewrites()                 the graphar rewrites compiled within a with block
+    rewritten(made, expected, ...)      "not rewritten" on every rank unless the expected rewrite was made
+    run_units(units, label, run, write) run unit by unit; after each, rank 0 rewrites the report so far
     overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
     derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
     header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
@@ -19,7 +26,12 @@
     results_path(name, gpu, world_size, out)   where the results file goes (see `results_dir`)
 
 Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer unavailable,
-"err" the measurement raised (the reason is printed once by rank 0).
+"err" the measurement raised (the reason is printed once by rank 0), "not rewritten" graphar's pass
+did not make the rewrite the variant is about (so it is not timed under graphar's name).
+
+Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
+timeout: a decision taken before a collective (eligible? did the capture work?) goes through
+`all_ranks`/`agree` first, which is what `attempt`, `verdict` and `measured` do.
 """
 
 from __future__ import annotations
@@ -32,11 +44,13 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +60,8 @@ from graphar._launch import free_port
 from graphar.benchmarks import plot
 
 Cell = float | str
+T = TypeVar("T")
+U = TypeVar("U")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
 # Multicast (NVLS) stays off for every peer. The workers are spawned processes, which read these
 # when they set up NCCL and symmetric memory: setting them before the spawn is enough.
@@ -55,6 +71,10 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 DYNAMO_RECOMPILE_LIMIT = 64
 # About 50 us of GPU sleep on an H200 (1.98 GHz): the host enqueues the timed work meanwhile.
 _ALIGN_SLEEP_CYCLES = 100_000
+# graphar's store exchanges (graph registration) wait this long for a peer, 300 s by default: a rank
+# whose capture failed never arrives, and its peer must give up well within NCCL's timeout. Not less:
+# decode's ranks can finish compiling tens of seconds apart.
+EXCHANGE_TIMEOUT_S = "120"
 
 
 @dataclass
@@ -123,7 +143,7 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
     available = torch.cuda.device_count()
     if world_size > available:
         raise SystemExit(f"needs {world_size} GPUs, {available} visible")
-    for name, value in MULTICAST_OFF.items():
+    for name, value in {**MULTICAST_OFF, "GRAPHAR_EXCHANGE_TIMEOUT_S": EXCHANGE_TIMEOUT_S}.items():
         os.environ.setdefault(name, value)
     progress(f"starting {world_size} processes, one per GPU...")
     args = (worker, world_size, free_port(), timeout_s, _progress.start, args)
@@ -164,15 +184,21 @@ def capture(
 ) -> torch.cuda.CUDAGraph:
     """Capture fn(0), ..., fn(n - 1) into one CUDA graph after `warmup` eager calls on the capture stream.
 
-    `context` is torch.cuda.graph or a drop-in with its arguments (graphar.graphs.graph).
+    Collective. `context` is torch.cuda.graph or a drop-in with its arguments (graphar.graphs.graph).
+    The warm-up (where a compiled fn compiles) is agreed: if it raised on any rank, this raises on
+    every rank, none of them left capturing alone.
     """
+    def warm_up() -> None:
+        for i in range(warmup):
+            fn(i)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(warmup):
-            fn(i)
+        _, problem = attempt(warm_up, "the warm-up")  # its agreement is the barrier before the capture
     stream.synchronize()
-    dist.barrier()
+    if problem is not None:
+        raise RuntimeError(problem)
     graph = torch.cuda.CUDAGraph()
     with context(graph, pool=pool, stream=stream):
         for i in range(n):
@@ -233,6 +259,88 @@ def all_ranks(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def agree(problem: str | None) -> str | None:
+    """Collective: None on every rank when every rank passes None, else the lowest rank's problem."""
+    if all_ranks(problem is None):
+        return None
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next(p for p in problems if p is not None)
+
+
+def attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
+    """Collective: fn() on every rank; (its value, None), or (None, why) on every rank when it raised
+    on any. fn must not hold collectives that a rank raising before them would leave unmatched."""
+    try:
+        value, problem = fn(), None
+    except Exception as e:
+        traceback.print_exc()  # the whole story to the log; the report's notes get its first line
+        first_line = str(e).partition("\n")[0]
+        value, problem = None, f"{what} raised on rank {dist.get_rank()}: {type(e).__name__}: {first_line}"
+    problem = agree(problem)
+    return (value, None) if problem is None else (None, problem)
+
+
+def verdict(fn: Callable[[], str | None], what: str, reasons: dict[str, str], key: str) -> str | None:
+    """Collective: a check fn() returns None (passed) or the cell to show ("WRONG", ...); every rank
+    gets the lowest failing rank's cell, or "err" when fn raised on any (the reason in reasons[key])."""
+    status, problem = attempt(fn, what)
+    if problem is not None:
+        reasons.setdefault(key, problem)
+        return "err"
+    return agree(status)
+
+
+def measured(prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str],
+             key: str) -> Cell:  # fmt: skip
+    """Collective: prepare() (a capture, a compile: what can fail on one rank alone), then time_it(its
+    value) where it worked on every rank, else "err" on every rank (the reason in reasons[key]). The
+    timing holds collectives, so it runs on all ranks or none; an exception there ends the run."""
+    value, problem = attempt(prepare, what)
+    if problem is not None:
+        reasons.setdefault(key, problem)
+        return "err"
+    return time_it(value)
+
+
+@contextlib.contextmanager
+def counting_rewrites() -> Iterator[Counter[str]]:
+    """The graphar rewrites (torch._dynamo.utils.counters["graphar"]) made within the block. Compiles
+    are lazy: the block must hold the compiled function's first call."""
+    from torch._dynamo.utils import counters
+
+    before = Counter(counters["graphar"])
+    made: Counter[str] = Counter()
+    try:
+        yield made
+    finally:
+        made.update(Counter(counters["graphar"]) - before)
+
+
+def rewritten(made: Mapping[str, int], expected: str, reasons: dict[str, str], key: str) -> str | None:
+    """Collective: None when every rank's compile made the `expected` rewrite, else "not rewritten" on
+    every rank (the counts in reasons[key]): the variant would time graphar's fallback under its name."""
+    problem = agree(None if made.get(expected) else f"not rewritten: no {expected} rewrite, rewrites {dict(made)}")
+    if problem is not None:
+        reasons.setdefault(key, problem)
+        return "not rewritten"
+    return None
+
+
+def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], Mapping[Any, Cell]],
+              write: Callable[[dict[Any, Cell], list[U], bool], None]) -> None:  # fmt: skip
+    """Collective: run(unit) on every rank, unit by unit (a size, a shape, a batch); after each, rank 0
+    passes the cells so far (max over ranks), the units done and whether they are all to
+    write(cells, done, final). The report on disk always holds every finished unit: a run cut at its
+    time limit or by a crash keeps what it measured."""
+    results: dict[Any, Cell] = {}
+    for i, unit in enumerate(units, 1):
+        results.update(max_over_ranks(run(unit)))
+        if dist.get_rank() == 0:
+            write(results, list(units[:i]), i == len(units))
+        progress(f"done {label(unit)} ({i}/{len(units)})")
 
 
 @contextlib.contextmanager
@@ -332,13 +440,21 @@ def results_path(name: str, gpu: str, world_size: int, out: Path | None, default
     return (out or default_dir or results_dir()) / f"{name}-{gpu_slug(gpu)}-ws{world_size}.md"
 
 
-def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str) -> None:
-    """The table to stdout and `path`, the charts beside it as a .png (when matplotlib is there)."""
+def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str, final: bool = True) -> None:
+    """The table to `path` and the charts beside it as a .png (when matplotlib is there); the final
+    report goes to stdout too (a partial one, written after each unit, only to the files)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(text)
-    print(f"written to {path}")
-    print(plot.write_png(charts, path.with_suffix(".png"), title), flush=True)
+    partial = path.with_name(path.name + ".tmp")  # replaced whole: a run killed meanwhile keeps the last table
+    partial.write_text(text)
+    partial.replace(path)
+    try:
+        said = plot.write_png(charts, path.with_suffix(".png"), title)
+    except Exception as e:  # a plot that cannot be drawn must not cost the table or the run
+        said = f"plot not written: {type(e).__name__}: {e}"
+    if final:
+        print(text)
+        print(f"written to {path}")
+        print(said, flush=True)
 
 
 def format_bytes(n: int) -> str:

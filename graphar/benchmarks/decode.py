@@ -12,6 +12,8 @@ all blocks plus the final norm, is captured in a CUDA graph:
   (d) backend="graphar" with options={"fuse_norm": True} (the all-reduce, residual add and RMSNorm
       fused where the pattern holds): captured with graphar.graphs.BatchGraphs;
   (e) as (b), every all-reduce on the push one-shot kernel (the policy forced while capturing).
+A variant whose compile or capture fails on any rank is "err" on every rank; (d) is "not rewritten"
+where graphar's pass fused no norm.
 The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
 current folder, or --out), with a bar chart of the time per step by variant beside it (.png).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -39,12 +42,18 @@ INDUCTOR, ZERO_COPY, COPY_IN, FUSED = "inductor + NCCL", "graphar zero-copy", "g
 PUSH = "graphar push-oneshot"
 VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN, FUSED, PUSH)
 LABELS = {v: f"({'abcde'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
+CAPTURE_ORDER = (INDUCTOR, COPY_IN, ZERO_COPY, FUSED, PUSH)  # (c) compiles the graphar step (b) and (e) reuse
+# The rewrite a variant is about: without it, it would time the unfused path under its name.
+EXPECTED_REWRITES = {FUSED: "fuse_norm"}
+DIFF_COLUMNS = {ZERO_COPY: "max abs diff (a, b)", FUSED: "max abs diff (a, d)", PUSH: "max abs diff (a, e)"}
+CHECK_COLUMNS = (*DIFF_COLUMNS.values(), "(b) == (c) bits", "ranks equal")
 # A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding
 # noise, far below what a wrong all-reduce produces.
 REL_TOLERANCE = 0.02
-COMPILE_SKEW_S = 240.0  # longest wait of one rank for another (NCCL's timeout is 300 s)
+COMPILE_SKEW_S = 240.0  # longest wait of one rank for another (below TIMEOUT_S, NCCL's)
 
 Step = Callable[[torch.Tensor], torch.Tensor]
+Runs = dict[str, dict[int, Step] | str]  # variant -> its captured step by batch, or the cell shown instead
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class Settings:
     replays: int  # timed samples (median)
 
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = 300.0  # NCCL's: past the ranks' compile skew, well before gpu_session.sh's 540 s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,33 +184,37 @@ def plain_graph(step: Step, static_x: torch.Tensor) -> Step:
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def build_variants(step_nccl: Step, graphar_steps: dict[str, Step], s: Settings, reasons: dict[str, str]) -> dict:
-    """(variant, batch) -> a callable that runs one captured step; graphar's failures become reasons.
-    graphar_steps: the graphar step of each graphar variant (none when graphar is unavailable)."""
-    statics = {(v, b): torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE) for v in VARIANTS for b in s.batches}
-    runs = {}
-    for b in s.batches:  # dynamic=False: each batch size is a compilation of its own
-        common.progress(f"compiling and capturing {LABELS[INDUCTOR]}, batch {b}...")
-        runs[(INDUCTOR, b)] = plain_graph(step_nccl, statics[(INDUCTOR, b)])
-    if COPY_IN in graphar_steps:
-        try:
-            for b in s.batches:
-                common.progress(f"compiling and capturing {LABELS[COPY_IN]}, batch {b}...")
-                runs[(COPY_IN, b)] = plain_graph(graphar_steps[COPY_IN], statics[(COPY_IN, b)])
-        except Exception as e:
-            reasons[COPY_IN] = f"capture failed: {type(e).__name__}: {e}"
-    for v in (ZERO_COPY, FUSED, PUSH):
-        if v not in graphar_steps:
-            continue
-        try:
-            from graphar.graphs import BatchGraphs
+def capture_variant(v: str, step: Step, s: Settings) -> dict[int, Step]:
+    """batch -> a callable that runs one captured step of variant v."""
+    from graphar.graphs import BatchGraphs
 
-            common.progress(f"capturing {LABELS[v]}, batches {s.batches}...")
-            with forced_kernel("push-oneshot" if v == PUSH else None):
-                batch_graphs = BatchGraphs(graphar_steps[v], lambda b, v=v: (statics[(v, b)],), s.batches)
-            runs.update({(v, b): batch_graphs for b in s.batches})
-        except Exception as e:
-            reasons[v] = f"BatchGraphs failed: {type(e).__name__}: {e}"
+    statics = {b: torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE) for b in s.batches}
+    if v in (INDUCTOR, COPY_IN):  # dynamic=False: each batch size is a compilation of its own
+        return {b: plain_graph(step, statics[b]) for b in s.batches}
+    with forced_kernel("push-oneshot" if v == PUSH else None):
+        batch_graphs = BatchGraphs(step, lambda b: (statics[b],), s.batches)
+    return dict.fromkeys(s.batches, batch_graphs)
+
+
+def build_variants(steps: dict[str, Step], s: Settings, reasons: dict[str, str]) -> Runs:
+    """Each variant's captured steps, or "n/a", "err", "not rewritten", alike on every rank: each
+    capture's outcome is agreed before the next collective."""
+    runs: Runs = {}
+    for v in CAPTURE_ORDER:
+        if v not in steps:  # agreed: graphar's set-up is
+            runs[v] = "n/a"
+            continue
+        common.progress(f"compiling and capturing {LABELS[v]}, batches {s.batches}...")
+        with common.counting_rewrites() as made:
+            captured, problem = common.attempt(lambda: capture_variant(v, steps[v], s), "compiling and capturing")
+        if problem is not None:
+            reasons[v] = problem
+            runs[v] = "err"
+            continue
+        if made:  # (c) compiles the step that (b) and (e) reuse: its counts are theirs
+            reasons[f"{LABELS[v]} rewrites (rank 0)"] = str(dict(made))
+        status = common.rewritten(made, EXPECTED_REWRITES[v], reasons, v) if v in EXPECTED_REWRITES else None
+        runs[v] = status or captured
     return runs
 
 
@@ -219,20 +232,46 @@ def ranks_equal(t: torch.Tensor) -> bool:
     return common.all_ranks(all(torch.equal(everyone[0], other) for other in everyone))
 
 
-def checks(runs: dict, x: torch.Tensor, b: int) -> dict[str, common.Cell]:
-    """Outputs of one step from the same input: (a) vs (b) and (d) closeness, (b) vs (c) bits, ranks' bits."""
-    outs = {v: runs[(v, b)](x).clone() for v in VARIANTS if callable(runs.get((v, b)))}
+def checks(runs: Runs, x: torch.Tensor, b: int) -> dict[tuple, common.Cell]:
+    """Outputs of one step from the same input: (a) vs (b), (d) and (e) closeness, (b) vs (c) bits,
+    ranks' bits."""
+    outs = {v: run[b](x).clone() for v, run in runs.items() if not isinstance(run, str)}
     torch.cuda.synchronize()
-    cells: dict[str, common.Cell] = {"ranks equal": "yes" if all(ranks_equal(o) for o in outs.values()) else "NO"}
-    ref = outs[INDUCTOR].float()
-    for v, column in ((ZERO_COPY, "max abs diff (a, b)"), (FUSED, "max abs diff (a, d)")):
-        if v in outs:
+    equal = [ranks_equal(o) for o in outs.values()]  # each a collective: no short cut
+    cells: dict[tuple, common.Cell] = {(b, "ranks equal"): "yes" if all(equal) else "NO"}
+    ref = outs[INDUCTOR].float() if INDUCTOR in outs else None
+    for v, column in DIFF_COLUMNS.items():
+        if v in outs and ref is not None:
             diff = (outs[v].float() - ref).abs().max().item()
             high = not diff <= REL_TOLERANCE * ref.abs().max().item()  # NaN counts as high
-            cells[column] = f"{diff:.3g}" + (" (HIGH)" if high else "")
+            cells[(b, column)] = f"{diff:.3g}" + (" (HIGH)" if high else "")
     if ZERO_COPY in outs and COPY_IN in outs:
-        cells["(b) == (c) bits"] = "yes" if torch.equal(outs[ZERO_COPY], outs[COPY_IN]) else "NO"
+        cells[(b, "(b) == (c) bits")] = "yes" if torch.equal(outs[ZERO_COPY], outs[COPY_IN]) else "NO"
     return cells
+
+
+def run_batch(runs: Runs, b: int, s: Settings, gen: torch.Generator) -> dict[tuple, common.Cell]:
+    """(batch, column) -> cell: the checks, then each variant's time (or why it has none)."""
+    x = torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE, generator=gen)
+    cells = checks(runs, x, b)
+    for v in VARIANTS:
+        run = runs[v]
+        cells[(b, v)] = run if isinstance(run, str) else common.time_gpu(
+            lambda: [run[b](x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)  # fmt: skip
+    return cells
+
+
+def graphar_steps(blocks: nn.ModuleList, norm: torch.Tensor, eps: float) -> dict[str, Step]:
+    """The graphar step of each graphar variant, after graphar.init (which registers backend="graphar")."""
+    import graphar
+
+    # The first call of each compiled block runs right after its compilation, which can end
+    # tens of seconds apart on different ranks: the spin bound must outlast that skew.
+    if graphar.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
+        raise RuntimeError("graphar.init returned None (its log says why)")
+    step = compiled_step(blocks, norm, eps, "graphar")
+    fused = compiled_step(blocks, norm, eps, "graphar", fuse_norm=True)
+    return {ZERO_COPY: step, COPY_IN: step, PUSH: step, FUSED: fused}
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
@@ -241,46 +280,24 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     blocks = nn.ModuleList(Block(shape, world_size, max(s.batches)) for _ in range(shape.layers))
     norm = norm_weight(shape.hidden)
     reasons: dict[str, str] = {}
-    graphar_steps: dict[str, Step] = {}
-    try:
-        import graphar  # registers backend="graphar"
-
-        # The first call of each compiled block runs right after its compilation, which can end
-        # tens of seconds apart on different ranks: the spin bound must outlast that skew.
-        if graphar.init(dist.group.WORLD, timeout_s=COMPILE_SKEW_S) is None:
-            reasons["graphar"] = "graphar.init returned None (its log says why)"
-        else:
-            step = compiled_step(blocks, norm, shape.eps, "graphar")
-            graphar_steps = {ZERO_COPY: step, COPY_IN: step, PUSH: step,
-                             FUSED: compiled_step(blocks, norm, shape.eps, "graphar", fuse_norm=True)}  # fmt: skip
-    except Exception as e:
-        reasons["graphar"] = f"unavailable: {type(e).__name__}: {e}"
-    step_nccl = compiled_step(blocks, norm, shape.eps, "inductor")
-    runs = build_variants(step_nccl, graphar_steps, s, reasons)
+    steps, problem = common.attempt(lambda: graphar_steps(blocks, norm, shape.eps), "graphar set-up")
+    if problem is not None:
+        reasons["graphar"] = problem
+    steps = {INDUCTOR: compiled_step(blocks, norm, shape.eps, "inductor"), **(steps or {})}
+    runs = build_variants(steps, s, reasons)
     reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
     common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
-
     gen = torch.Generator(device="cuda").manual_seed(0)  # the replicated hidden states: same on every rank
-    cells: dict[tuple, common.Cell] = {}
-    for b in s.batches:
-        x = torch.randn(b, shape.hidden, device="cuda", dtype=DTYPE, generator=gen)
-        cells.update({(b, k): v for k, v in checks(runs, x, b).items()})
-        for v in VARIANTS:
-            run = runs.get((v, b))
-            if not callable(run):
-                cells[(b, v)] = "n/a"
-                continue
-            cells[(b, v)] = common.time_gpu(lambda: [run(x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)
-        common.progress(f"done batch {b}")
-    cells = common.max_over_ranks(cells)
-    if rank == 0:
-        gpu = common.gpu_name()
-        write(cells, s, world_size, reasons, gpu, common.results_path("decode", gpu, world_size, out_path))
+    gpu = common.gpu_name()
+    path = common.results_path("decode", gpu, world_size, out_path)
+
+    def write_batches(cells: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
+        write(cells, dataclasses.replace(s, batches=done), world_size, reasons, gpu, path, final)
+
+    common.run_units(s.batches, lambda b: f"batch {b}", lambda b: run_batch(runs, b, s, gen), write_batches)
 
 
 # ---- the report --------------------------------------------------------------------------------
-
-CHECK_COLUMNS = ("max abs diff (a, b)", "max abs diff (a, d)", "(b) == (c) bits", "ranks equal")
 
 
 def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
@@ -304,7 +321,10 @@ def notes(s: Settings, world_size: int, reasons: dict[str, str]) -> list[str]:
         "max over ranks. (a) / (b) above 1 means graphar is faster.",
         "Each block is compiled with torch.compile(dynamic=False) for the named backend; "
         "the whole step (all blocks, final norm) is one CUDA graph.",
-        f"max abs diff (a, b): one step from the same input; HIGH = above {REL_TOLERANCE} of the largest output.",
+        f"max abs diff (a, b), (a, d), (a, e): one step from the same input; HIGH = above {REL_TOLERANCE} of the "
+        "largest output.",
+        "(d) must have been rewritten by graphar's fuse_norm pass ('not rewritten' otherwise, not timed); "
+        "'err': its compile or capture raised (the reason below).",
     ]
     return lines + [f"{name}: {why}" for name, why in sorted(reasons.items())]
 
@@ -315,14 +335,16 @@ def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.BarChart:
                          "us per decode step", [f"batch {b}" for b in s.batches], bars)  # fmt: skip
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
+          final: bool = True) -> None:  # fmt: skip
     info = common.header("decode, CUDA graphs", world_size, gpu)
-    for name, why in sorted(reasons.items()):
-        print(f"note: {name}: {why}", flush=True)
+    if final:
+        for name, why in sorted(reasons.items()):
+            print(f"note: {name}: {why}", flush=True)
     sections = [("per decode step, us", table(cells, s))]
     title = "Decode step (TP, Llama-style)"
     text = common.report(title, info, sections, notes(s, world_size, reasons))
-    common.write_report(text, path, [chart(cells, s)], f"{title}, {gpu}, world size {world_size}")
+    common.write_report(text, path, [chart(cells, s)], f"{title}, {gpu}, world size {world_size}", final)
 
 
 def dry_run(s: Settings, out: Path | None) -> None:
@@ -331,7 +353,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {}
     for b in s.batches:
         cells.update({(b, v): rng.uniform(300, 600) for v in VARIANTS})
-        cells.update({(b, CHECK_COLUMNS[0]): "0.0156", (b, CHECK_COLUMNS[1]): "0.0312"})
-        cells.update({(b, CHECK_COLUMNS[2]): "yes", (b, CHECK_COLUMNS[3]): "yes"})
+        cells.update({(b, column): "0.0156" for column in DIFF_COLUMNS.values()})
+        cells.update({(b, "(b) == (c) bits"): "yes", (b, "ranks equal"): "yes"})
     write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("decode", common.DRY_RUN_GPU, 2, out,
                                                                      common.dry_run_dir()))

@@ -15,6 +15,7 @@ folder, or --out), with a plot of time against tokens beside it (.png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import operator
 import random
 from collections.abc import Callable
@@ -115,49 +116,66 @@ def fused_is_right(op: Op, tokens: int, hidden: int) -> bool:
     return ok and right(outs[-1])
 
 
+def fused_status(comm, op: Op, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 reasons: dict[str, str]) -> str | None:  # fmt: skip
+    """Why the fused op is not timed at x's size ("-", "WRONG", "err"), alike on every rank; None: time it."""
+    tokens, hidden = x.shape
+
+    def refused() -> str | None:
+        # graphar exposes no predicate for the fused kernel's limits: an eager call tells (it launches
+        # the kernel, a collective, where the kernel takes x, which is on every rank alike).
+        return None if comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, False) is not None else "-"
+
+    status = common.verdict(refused, "the fused kernel's eager call", reasons, f"{FUSED} eager call")
+    if status == "-":
+        reasons[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
+    if status is not None:
+        return status
+    status = common.verdict(lambda: None if fused_is_right(op, tokens, hidden) else "WRONG", "the fused op's check",
+                            reasons, f"{FUSED} check")  # fmt: skip
+    if status == "WRONG":
+        reasons.setdefault(f"{FUSED} check", f"differs from the unfused ops at {tokens} tokens")
+    return status
+
+
+def run_tokens(tokens: int, comm, ops: dict[str, Op], s: Settings, reasons: dict[str, str]) -> dict[tuple, common.Cell]:
+    """(tokens, column) -> cell; every rank takes the same decisions, each through a collective."""
+    from graphar.graphs import graph as graphar_graph
+
+    x = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)  # replicated: equal on every rank
+    residual = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE, generator=gen)
+    weight = torch.rand(s.hidden, device="cuda", dtype=DTYPE, generator=gen) + 0.5
+    cells: dict[tuple, common.Cell] = {}
+    for name, op in ops.items():
+        status = fused_status(comm, op, x, residual, weight, reasons) if name == FUSED else None
+        # NCCL sums in place: its own copy of x keeps the others' input as drawn.
+        inp = x.clone() if name == NCCL_NORM else x
+        cells[(tokens, name)] = status or common.measured(
+            lambda: common.capture(lambda i: op(inp, residual, weight), s.ops, context=graphar_graph),
+            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops), "capture", reasons, name)
+    return cells
+
+
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
     import graphar
-    from graphar.graphs import graph as graphar_graph
 
     comm = graphar.init()
     if comm is None:
         raise RuntimeError("graphar.init returned None (its log says why)")
     ops = contenders(comm)
-    cells: dict[tuple, common.Cell] = {}
-    notes: dict[str, str] = {}
-    for tokens in s.tokens:
-        x = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE)
-        gen = torch.Generator(device="cuda").manual_seed(tokens)  # replicated: equal on every rank
-        residual = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE, generator=gen)
-        weight = torch.rand(s.hidden, device="cuda", dtype=DTYPE, generator=gen) + 0.5
-        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, False) is not None
-        for name, op in ops.items():
-            if name == FUSED and not fused:
-                cells[(tokens, name)] = "-"
-                notes[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
-                continue
-            if name == FUSED:
-                try:
-                    ok = fused_is_right(op, tokens, s.hidden)
-                except Exception as e:
-                    ok = False
-                    notes.setdefault(f"{FUSED} check", f"raised {type(e).__name__}: {e}")
-                if not common.all_ranks(ok):
-                    cells[(tokens, name)] = "WRONG"
-                    notes.setdefault(f"{FUSED} check", f"differs from the unfused ops (or raised) at {tokens} tokens")
-                    continue
-            # NCCL sums in place: its own copy of x keeps the others' input as drawn.
-            inp = x.clone() if name == NCCL_NORM else x
-            graph = common.capture(lambda i, op=op: op(inp, residual, weight), s.ops, context=graphar_graph)
-            cells[(tokens, name)] = common.time_gpu(graph.replay, repeats=s.replays, per=s.ops)
-        common.progress(f"done {tokens} tokens")
-    cells = common.max_over_ranks(cells)
-    if rank == 0:
-        gpu = common.gpu_name()
-        write(cells, s, world_size, notes, gpu, common.results_path("norm", gpu, world_size, out_path))
+    reasons: dict[str, str] = {}
+    gpu = common.gpu_name()
+    path = common.results_path("norm", gpu, world_size, out_path)
+
+    def write_tokens(cells: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
+        write(cells, dataclasses.replace(s, tokens=done), world_size, reasons, gpu, path, final)
+
+    common.run_units(s.tokens, lambda t: f"{t} tokens", lambda t: run_tokens(t, comm, ops, s, reasons), write_tokens)
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path) -> None:
+def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
+          final: bool = True) -> None:  # fmt: skip
     rows = []
     for t in s.tokens:
         fused = cells[(t, FUSED)]
@@ -178,7 +196,7 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
              for c in COLUMNS]  # fmt: skip
     chart = plot.LineChart(f"bf16, hidden {s.hidden}, max over ranks", "tokens", "us per op", lines,
                            [(t, str(t)) for t in s.tokens])  # fmt: skip
-    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}")
+    common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}", final)
 
 
 def dry_run(s: Settings, out: Path | None) -> None:

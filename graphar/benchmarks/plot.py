@@ -78,7 +78,9 @@ def write_png(charts: Sequence[Chart], path: Path, title: str) -> str:
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    partial = path.with_name(path.name + ".tmp")  # replaced whole: a run killed meanwhile keeps the last plot
+    fig.savefig(partial, dpi=110, format="png")
+    partial.replace(path)
     plt.close(fig)
     return f"plot written to {path}"
 

@@ -19,11 +19,13 @@ chart of the time per shape by transport beside it (.png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return b, s, h, d
 
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = 180.0  # NCCL's: a hang ends with a traceback well before gpu_session.sh's 300 s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,16 +84,33 @@ def qkv_bytes(shape: tuple[int, int, int, int], world_size: int) -> int:
     return 3 * b * (s // world_size) * h * d * DTYPE.itemsize
 
 
-def time_graph(step: Callable[[int], object], nbytes: int, s: Settings) -> float:
+def time_graph(step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
+               ) -> common.Cell:  # fmt: skip
     ops = max(2, min(s.max_ops, GRAPH_BYTES // max(nbytes, 1)))
-    graph = common.capture(step, ops)
-    try:
-        return common.time_gpu(graph.replay, repeats=s.replays, per=ops)
-    finally:
-        del graph
+    return common.measured(lambda: common.capture(step, ops),
+                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
+                           "capture", reasons, key)  # fmt: skip
 
 
-def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings) -> dict[str, common.Cell]:
+def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tuple[str, bool]], ex: Any
+                    ) -> str | None:  # fmt: skip
+    """"WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
+    path's bits. Every exchange runs, whatever an earlier one gave: each is a collective its peers run."""
+    from graphar.comm import ulysses
+
+    reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv]
+    out_reference = ulysses.heads_to_seq_unpacked(out)
+    right = []
+    for group, push in groups:
+        with common.overriding(ex, "push", push):  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
+            got, got_out = ulysses.seq_to_heads(*qkv, group), ulysses.heads_to_seq(out, group)
+        right.append(all(map(torch.equal, got, reference)) and torch.equal(got_out, out_reference))
+    return None if all(right) else "WRONG"
+
+
+def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings,
+              reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
+    """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
     from graphar.comm import ulysses
     from graphar.comm.communicator import communicator
     from graphar.kernels import pack
@@ -99,27 +118,26 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
     ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport
     b, seq, h, d = shape
     if seq % world_size or h % world_size:
-        return {k: "-" for k in (*TIMED, "pack", "copy")}
+        return {(shape, k): "-" for k in (*TIMED, "pack", "copy")}
     s_local, h_local = seq // world_size, h // world_size
     nbytes = qkv_bytes(shape, world_size)
     sets = 2 if nbytes < SMALL_BYTES else 1
     qkv = [[torch.randn(b, s_local, h, d, device="cuda", dtype=DTYPE) for _ in range(3)] for _ in range(sets)]
     outs = [torch.randn(b, seq, h_local, d, device="cuda", dtype=DTYPE) for _ in range(sets)]
 
-    reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv[0]]
-    out_reference = ulysses.heads_to_seq_unpacked(outs[0])
     ex = communicator(ipc_group).exchange
-    ok = True
-    for group, push in ((nccl_group, False), (ipc_group, False), (ipc_group, True)):  # IPC first sizes the buffers
-        with common.overriding(ex, "push", push):  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
-            ok = ok and all(torch.equal(x, y) for x, y in zip(ulysses.seq_to_heads(*qkv[0], group), reference))
-            ok = ok and torch.equal(ulysses.heads_to_seq(outs[0], group), out_reference)
-    if not common.all_ranks(ok):
-        return {k: "WRONG" for k in TIMED} | {"pack": "-", "copy": "-"}
+    groups = [(nccl_group, False), (ipc_group, False), (ipc_group, True)]  # IPC pull first sizes the buffers
+    status = common.verdict(lambda: wrong_exchanges(qkv[0], outs[0], groups, ex), "the exchange check", reasons,
+                            f"check at {shape_label(shape)}")  # fmt: skip
+    if status is not None:
+        return {(shape, k): status for k in TIMED} | {(shape, "pack"): "-", (shape, "copy"): "-"}
 
-    def ipc(push: bool, step: Callable[[int], object], nbytes: int) -> float:
+    def timed(key: str, step: Callable[[int], object], nbytes: int) -> common.Cell:
+        return time_graph(step, nbytes, s, reasons, key)
+
+    def ipc(key: str, push: bool, step: Callable[[int], object], nbytes: int) -> common.Cell:
         with common.overriding(ex, "push", push):  # read at capture
-            return time_graph(step, nbytes, s)
+            return timed(key, step, nbytes)
 
     def qkv_step(group: str) -> Callable[[int], object]:
         return lambda i: ulysses.seq_to_heads(*qkv[i % sets], group)
@@ -128,22 +146,22 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
         return lambda i: ulysses.heads_to_seq(outs[i % sets], group)
 
     cells: dict[str, common.Cell] = {
-        UNPACKED: time_graph(lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes, s),
-        PACKED: time_graph(qkv_step(nccl_group), nbytes, s),
-        PACKED_IPC: ipc(False, qkv_step(ipc_group), nbytes),
-        PACKED_PUSH: ipc(True, qkv_step(ipc_group), nbytes),
-        OUT_UNPACKED: time_graph(lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3, s),
-        OUT_GRAPHAR: time_graph(out_step(nccl_group), nbytes // 3, s),
-        OUT_IPC: ipc(False, out_step(ipc_group), nbytes // 3),
-        OUT_PUSH: ipc(True, out_step(ipc_group), nbytes // 3),
+        UNPACKED: timed(UNPACKED, lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes),
+        PACKED: timed(PACKED, qkv_step(nccl_group), nbytes),
+        PACKED_IPC: ipc(PACKED_IPC, False, qkv_step(ipc_group), nbytes),
+        PACKED_PUSH: ipc(PACKED_PUSH, True, qkv_step(ipc_group), nbytes),
+        OUT_UNPACKED: timed(OUT_UNPACKED, lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3),
+        OUT_GRAPHAR: timed(OUT_GRAPHAR, out_step(nccl_group), nbytes // 3),
+        OUT_IPC: ipc(OUT_IPC, False, out_step(ipc_group), nbytes // 3),
+        OUT_PUSH: ipc(OUT_PUSH, True, out_step(ipc_group), nbytes // 3),
     }
     # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
     packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
     src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
                                                                                   device="cuda")
-    cells["pack"] = time_graph(lambda i: pack.pack_heads(qkv[i % sets], world_size, packed), nbytes, s)
-    cells["copy"] = time_graph(lambda i: dst.copy_(src), nbytes, s)
-    return cells
+    cells["pack"] = timed("pack", lambda i: pack.pack_heads(qkv[i % sets], world_size, packed), nbytes)
+    cells["copy"] = timed("copy", lambda i: dst.copy_(src), nbytes)
+    return {(shape, k): v for k, v in cells.items()}
 
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
@@ -156,17 +174,20 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     os.environ["GRAPHAR_AUTO_INIT"] = "0"
     nccl_group = dist.new_group(list(range(world_size))).group_name
     common.progress(f"set up; timing {len(s.shapes)} shapes")
-    results: dict[tuple, common.Cell] = {}
-    for i, shape in enumerate(s.shapes, 1):
-        cells = run_shape(shape, world_size, nccl_group, s)
-        results.update({(shape, k): v for k, v in cells.items()})
+    reasons: dict[str, str] = {}
+    gpu = common.gpu_name()
+    path = common.results_path("ulysses", gpu, world_size, out_path)
+
+    def run(shape: tuple[int, int, int, int]) -> dict[tuple, common.Cell]:
+        cells = run_shape(shape, world_size, nccl_group, s, reasons)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        common.progress(f"done {shape_label(shape)} ({i}/{len(s.shapes)})")
-    results = common.max_over_ranks(results)
-    if rank == 0:
-        gpu = common.gpu_name()
-        write(results, s, world_size, gpu, common.results_path("ulysses", gpu, world_size, out_path))
+        return cells
+
+    def write_shapes(results: dict[tuple, common.Cell], done: list[tuple[int, int, int, int]], final: bool) -> None:
+        write(results, dataclasses.replace(s, shapes=done), world_size, reasons, gpu, path, final)
+
+    common.run_units(s.shapes, shape_label, run, write_shapes)
 
 
 def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
@@ -207,7 +228,7 @@ def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> l
     ]
 
 
-def notes(s: Settings) -> list[str]:
+def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
     return [
         f"bf16; CUDA graphs of up to {s.max_ops} back-to-back ops (fewer for large shapes, "
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
@@ -221,7 +242,7 @@ def notes(s: Settings) -> list[str]:
         "q+k+v bytes a rank sends to its peers ((P-1)/P of them) over the op's time.",
         "Targets (2 x H200): input exchange >= 2.5x the three-collective path and >= 350 GB/s per direction "
         "on the large shapes; pack kernel >= 80% of copy_.",
-    ]
+    ] + [f"{k}: {v}" for k, v in sorted(reasons.items())]
 
 
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
@@ -234,11 +255,12 @@ def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
             for what, keys in panels]  # fmt: skip
 
 
-def write(results: dict, s: Settings, world_size: int, gpu: str, path: Path) -> None:
+def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
+          final: bool = True) -> None:  # fmt: skip
     info = common.header("graph", world_size, gpu)
     title = "Ulysses all-to-all (us)"
-    text = common.report(title, info, tables(results, s, world_size), notes(s))
-    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}")
+    text = common.report(title, info, tables(results, s, world_size), notes(s, reasons))
+    common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}", final)
 
 
 def dry_run(s: Settings, out: Path | None) -> None:
@@ -249,4 +271,4 @@ def dry_run(s: Settings, out: Path | None) -> None:
         for k in (*TIMED, "pack", "copy"):
             results[(shape, k)] = rng.uniform(100, 3000)
     path = common.results_path("ulysses", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
-    write(results, s, 2, common.DRY_RUN_GPU, path)
+    write(results, s, 2, {}, common.DRY_RUN_GPU, path)
