@@ -3,10 +3,12 @@
 # results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
 # Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu[=WORLD]] [doctor]
-#        [demo] [bench-NAME[=ARGS]] [eager-breakdown]
+#        [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
 # NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
 # builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
+# one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
+# numbers), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -48,6 +50,9 @@ for stage in "$@"; do
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
+    one-gpu-bench-*)
+      name=${stage%%=*}; args=""; [ "$name" != "$stage" ] && args=${stage#*=}
+      step "$name" 560 python tools/one_gpu_bench.py "${name#one-gpu-bench-}" --out bench/results/one-gpu $args ;;
     bench-*)
       name=${stage%%=*}; args=""; [ "$name" != "$stage" ] && args=${stage#*=}
       # Each benchmark's NCCL timeout (its TIMEOUT_S) is well below its limit: a hang ends with a traceback.

@@ -23,7 +23,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from one_gpu_common import ALGOS, KB, MB, assert_ranks_equal, integers, new_pair, reference_sum, world_size
+from one_gpu_common import (
+    ALGOS,
+    KB,
+    MB,
+    assert_ranks_equal,
+    integers,
+    new_pair,
+    reference_sum,
+    relax_set_up,
+    world_size,
+)
 from one_gpu_compiled import (
     check_compiled,
     check_compiled_attention,
@@ -35,10 +45,7 @@ from one_gpu_compiled import (
 def _init_relaxed():
     from graphar.comm import set_up
 
-    set_up._uniform_reason = lambda group: None  # gloo group: the harness's references run on it
-    shared = set_up._shared_reason
-    set_up._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
-    set_up._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
+    relax_set_up()
     set_up._not_worth_setting_up = lambda group: None  # gloo groups set up at their first call too, here
     comm = set_up.init(max_bytes=8 * MB, timeout_s=30)
     assert comm is not None, "graphar.init set up no communicator"

@@ -1,5 +1,6 @@
-"""What the one-GPU harness's checks share (tools/one_gpu_check.py): integer-valued inputs, gloo
-references, the group's size, a bitwise comparison across ranks."""
+"""What the one-GPU tools share (tools/one_gpu_check.py, tools/one_gpu_bench.py): graphar's set-up
+relaxed for ranks on one GPU, integer-valued inputs, gloo references, the group's size, a bitwise
+comparison across ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,17 @@ import torch.distributed as dist
 
 KB, MB = 1 << 10, 1 << 20
 ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
+
+
+def relax_set_up() -> None:
+    """Let graphar.init set up a communicator whose ranks share one GPU over a gloo group: slow (the GPU
+    time-slices the ranks' kernels), not wrong, and refused everywhere but in these tools."""
+    from graphar.comm import set_up
+
+    set_up._uniform_reason = lambda group: None  # a gloo group: NCCL refuses two ranks on one GPU
+    shared = set_up._shared_reason
+    set_up._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
+    set_up._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
 
 
 def integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

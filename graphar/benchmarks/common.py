@@ -200,11 +200,25 @@ def capture(
     if problem is not None:
         raise RuntimeError(problem)
     graph = torch.cuda.CUDAGraph()
-    with context(graph, pool=pool, stream=stream):
-        for i in range(n):
-            fn(i)
+    try:
+        with context(graph, pool=pool, stream=stream):
+            for i in range(n):
+                fn(i)
+    except BaseException:
+        _fresh_cuda_generator()
+        raise
     torch.cuda.synchronize()
     return graph
+
+
+def _fresh_cuda_generator() -> None:
+    """A capture that failed never ends the CUDA generator's capture (torch ends it only in a capture
+    that succeeds), and every later random draw on the device would raise: a fresh generator state,
+    seeded as the old one, lets the next cells run."""
+    default = torch.cuda.default_generators[torch.cuda.current_device()]
+    fresh = torch.Generator(device="cuda")
+    fresh.manual_seed(default.initial_seed())
+    default.graphsafe_set_state(fresh.graphsafe_get_state())
 
 
 def time_gpu(run: Callable[[], object], *, repeats: int, per: int = 1) -> float:
