@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from graphar import _cuda, native_op
+from graphar.comm import abi
 
 MB = 1 << 20
 needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
@@ -185,6 +186,6 @@ def test_group_state_carries_the_policy_rows() -> None:
     assert (state.comm, state.failed, state.fused_norm_max, state.norm_max_row_bytes, state.pdl) == (
         7, 1234, 512 << 10, _cuda.NORM_MAX_ROW_BYTES, 1)  # fmt: skip
     assert state.all_reduce == ctypes.cast(functions["graphar_comm_all_reduce"], ctypes.c_void_p).value
-    with pytest.raises(ValueError, match="at most 8"):
-        native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=1, device=1, rank=0, segments=segments * 3,
+    with pytest.raises(ValueError, match=f"at most {abi.OP_MAX_ROWS}"):
+        native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=1, device=1, rank=0, segments=segments * 6,
                               fused_norm_max=0, pdl=False)  # fmt: skip
