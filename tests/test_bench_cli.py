@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from graphar._launch import end_worker, free_port
 from graphar.__main__ import main
-from graphar.benchmarks import allreduce, cli, common, plot
+from graphar.benchmarks import allreduce, cli, common, plot, ranks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
@@ -188,7 +188,7 @@ def _all_ranks_on_cpu(flag: bool) -> bool:
 def _agreement_worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    common.all_ranks = _all_ranks_on_cpu  # gloo: the flag on the CPU
+    ranks.all_ranks = _all_ranks_on_cpu  # gloo: the flag on the CPU
     try:
         reasons: dict[str, str] = {}
         timed: list[object] = []
@@ -199,15 +199,15 @@ def _agreement_worker(rank: int, port: int) -> None:
             return "graph"
 
         # One rank's failure: neither times (the timing holds collectives), both say why.
-        assert common.measured(capture, timed.append, "capture", reasons, "col") == "err" and timed == []
+        assert ranks.measured(capture, timed.append, "capture", reasons, "col") == "err" and timed == []
         assert reasons == {"col": "capture raised on rank 1: RuntimeError: capture failed"}
-        assert common.measured(lambda: "graph", lambda graph: 2.0 + rank, "capture", reasons, "col") == 2.0 + rank
-        assert common.verdict(lambda: "WRONG" if rank == 1 else None, "check", reasons, "c") == "WRONG"
-        assert common.verdict(lambda: None, "check", reasons, "c") is None
+        assert ranks.measured(lambda: "graph", lambda graph: 2.0 + rank, "capture", reasons, "col") == 2.0 + rank
+        assert ranks.verdict(lambda: "WRONG" if rank == 1 else None, "check", reasons, "c") == "WRONG"
+        assert ranks.verdict(lambda: None, "check", reasons, "c") is None
         made = {"fuse_norm": 2} if rank == 0 else {}
-        assert common.rewritten(made, "fuse_norm", reasons, "(d)") == "not rewritten"
+        assert ranks.rewritten(made, "fuse_norm", reasons, "(d)") == "not rewritten"
         assert reasons["(d)"] == "not rewritten: no fuse_norm rewrite, rewrites {}"
-        assert common.rewritten({"fuse_norm": 1}, "fuse_norm", reasons, "(e)") is None
+        assert ranks.rewritten({"fuse_norm": 1}, "fuse_norm", reasons, "(e)") is None
         # After each unit, rank 0 gets the cells so far (max over ranks) to write.
         written: list[tuple] = []
         common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit + rank)},

@@ -1,8 +1,10 @@
 """graphar's benchmarks, run as `python -m graphar bench allreduce|attention|decode|norm|ulysses`
 (graphar.benchmarks.cli).
 
-    common     launch, CUDA-graph capture, timing, max over ranks, the report and where it goes
+    common     launch, CUDA-graph capture, timing, the per-unit report and where it goes
+    ranks      decisions every rank takes alike: agreed checks, captures and cells, max over ranks
     plot       the PNG beside each table (matplotlib, an optional extra: graphar[plot])
+    winners    the fastest kernel per size and capture mode, and graphar.comm.policy's rows from it
     allreduce  all-reduce latency: NCCL, PyTorch symmetric memory and graphar, graphs and eager
     attention  a Ulysses attention block compiled by Inductor + NCCL and by graphar, against its compute floor
     decode     one decode step of a tensor-parallel Llama-style model: Inductor + NCCL against graphar

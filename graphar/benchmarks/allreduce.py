@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot, winners
+from graphar.benchmarks import common, plot, ranks, winners
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("graph", "eager", "graph-mm")
@@ -217,7 +217,7 @@ def agree_on_columns(c: Contenders) -> None:
     """Collective: a column that some rank could not set up is n/a on every rank (a rank timing it
     alone would wait for its peer in each collective)."""
     for name in ALL_COLUMNS:  # one order on every rank
-        reason = common.agree(c.unavailable.get(name))
+        reason = ranks.agree(c.unavailable.get(name))
         if reason is not None:
             c.columns.pop(name, None)
             c.unavailable[name] = reason
@@ -258,12 +258,12 @@ def column_status(col: Column | None, name: str, x: torch.Tensor, reasons: dict[
     alike on every rank; None: time it."""
     if col is None:  # agreed at set-up
         return "n/a"
-    if not common.all_ranks(col.eligible(x)):
+    if not ranks.all_ranks(col.eligible(x)):
         return "-"
     if col.calls is None:
         return None
     size = common.format_bytes(x.nbytes)
-    status = common.verdict(lambda: verify(col, x.numel(), x.dtype), f"verification at {size}", reasons, name)
+    status = ranks.verdict(lambda: verify(col, x.numel(), x.dtype), f"verification at {size}", reasons, name)
     if status in UNTIMED:
         reasons.setdefault(name, UNTIMED[status].format(size))
     return status
@@ -280,10 +280,10 @@ def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tenso
 
     if mode == "eager":
         # One call first, agreed: a rank whose call raises must not leave its peer in the timed loop.
-        return common.measured(lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters),
+        return ranks.measured(lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters),
                                "the eager call", reasons, name)  # fmt: skip
     fn = step_with_matmul if mode == "graph-mm" else step
-    return common.measured(lambda: common.capture(fn, s.ops, context=col.context),
+    return ranks.measured(lambda: common.capture(fn, s.ops, context=col.context),
                            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
                            f"{mode} capture", reasons, name)  # fmt: skip
 

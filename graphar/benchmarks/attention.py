@@ -31,7 +31,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from graphar.benchmarks import common, plot
+from graphar.benchmarks import common, plot, ranks
 from graphar.benchmarks.ulysses import parse_shape
 
 DTYPE = torch.bfloat16
@@ -143,14 +143,14 @@ def variant_cell(v: str, run: Callable, x: torch.Tensor, outs: dict[str, torch.T
                  reasons: dict[str, str]) -> common.Cell:  # fmt: skip
     """One variant at x's shape: compiled (its first call, kept in outs), its rewrite and its output
     checked, then timed; "err", "not rewritten" or "WRONG" instead, alike on every rank."""
-    with common.counting_rewrites() as made:
-        out, problem = common.attempt(lambda: run(x), f"compiling {LABELS[v]}")
+    with ranks.counting_rewrites() as made:
+        out, problem = ranks.attempt(lambda: run(x), f"compiling {LABELS[v]}")
     if problem is not None:
         reasons.setdefault(v, problem)
         return "err"
     outs[v] = out
     status = graphar_status(v, out, made, outs, reasons) if v in EXPECTED_REWRITES else None
-    return status or common.measured(lambda: common.capture(lambda i: run(x), blocks),
+    return status or ranks.measured(lambda: common.capture(lambda i: run(x), blocks),
                                      lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=blocks),
                                      "capture", reasons, v)  # fmt: skip
 
@@ -158,13 +158,13 @@ def variant_cell(v: str, run: Callable, x: torch.Tensor, outs: dict[str, torch.T
 def graphar_status(v: str, out: torch.Tensor, made: Mapping[str, int], outs: dict[str, torch.Tensor],
                    reasons: dict[str, str]) -> str | None:  # fmt: skip
     """Why a graphar variant is not timed ("not rewritten", "WRONG", "err"), alike on every rank; None: time it."""
-    status = common.rewritten(made, EXPECTED_REWRITES[v], reasons, v)
+    status = ranks.rewritten(made, EXPECTED_REWRITES[v], reasons, v)
     if status is not None:
         return status
     if NCCL not in outs:
         reasons.setdefault(v, f"timed unchecked: {LABELS[NCCL]} failed")
         return None
-    return common.verdict(lambda: None if _close(out, outs[NCCL]) else "WRONG", f"checking {LABELS[v]}", reasons, v)
+    return ranks.verdict(lambda: None if _close(out, outs[NCCL]) else "WRONG", f"checking {LABELS[v]}", reasons, v)
 
 
 def run_shape(shape, rank: int, world_size: int, s: Settings, graphar_ok: bool, reasons: dict[str, str]
@@ -191,7 +191,7 @@ def set_up_graphar() -> None:
 
 def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> None:
     reasons: dict[str, str] = {}
-    _, problem = common.attempt(set_up_graphar, "graphar set-up")
+    _, problem = ranks.attempt(set_up_graphar, "graphar set-up")
     if problem is not None:
         reasons["graphar"] = problem
     gpu = common.gpu_name()

@@ -9,14 +9,6 @@
     time_gpu(run, repeats, per)         median GPU time (CUDA events) of run(), in us per `per` units,
                                         ranks aligned before each repeat
     time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
-    max_over_ranks(cells)               {key: float | str} -> the same keys, max over ranks (a str wins)
-    all_ranks(flag)                     True on every rank iff flag is True on every rank
-    agree(problem)                      None on every rank iff every rank passes None, else the lowest rank's problem
-    attempt(fn, what)                   fn() on every rank, (value, None), or (None, why) on every rank if one raised
-    verdict(fn, what, reasons, key)     a check's cell ("WRONG", ...; "err" if it raised), alike on every rank
-    measured(prepare, time_it, ...)     a timed cell: prepare() (a capture) agreed, then time_it(it); else "err"
-    counting_rewrites()                 the graphar rewrites compiled within a with block
-    rewritten(made, expected, ...)      "not rewritten" on every rank unless the expected rewrite was made
     run_units(units, label, run, write) run unit by unit; after each, rank 0 rewrites the report so far
     overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
     derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
@@ -30,8 +22,7 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 did not make the rewrite the variant is about (so it is not timed under graphar's name).
 
 Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
-timeout: a decision taken before a collective (eligible? did the capture work?) goes through
-`all_ranks`/`agree` first, which is what `attempt`, `verdict` and `measured` do.
+timeout: a decision taken before a collective goes through graphar.benchmarks.ranks first.
 """
 
 from __future__ import annotations
@@ -44,9 +35,7 @@ import os
 import statistics
 import tempfile
 import time
-import traceback
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +47,8 @@ import torch.multiprocessing as mp
 
 from graphar._launch import free_port
 from graphar.benchmarks import plot
+from graphar.benchmarks.ranks import Cell, attempt, max_over_ranks
 
-Cell = float | str
-T = TypeVar("T")
 U = TypeVar("U")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
 # Multicast (NVLS) stays off for every peer. The workers are spawned processes, which read these
@@ -252,95 +240,6 @@ def time_host(run: Callable[[int], object], *, iters: int, repeats: int = 3, war
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) * 1e6 / iters)
     return statistics.median(samples)
-
-
-def combine(values: Iterable[Cell]) -> Cell:
-    """The max of floats; the first string if any rank reported one (n/a, err, ...)."""
-    values = list(values)
-    strings = [v for v in values if isinstance(v, str)]
-    return strings[0] if strings else max(values)
-
-
-def max_over_ranks(cells: Mapping[Any, Cell]) -> dict[Any, Cell]:
-    """Collective: every rank passes its cells (same keys); each key gets the max over ranks."""
-    gathered: list[Mapping[Any, Cell]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, dict(cells))
-    return {key: combine(rank_cells[key] for rank_cells in gathered) for key in cells}
-
-
-def all_ranks(flag: bool) -> bool:
-    """Collective: a decision every rank must take the same way (a split decision would hang)."""
-    t = torch.tensor([1 if flag else 0], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
-def agree(problem: str | None) -> str | None:
-    """Collective: None on every rank when every rank passes None, else the lowest rank's problem."""
-    if all_ranks(problem is None):
-        return None
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return next(p for p in problems if p is not None)
-
-
-def attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
-    """Collective: fn() on every rank; (its value, None), or (None, why) on every rank when it raised
-    on any. fn must not hold collectives that a rank raising before them would leave unmatched."""
-    try:
-        value, problem = fn(), None
-    except Exception as e:
-        traceback.print_exc()  # the whole story to the log; the report's notes get its first line
-        first_line = str(e).partition("\n")[0]
-        value, problem = None, f"{what} raised on rank {dist.get_rank()}: {type(e).__name__}: {first_line}"
-    problem = agree(problem)
-    return (value, None) if problem is None else (None, problem)
-
-
-def verdict(fn: Callable[[], str | None], what: str, reasons: dict[str, str], key: str) -> str | None:
-    """Collective: a check fn() returns None (passed) or the cell to show ("WRONG", ...); every rank
-    gets the lowest failing rank's cell, or "err" when fn raised on any (the reason in reasons[key])."""
-    status, problem = attempt(fn, what)
-    if problem is not None:
-        reasons.setdefault(key, problem)
-        return "err"
-    return agree(status)
-
-
-def measured(prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str],
-             key: str) -> Cell:  # fmt: skip
-    """Collective: prepare() (a capture, a compile: what can fail on one rank alone), then time_it(its
-    value) where it worked on every rank, else "err" on every rank (the reason in reasons[key]). The
-    timing holds collectives, so it runs on all ranks or none; an exception there ends the run."""
-    value, problem = attempt(prepare, what)
-    if problem is not None:
-        reasons.setdefault(key, problem)
-        return "err"
-    return time_it(value)
-
-
-@contextlib.contextmanager
-def counting_rewrites() -> Iterator[Counter[str]]:
-    """The graphar rewrites (torch._dynamo.utils.counters["graphar"]) made within the block. Compiles
-    are lazy: the block must hold the compiled function's first call."""
-    from torch._dynamo.utils import counters
-
-    before = Counter(counters["graphar"])
-    made: Counter[str] = Counter()
-    try:
-        yield made
-    finally:
-        made.update(Counter(counters["graphar"]) - before)
-
-
-def rewritten(made: Mapping[str, int], expected: str, reasons: dict[str, str], key: str) -> str | None:
-    """Collective: None when every rank's compile made the `expected` rewrite, else "not rewritten" on
-    every rank (the counts in reasons[key]): the variant would time graphar's fallback under its name."""
-    problem = agree(None if made.get(expected) else f"not rewritten: no {expected} rewrite, rewrites {dict(made)}")
-    if problem is not None:
-        reasons.setdefault(key, problem)
-        return "not rewritten"
-    return None
 
 
 def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], Mapping[Any, Cell]],

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from graphar.benchmarks import common, plot
+from graphar.benchmarks import common, plot, ranks
 
 DTYPE = torch.bfloat16
 INDUCTOR, ZERO_COPY, COPY_IN, FUSED = "inductor + NCCL", "graphar zero-copy", "graphar copy-in", "graphar fused norm"
@@ -205,15 +205,15 @@ def build_variants(steps: dict[str, Step], s: Settings, reasons: dict[str, str])
             runs[v] = "n/a"
             continue
         common.progress(f"compiling and capturing {LABELS[v]}, batches {s.batches}...")
-        with common.counting_rewrites() as made:
-            captured, problem = common.attempt(lambda: capture_variant(v, steps[v], s), "compiling and capturing")
+        with ranks.counting_rewrites() as made:
+            captured, problem = ranks.attempt(lambda: capture_variant(v, steps[v], s), "compiling and capturing")
         if problem is not None:
             reasons[v] = problem
             runs[v] = "err"
             continue
         if made:  # (c) compiles the step that (b) and (e) reuse: its counts are theirs
             reasons[f"{LABELS[v]} rewrites (rank 0)"] = str(dict(made))
-        status = common.rewritten(made, EXPECTED_REWRITES[v], reasons, v) if v in EXPECTED_REWRITES else None
+        status = ranks.rewritten(made, EXPECTED_REWRITES[v], reasons, v) if v in EXPECTED_REWRITES else None
         runs[v] = status or captured
     return runs
 
@@ -229,7 +229,7 @@ def forced_kernel(algo: str | None) -> contextlib.AbstractContextManager[None]:
 def ranks_equal(t: torch.Tensor) -> bool:
     everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t.contiguous())
-    return common.all_ranks(all(torch.equal(everyone[0], other) for other in everyone))
+    return ranks.all_ranks(all(torch.equal(everyone[0], other) for other in everyone))
 
 
 def checks(runs: Runs, x: torch.Tensor, b: int) -> dict[tuple, common.Cell]:
@@ -280,7 +280,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     blocks = nn.ModuleList(Block(shape, world_size, max(s.batches)) for _ in range(shape.layers))
     norm = norm_weight(shape.hidden)
     reasons: dict[str, str] = {}
-    steps, problem = common.attempt(lambda: graphar_steps(blocks, norm, shape.eps), "graphar set-up")
+    steps, problem = ranks.attempt(lambda: graphar_steps(blocks, norm, shape.eps), "graphar set-up")
     if problem is not None:
         reasons["graphar"] = problem
     steps = {INDUCTOR: compiled_step(blocks, norm, shape.eps, "inductor"), **(steps or {})}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot
+from graphar.benchmarks import common, plot, ranks
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
@@ -126,12 +126,12 @@ def fused_status(comm, op: Op, x: torch.Tensor, residual: torch.Tensor, weight: 
         # the kernel, a collective, where the kernel takes x, which is on every rank alike).
         return None if comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, False) is not None else "-"
 
-    status = common.verdict(refused, "the fused kernel's eager call", reasons, f"{FUSED} eager call")
+    status = ranks.verdict(refused, "the fused kernel's eager call", reasons, f"{FUSED} eager call")
     if status == "-":
         reasons[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
     if status is not None:
         return status
-    status = common.verdict(lambda: None if fused_is_right(op, tokens, hidden) else "WRONG", "the fused op's check",
+    status = ranks.verdict(lambda: None if fused_is_right(op, tokens, hidden) else "WRONG", "the fused op's check",
                             reasons, f"{FUSED} check")  # fmt: skip
     if status == "WRONG":
         reasons.setdefault(f"{FUSED} check", f"differs from the unfused ops at {tokens} tokens")
@@ -151,7 +151,7 @@ def run_tokens(tokens: int, comm, ops: dict[str, Op], s: Settings, reasons: dict
         status = fused_status(comm, op, x, residual, weight, reasons) if name == FUSED else None
         # NCCL sums in place: its own copy of x keeps the others' input as drawn.
         inp = x.clone() if name == NCCL_NORM else x
-        cells[(tokens, name)] = status or common.measured(
+        cells[(tokens, name)] = status or ranks.measured(
             lambda: common.capture(lambda i: op(inp, residual, weight), s.ops, context=graphar_graph),
             lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops), "capture", reasons, name)
     return cells

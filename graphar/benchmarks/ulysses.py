@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot
+from graphar.benchmarks import common, plot, ranks
 
 # The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128),
@@ -87,7 +87,7 @@ def qkv_bytes(shape: tuple[int, int, int, int], world_size: int) -> int:
 def time_graph(step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
                ) -> common.Cell:  # fmt: skip
     ops = max(2, min(s.max_ops, GRAPH_BYTES // max(nbytes, 1)))
-    return common.measured(lambda: common.capture(step, ops),
+    return ranks.measured(lambda: common.capture(step, ops),
                            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
                            "capture", reasons, key)  # fmt: skip
 
@@ -127,7 +127,7 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
 
     ex = communicator(ipc_group).exchange
     groups = [(nccl_group, False), (ipc_group, False), (ipc_group, True)]  # IPC pull first sizes the buffers
-    status = common.verdict(lambda: wrong_exchanges(qkv[0], outs[0], groups, ex), "the exchange check", reasons,
+    status = ranks.verdict(lambda: wrong_exchanges(qkv[0], outs[0], groups, ex), "the exchange check", reasons,
                             f"check at {shape_label(shape)}")  # fmt: skip
     if status is not None:
         return {(shape, k): status for k in TIMED} | {(shape, "pack"): "-", (shape, "copy"): "-"}
