@@ -6,6 +6,7 @@
     plot       the PNG beside each table (matplotlib, an optional extra: graphar[plot])
     winners    the fastest kernel per size and capture mode, and graphar.comm.policy's rows from it
     allreduce  all-reduce latency: NCCL, PyTorch symmetric memory and graphar, graphs and eager
+    allreduce_columns   its columns: what each times and how each is set up on every rank
     attention  a Ulysses attention block compiled by Inductor + NCCL and by graphar, against its compute floor
     decode     one decode step of a tensor-parallel Llama-style model: Inductor + NCCL against graphar
     norm       the fused all-reduce + residual add + RMSNorm against the all-reduce alone and unfused

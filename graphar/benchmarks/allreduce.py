@@ -14,60 +14,37 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from graphar.benchmarks import common, plot, ranks, winners
+from graphar.benchmarks.allreduce_columns import (
+    G_AUTO,
+    G_AUTO_ZERO,
+    GRAPHAR_KERNELS,
+    MODES,
+    N_BUFFERS,
+    NCCL,
+    TWO_SHOT,
+    Column,
+    Contenders,
+    add_graphar,
+    add_nccl,
+    add_symm_mem,
+    agree_on_columns,
+    column_names,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODES = ("graph", "eager", "graph-mm")
 KB, MB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [16 * KB << i for i in range(13)]  # 16 KB .. 64 MB
 QUICK_SIZES = [16 * KB, 256 * KB, 2 * MB, 8 * MB]
 # graphar's default limit is 8 MB; the benchmark raises it so that the whole range is covered.
 GRAPHAR_MAX_BYTES = 64 * MB
-N_BUFFERS = 4  # inputs rotate among these so that L2 does not flatter back-to-back ops
 MM_SHAPE = (512, 4096, 4096)  # [m, k] x [k, n] bf16: a few tens of microseconds on an H200
-
-NCCL, ONE_SHOT, TWO_SHOT = "NCCL", "symm one_shot", "symm two_shot"
-MM_ONLY = "matmul only"
-G_AUTO, G_AUTO_ZERO = "graphar auto", "graphar auto zero-copy"
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """What a graphar column runs: a kernel (None: the policy's pick), how graph modes capture it."""
-
-    algo: str | None
-    zero_copy: bool = False  # captured under graphar.graphs.graph (the v1 kernels read inputs in place)
-    pdl: bool = True  # push kernels: programmatic dependent launch
-
-
-GRAPHAR_KERNELS = {
-    "graphar 1stage": Kernel("1stage"),
-    "graphar 2stage": Kernel("2stage"),
-    "graphar 1stage zero-copy": Kernel("1stage", zero_copy=True),
-    "graphar 2stage zero-copy": Kernel("2stage", zero_copy=True),
-    "graphar push-oneshot": Kernel("push-oneshot"),
-    "graphar push-twoshot": Kernel("push-twoshot"),
-    "graphar push-oneshot no-PDL": Kernel("push-oneshot", pdl=False),
-    "graphar push-twoshot no-PDL": Kernel("push-twoshot", pdl=False),
-    G_AUTO: Kernel(None),
-    G_AUTO_ZERO: Kernel(None, zero_copy=True),
-}
-
-
-def column_names(mode: str) -> list[str]:
-    graphar = [name for name, k in GRAPHAR_KERNELS.items() if mode != "eager" or not k.zero_copy]
-    return ([MM_ONLY] if mode == "graph-mm" else []) + [NCCL, ONE_SHOT, TWO_SHOT] + graphar
-
-
-ALL_COLUMNS = list(dict.fromkeys(name for mode in MODES for name in column_names(mode)))
 
 
 def ratio_pair(mode: str) -> tuple[str, str]:
@@ -114,113 +91,6 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
         replays=5 if args.quick else 9,
         eager_iters=50 if args.quick else 200,
     )
-
-
-# ---- the contenders ----------------------------------------------------------------------------
-
-Op = Callable[[torch.Tensor, torch.Tensor], Any]  # (input, preallocated output) -> result
-
-
-@dataclass
-class Column:
-    op: Op
-    symmetric: bool = False  # the input must live in a symmetric-memory buffer
-    eligible: Callable[[torch.Tensor], bool] = lambda x: True
-    context: Callable[..., Any] = torch.cuda.graph  # how graph modes capture it
-    # graphar's count of calls its kernels served; a column that has one is verified before timing
-    calls: Callable[[], int] | None = None
-
-
-@dataclass
-class Contenders:
-    columns: dict[str, Column] = field(default_factory=dict)
-    unavailable: dict[str, str] = field(default_factory=dict)  # column name -> reason
-    symm_buffers: list[torch.Tensor] = field(default_factory=list)
-
-
-def add_nccl(c: Contenders) -> None:
-    c.columns[NCCL] = Column(op=lambda x, out: dist.all_reduce(x))
-    c.columns[MM_ONLY] = Column(op=lambda x, out: None)
-
-
-def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
-    """One_shot and two_shot on symmetric buffers; their columns say n/a if anything fails here."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        ops = torch.ops.symm_mem
-        group_name = dist.group.WORLD.group_name
-        try:
-            symm_mem.set_backend("CUDA")  # the IPC backend; NVSHMEM is not the peer we compare with
-        except Exception:
-            pass  # older torch has no set_backend, or the backend is already fixed
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group_name)
-        buffers = [symm_mem.empty(max_numel, dtype=dtype, device="cuda") for _ in range(N_BUFFERS)]
-        for buf in buffers:
-            symm_mem.rendezvous(buf, group_name)
-        if hasattr(ops, "one_shot_all_reduce_out"):
-            one_shot = lambda x, out: ops.one_shot_all_reduce_out(x, "sum", group_name, out)  # noqa: E731
-        else:
-            one_shot = lambda x, out: ops.one_shot_all_reduce(x, "sum", group_name)  # noqa: E731
-        two_shot_op = ops.two_shot_all_reduce_
-    except Exception as e:
-        reason = f"symmetric memory unavailable: {type(e).__name__}: {e}"
-        c.unavailable.update({ONE_SHOT: reason, TWO_SHOT: reason})
-        return
-    c.symm_buffers = buffers
-    c.columns[ONE_SHOT] = Column(op=one_shot, symmetric=True)
-    c.columns[TWO_SHOT] = Column(op=lambda x, out: two_shot_op(x, "sum", group_name), symmetric=True)
-
-
-def add_graphar(c: Contenders, max_bytes: int) -> None:
-    try:
-        import graphar
-        from graphar.comm import policy
-        from graphar.comm.allreduce import ineligible_reason
-
-        comm = graphar.init(None, max_bytes=max_bytes)
-        reason = "" if comm is not None else "graphar.init returned None (its log says why)"
-    except Exception as e:
-        comm, reason = None, f"graphar unavailable: {type(e).__name__}: {e}"
-    if comm is None:
-        c.unavailable.update(dict.fromkeys(GRAPHAR_KERNELS, reason))
-        return
-
-    def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        # The op, as compiled code calls it: eager calls take its C++ kernel, captures its Python one.
-        # The column's kernel and PDL are set only when they change (each change republishes them to
-        # the C++ kernel, a library call that must not be timed); every graphar column sets both.
-        ar = comm.allreduce
-        if ar.pdl != kernel.pdl:
-            ar.pdl = kernel.pdl
-        if ar.policy.forced != kernel.algo:
-            ar.policy = ar.policy.forcing(kernel.algo)
-        return torch.ops.graphar.all_reduce(x, comm.group_name)
-
-    def eligible(x: torch.Tensor, kernel: Kernel) -> bool:
-        # The column's own kernel: run() leaves the previous column's forced in comm's policy (and
-        # comm.eligible reads that).
-        return (comm.usable and ineligible_reason(x, comm.device, comm.max_bytes) is None
-                and comm.allreduce.policy.forcing(kernel.algo).pick(x.nbytes, policy.EAGER) is not None)  # fmt: skip
-
-    for name, kernel in GRAPHAR_KERNELS.items():
-        c.columns[name] = Column(
-            op=lambda x, out, kernel=kernel: run(x, kernel),
-            eligible=lambda x, kernel=kernel: eligible(x, kernel),
-            context=graphar.graphs.graph if kernel.zero_copy else torch.cuda.graph,
-            calls=lambda: comm.allreduce.calls,
-        )
-
-
-def agree_on_columns(c: Contenders) -> None:
-    """Collective: a column that some rank could not set up is n/a on every rank (a rank timing it
-    alone would wait for its peer in each collective)."""
-    for name in ALL_COLUMNS:  # one order on every rank
-        reason = ranks.agree(c.unavailable.get(name))
-        if reason is not None:
-            c.columns.pop(name, None)
-            c.unavailable[name] = reason
 
 
 # ---- measuring ---------------------------------------------------------------------------------
