@@ -5,6 +5,11 @@
 `fn` must be importable (a module-level function). Skips when fewer than `world_size` GPUs are
 visible. A worker that raises makes the test fail with its traceback; a worker still running at
 the deadline is killed and the test fails naming it.
+
+GRAPHAR_TEST_SHARE_GPU=1 runs every rank on cuda:0 over a gloo default group, graphar's set-up
+relaxed as tools/one_gpu_check.py relaxes it: a dry run of these tests where only one GPU is lent
+(it proves the tests run, never speed; cases that capture an NCCL collective fail there, as gloo
+cannot be captured).
 """
 
 from __future__ import annotations
@@ -25,7 +30,24 @@ import torch.multiprocessing as mp
 
 from graphar._launch import free_port
 
-WORLD_SIZES = (2, 4, 6, 8)
+SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
+# On a shared GPU two ranks only: tools/one_gpu_check.py runs the larger worlds' kernels there.
+WORLD_SIZES = (2,) if SHARED_GPU else (2, 4, 6, 8)
+
+
+def _share_one_gpu() -> None:
+    """Relax graphar's set-up for ranks on one GPU over gloo (tools/one_gpu_common.py), the automatic
+    set-up included (GRAPHAR_AUTO_INIT still decides it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from one_gpu_common import relax_set_up
+
+    from graphar import settings
+    from graphar.comm import set_up
+
+    relax_set_up()
+    set_up._not_worth_setting_up = lambda group: None if settings.AUTO_INIT.get() else "GRAPHAR_AUTO_INIT=0"
 
 
 def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...],
@@ -33,13 +55,15 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
     # Tests set their communicators up with graphar.init; a group without one is their NCCL case.
     os.environ.update({"GRAPHAR_AUTO_INIT": "0", **env})
     try:
-        torch.cuda.set_device(rank)
+        if SHARED_GPU:
+            _share_one_gpu()
+        torch.cuda.set_device(0 if SHARED_GPU else rank)
         dist.init_process_group(
-            "nccl",
+            "gloo" if SHARED_GPU else "nccl",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            device_id=torch.device("cuda", rank),
+            device_id=None if SHARED_GPU else torch.device("cuda", rank),
         )
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
@@ -60,7 +84,7 @@ def run_workers(
     env: dict[str, str] | None = None,
 ) -> None:
     """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL)."""
-    if torch.cuda.device_count() < world_size:
+    if torch.cuda.device_count() < (1 if SHARED_GPU else world_size):
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
     context = _context()
     with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:

@@ -33,6 +33,11 @@ TRACKED = hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph")
 TRANSPORTS = ("nccl", "ipc", "ipc-push")
 
 
+def _here() -> torch.device:
+    """This rank's GPU (each rank's own, or the one every rank shares: GRAPHAR_TEST_SHARE_GPU)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _set_transport(transport: str) -> exchange.IpcExchange | None:
     """For "ipc" and "ipc-push", set up the world's graphar communicator, whose IPC exchange the ops
     then take (pulled, or pushed: GRAPHAR_ALLTOALL_ALGO is read when the communicator is made)."""
@@ -235,7 +240,7 @@ def _ipc_buffer_growth(rank: int, world_size: int) -> None:
     expected = huge.refill(seed=3)
     huge_graph.replay()
     assert all(torch.equal(x, e) for x, e in zip(huge.outputs, expected)), "capture that fell back to NCCL"
-    ulysses.reserve([huge.shape] * 3, torch.bfloat16, torch.device("cuda", rank), name)
+    ulysses.reserve([huge.shape] * 3, torch.bfloat16, _here(), name)
     assert ex.capacity >= 3 * math.prod(huge.shape) * 2, "reserve did not size the exchange buffer"
     # Now it fits: the capture takes the pipelined IPC path (8 stages of pack and pull, a side stream).
     capacity = ex.capacity
@@ -258,7 +263,7 @@ def test_ipc_buffer_growth_capture_fallback_and_reserve(world_size: int) -> None
 
 def _reserved(rank: int, world_size: int) -> None:
     static = _Static(world_size, 2, 48, 2 * world_size, 64, torch.float16)
-    ulysses.reserve([static.shape] * 3, torch.float16, torch.device("cuda", rank), dist.group.WORLD.group_name)
+    ulysses.reserve([static.shape] * 3, torch.float16, _here(), dist.group.WORLD.group_name)
     spares = pool.pool().stats()["spares"]
     expected = static.refill(seed=3)
     static.step()
