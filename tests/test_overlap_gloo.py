@@ -97,3 +97,13 @@ def _worker(rank: int, port: int) -> None:
 
 def test_pipelined_attention_equals_the_unchunked_path() -> None:
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def test_flash_pipelines_only_what_it_attends_whole() -> None:
+    """A chunk of fewer heads must keep enough query blocks that flash does not split its keys (it
+    would round otherwise than the unchunked call): small problems are not chunked."""
+    from graphar.comm.overlap import _flash_chunks
+
+    assert _flash_chunks(2, 2, 8, 512) == 1  # 64 query blocks in all
+    assert _flash_chunks(2, 1, 12, 4096) == 2  # DiT-like: 192 blocks a chunk
+    assert _flash_chunks(4, 1, 8, 8192) == 3  # 4 would leave 128 a chunk

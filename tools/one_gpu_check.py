@@ -195,6 +195,10 @@ def check_overlap(comm, rank: int) -> None:
             out.fill_(float("nan"))
             graph.replay()
             assert torch.equal(out, unchunked(q, k, v)), f"captured pipelined attention, b={b} push={push}"
+    # Flash pipelines only problems it attends whole chunk by chunk (the ones above it does not chunk).
+    q, k, v = (torch.randn(1, 8192, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
+    got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2, "flash")
+    assert torch.equal(got, unchunked(q, k, v, "flash")), "flash, chunked"
     comm.exchange.push = False
 
 

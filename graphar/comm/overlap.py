@@ -10,8 +10,11 @@ joined at the end. Every chunk's tensors live until the join, so no memory is re
 either stream, in eager calls and in CUDA-graph captures alike.
 
 Heads are independent in attention, and each head travels and is attended exactly as in the
-unchunked path, so the result is the unchunked one bit for bit. Which rank attends which head
-differs (chunk c's heads spread over every rank), which changes nothing in the output.
+unchunked path, on the same kernel, so the result is the unchunked one bit for bit. Which rank
+attends which head differs (chunk c's heads spread over every rank), which changes nothing in the
+output. Flash is the one kernel whose arithmetic for a head can depend on how many heads share the
+call (it splits a small problem's keys over thread blocks): with it, chunks stay large enough that
+flash never splits them, and a small problem is not chunked.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def ulysses_attention(
     chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
     p = ulysses.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
+    if kernel == "flash" and q.is_cuda:  # the CPU's flash attends each head alike, whatever shares the call
+        chunks = _flash_chunks(chunks, q.shape[0], hq // p, q.shape[1] * p)
     n = chunk_count(hq, hk, p, chunks)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -85,6 +90,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     first = _BACKENDS[kernel]  # then the others, should it not take these inputs: never an error
     with sdpa_kernel([first, *(b for b in _BACKENDS.values() if b != first)], set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+# Flash splits the keys of a small problem over thread blocks (a heuristic over batch x heads x query
+# blocks against the GPU's SMs), so a chunk of fewer heads could round otherwise than all heads at
+# once. Each chunk keeps at least this many query blocks (rows of 128 at most per block; more than
+# any GPU graphar runs on has SMs), which flash takes whole, as it takes the unchunked problem.
+_FLASH_WHOLE_BLOCKS = 160
+
+
+def _flash_chunks(wanted: int, batch: int, q_heads: int, seq: int) -> int:
+    """At most `wanted` chunks of `q_heads` heads (per rank) that flash attends whole over `seq` tokens;
+    shapes alone decide, so every rank decides alike. One (no pipelining) for a small problem, which
+    has little to hide anyway."""
+    blocks = batch * q_heads * -(-seq // 128)
+    return max(1, min(wanted, blocks // _FLASH_WHOLE_BLOCKS))
 
 
 def _chunk(x: torch.Tensor, c: int, n: int) -> torch.Tensor:

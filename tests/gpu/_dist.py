@@ -67,7 +67,7 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
         )
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])
+        dist.barrier(device_ids=[torch.cuda.current_device()])
     except BaseException:
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)  # skip teardown that could wait on peers that are gone
