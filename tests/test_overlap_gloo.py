@@ -107,3 +107,17 @@ def test_flash_pipelines_only_what_it_attends_whole() -> None:
     assert _flash_chunks(2, 2, 8, 512) == 1  # 64 query blocks in all
     assert _flash_chunks(2, 1, 12, 4096) == 2  # DiT-like: 192 blocks a chunk
     assert _flash_chunks(4, 1, 8, 8192) == 3  # 4 would leave 128 a chunk
+
+
+def test_attention_feeds_gqa_as_the_graph_s_kernel_was_fed() -> None:
+    """Flash takes fewer K/V heads itself; the other kernels got them repeated (HF's repeat_kv), and
+    the op repeats them likewise: either way each query head attends its group's K/V head."""
+    import torch.nn.functional as F
+
+    from graphar.comm.overlap import _attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2))
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    for kernel in (None, "flash", "efficient", "cudnn", "math"):  # the CPU runs its own kernel for each
+        torch.testing.assert_close(_attention(q, k, v, True, None, kernel), want, msg=str(kernel))

@@ -71,9 +71,11 @@ def ulysses_attention(
     return out
 
 
-# SDPA's backends in its default order of preference.
-_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+# SDPA's backends in its default order of preference, each with the switch users turn it off by.
+_BACKENDS = {"flash": (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+             "efficient": (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+             "math": (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+             "cudnn": (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled)}  # fmt: skip
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
@@ -87,8 +89,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     if gqa and kernel != "flash":
         r = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
-    first = _BACKENDS[kernel]  # then the others, should it not take these inputs: never an error
-    with sdpa_kernel([first, *(b for b in _BACKENDS.values() if b != first)], set_priority=True):
+    # The graph's kernel, then the others the user left on, should it not take these inputs.
+    others = [backend for name, (backend, enabled) in _BACKENDS.items() if name != kernel and enabled()]
+    with sdpa_kernel([_BACKENDS[kernel][0], *others], set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
