@@ -76,6 +76,12 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
     os._exit(0)
 
 
+def skip_where_nccl_is_captured() -> None:
+    """For a case that captures an NCCL collective: gloo, the shared GPU's stand-in, cannot be captured."""
+    if SHARED_GPU:
+        pytest.skip("captures an NCCL collective, which gloo (GRAPHAR_TEST_SHARE_GPU=1) cannot stand in for")
+
+
 def run_workers(
     fn: Callable[..., None],
     world_size: int,

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import WORLD_SIZES, assert_timed_out_for_good, integer_valued, run_workers
+from _dist import WORLD_SIZES, assert_timed_out_for_good, integer_valued, run_workers, skip_where_nccl_is_captured
 from torch._dynamo.utils import counters
 
 import graphar
@@ -207,6 +207,8 @@ def _captured(rank: int, world_size: int, use_graphar_graph: bool, transport: st
 @pytest.mark.parametrize("use_graphar_graph", [False, True], ids=["torch.cuda.graph", "graphar.graph"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_capture_then_eager_then_replay(world_size: int, use_graphar_graph: bool, transport: str) -> None:
+    if transport == "nccl":
+        skip_where_nccl_is_captured()
     run_workers(_captured, world_size, use_graphar_graph, transport)
 
 
@@ -258,6 +260,7 @@ def _ipc_buffer_growth(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ipc_buffer_growth_capture_fallback_and_reserve(world_size: int) -> None:
+    skip_where_nccl_is_captured()  # the capture too large for the buffer falls back to NCCL
     run_workers(_ipc_buffer_growth, world_size)
 
 
@@ -351,6 +354,8 @@ def _reduce_overhead(rank: int, world_size: int, transport: str) -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reduce_overhead_equals_eager(world_size: int, transport: str) -> None:
+    if transport == "nccl":
+        skip_where_nccl_is_captured()
     run_workers(_reduce_overhead, world_size, transport)
 
 
