@@ -189,12 +189,12 @@ def check_overlap(comm, rank: int) -> None:
                 got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks, kernel)
                 assert torch.equal(got, unchunked(q, k, v, kernel)), f"b={b} push={push} chunks={chunks} {kernel}"
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2)
+            with torch.cuda.graph(graph):  # the efficient kernel chunks at any size (flash, large problems only)
+                out = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2, "efficient")
             q.copy_(torch.randn_like(q))
             out.fill_(float("nan"))
             graph.replay()
-            assert torch.equal(out, unchunked(q, k, v)), f"captured pipelined attention, b={b} push={push}"
+            assert torch.equal(out, unchunked(q, k, v, "efficient")), f"captured pipelined attention, b={b} push={push}"
     # Flash pipelines only problems it attends whole chunk by chunk (the ones above it does not chunk).
     q, k, v = (torch.randn(1, 8192, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
     got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2, "flash")

@@ -47,7 +47,9 @@ def ulysses_attention(
     chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
     p = ulysses.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
-    if kernel == "flash" and q.is_cuda:  # the CPU's flash attends each head alike, whatever shares the call
+    # On a GPU, flash (or SDPA's own pick, which may be flash) attends whole chunks only; the CPU's
+    # flash attends each head alike, whatever shares the call.
+    if kernel in ("flash", None) and q.is_cuda:
         chunks = _flash_chunks(chunks, q.shape[0], hq // p, q.shape[1] * p)
     n = chunk_count(hq, hk, p, chunks)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
