@@ -2,8 +2,8 @@
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; under $OUT, session.log and
 # results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
-# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [cpu-tests] [one-gpu[=WORLD]] [doctor]
-#        [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
+# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared] [cpu-tests] [one-gpu[=WORLD]]
+#        [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
 # NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
 # builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
@@ -41,6 +41,8 @@ for stage in "$@"; do
     native) native ;;
     tests=*) step tests 560 python -m pytest -q -x -rs ${stage#tests=} ;;
     tests) step tests 560 python -m pytest -q -rs --durations=10 tests/gpu ;;  # about 480 s on 2 H200
+    tests-shared)  # two ranks on this one GPU over gloo (tests/gpu/_dist.py): a dry run of tests/gpu
+      step tests-shared 560 env GRAPHAR_TEST_SHARE_GPU=1 python -m pytest -q -rfs --durations=10 tests/gpu ;;
     cpu-tests)
       [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
