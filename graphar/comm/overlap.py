@@ -12,9 +12,9 @@ either stream, in eager calls and in CUDA-graph captures alike.
 Heads are independent in attention, and each head travels and is attended exactly as in the
 unchunked path, on the same kernel, so the result is the unchunked one bit for bit. Which rank
 attends which head differs (chunk c's heads spread over every rank), which changes nothing in the
-output. Flash is the one kernel whose arithmetic for a head can depend on how many heads share the
-call (it splits a small problem's keys over thread blocks): with it, chunks stay large enough that
-flash never splits them, and a small problem is not chunked.
+output. Flash can round a head by how many heads share the call (it splits a small problem's keys
+over thread blocks): with it (or SDPA's own pick, which may be flash), chunks stay large enough
+that flash never splits them, and a small problem is not chunked.
 """
 
 from __future__ import annotations
