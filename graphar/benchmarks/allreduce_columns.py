@@ -109,8 +109,6 @@ def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
 def add_graphar(c: Contenders, max_bytes: int) -> None:
     try:
         import graphar
-        from graphar.comm import policy
-        from graphar.comm.allreduce import ineligible_reason
 
         comm = graphar.init(None, max_bytes=max_bytes)
         reason = "" if comm is not None else "graphar.init returned None (its log says why)"
@@ -120,22 +118,22 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
         c.unavailable.update(dict.fromkeys(GRAPHAR_KERNELS, reason))
         return
 
-    def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        # The op, as compiled code calls it: eager calls take its C++ kernel, captures its Python one.
-        # The column's kernel and PDL are set only when they change (each change republishes them to
+    def use(kernel: Kernel) -> None:
+        # The column's kernel and PDL, set only when they change (each change republishes them to
         # the C++ kernel, a library call that must not be timed); every graphar column sets both.
         ar = comm.allreduce
         if ar.pdl != kernel.pdl:
             ar.pdl = kernel.pdl
         if ar.policy.forced != kernel.algo:
             ar.policy = ar.policy.forcing(kernel.algo)
+
+    def run(x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        use(kernel)  # the op, as compiled code calls it: eager calls take its C++ kernel, captures its Python one
         return torch.ops.graphar.all_reduce(x, comm.group_name)
 
     def eligible(x: torch.Tensor, kernel: Kernel) -> bool:
-        # The column's own kernel: run() leaves the previous column's forced in comm's policy (and
-        # comm.eligible reads that).
-        return (comm.usable and ineligible_reason(x, comm.device, comm.max_bytes) is None
-                and comm.allreduce.policy.forcing(kernel.algo).pick(x.nbytes, policy.EAGER) is not None)  # fmt: skip
+        use(kernel)  # comm.eligible reads the policy in force: the column's own, not the previous column's
+        return comm.eligible(x)
 
     for name, kernel in GRAPHAR_KERNELS.items():
         c.columns[name] = Column(
