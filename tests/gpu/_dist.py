@@ -132,6 +132,13 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else "(no traceback: the process died without raising)"
 
 
+def repetitions(n: int) -> int:
+    """How many of a stress test's n repetitions to run: all of them on GPUs of their own; on a shared
+    GPU, where ranks take turns at every barrier (milliseconds each), a hundredth, so the dry run
+    ends inside its time limit."""
+    return max(10, n // 100) if SHARED_GPU else n
+
+
 def integer_valued(numel: int, dtype: torch.dtype, low: int = -8, high: int = 8) -> torch.Tensor:
     """Fresh random integers in [low, high] on the current GPU: sums of a few are exact in every dtype."""
     return torch.randint(low, high + 1, (numel,), device="cuda").to(dtype)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, nccl_sum, run_workers
+from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, nccl_sum, repetitions, run_workers
 
 import graphar
 from graphar import _cuda
@@ -188,9 +188,10 @@ def _many_replays(rank: int, world_size: int) -> None:
         graph.replay()
         first = torch.cat(ys).clone()
         assert_equal_across_ranks(first, "first replay")
-        for i in range(1000):  # 10^5 all-reduces
+        n = repetitions(1000)  # 10^5 all-reduces
+        for i in range(n):
             graph.replay()
-            if i % 250 == 249:
+            if (i + 1) % (n // 4) == 0:
                 now = torch.cat(ys)
                 assert torch.equal(now.view(torch.int16), first.view(torch.int16)), f"replay {i} changed"
                 assert_equal_across_ranks(now, f"replay {i}")

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, run_workers,
-    set_barrier_counters,
+    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, repetitions,
+    run_workers, set_barrier_counters,
 )  # fmt: skip
 
 import graphar
@@ -83,14 +83,15 @@ def _replays_across_the_epoch_wrap(rank: int, world_size: int) -> None:
             y2 = comm.all_reduce(torch.neg(x), algo="push-twoshot")
             y3 = comm.all_reduce(x, algo="push-oneshot")
         bad = []
-        for i in range(10_000):
+        n = repetitions(10_000)
+        for i in range(n):
             x.copy_(values[i % 3])
             graph.replay()
             ref = refs[i % 3]
             if not (torch.equal(y1, ref) and torch.equal(y2, -ref) and torch.equal(y3, ref)):
                 bad.append(i)
         assert not bad, f"replays {bad[:20]} differ from NCCL"
-        assert_equal_across_ranks(torch.cat([y1, y2, y3]), "after 10^4 replays")
+        assert_equal_across_ranks(torch.cat([y1, y2, y3]), f"after {n} replays")
         check_exact(comm, integer_valued(16 * KB, torch.float16), "push-oneshot")  # eager after replays
     finally:
         comm.close()
