@@ -122,9 +122,16 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
         dist.destroy_process_group()
 
 
-def test_init_closes_the_communicator_of_a_destroyed_group_of_the_same_name(caplog, monkeypatch) -> None:
+@pytest.mark.parametrize("entry", ["init", "serving"])
+def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry, caplog, monkeypatch) -> None:
+    """torch gives a destroyed group's name to its next group: `init` and the op kernels' `serving`
+    close the old communicator (its ranks may differ) and settle the new group afresh, except inside
+    a capture, which cannot wait for the device: there NCCL serves, and the next eager call closes."""
     closed = []
     stale = types.SimpleNamespace(close=lambda: closed.append(True) or cm._communicators.pop(name))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    call = {"init": set_up.init, "serving": lambda: set_up.serving(name, torch.device("cuda", 0))}[entry]
     for generation in range(2):  # the second world reuses the first's group name
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
         try:
@@ -132,11 +139,16 @@ def test_init_closes_the_communicator_of_a_destroyed_group_of_the_same_name(capl
             if generation == 0:
                 monkeypatch.setitem(cm._communicators, name, stale)
                 monkeypatch.setitem(set_up._settled, name, dist.group.WORLD)
-                assert set_up.init() is stale and not closed
+                assert call() is stale and not closed
             else:
+                if entry == "serving":
+                    capturing[0] = True
+                    assert call() is None and not closed, "closed inside a capture"
+                    capturing[0] = False
                 with caplog.at_level(logging.WARNING, logger="graphar"):
-                    assert set_up.init() is None  # the fake backend: no new one
-                assert closed == [True] and "destroyed group of that name" in caplog.records[0].getMessage()
+                    assert call() is None  # the fake backend: no new one
+                assert closed == [True] and "destroyed group named" in caplog.records[0].getMessage()
+                assert set_up._settled[name] is dist.group.WORLD
         finally:
             dist.destroy_process_group()
 
@@ -290,12 +302,19 @@ def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
     assert set(errors) == {0, 1} and all("disagree" in str(e) for e in errors.values())
 
 
-def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch) -> None:
+def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch, caplog) -> None:
     """A closed, broken or replaced communicator never hands its (dangling) state to the C++ kernels:
     a setter flipped after close() must not revive it."""
     published: list[Any] = []
+    refuse = [False]
+
+    def publish(name: str, state: Any) -> None:
+        if refuse[0] and state is not None:
+            raise cm._cuda.GrapharCudaError("graphar op library, group 'g': no process group of that name")
+        published.append((name, state))
+
     monkeypatch.setattr(cm.native_op, "library", lambda: object())
-    monkeypatch.setattr(cm.native_op, "publish", lambda name, state: published.append((name, state)))
+    monkeypatch.setattr(cm.native_op, "publish", publish)
     monkeypatch.setattr(cm.native_op, "group_state", lambda **kwargs: "state")
     comm = cm.Communicator.__new__(cm.Communicator)  # no library: only the fields publish_eager reads
     comm.group_name, comm._handle, comm._broken, comm._lib = "g", 1, None, None
@@ -309,6 +328,11 @@ def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch) ->
     too_long = tuple((16 * (i + 1), "1stage") for i in range(abi.OP_MAX_ROWS)) + segments
     comm.publish_eager(too_long, 0, True)  # more rows than the C struct holds: withdrawn, said, no error
     comm.publish_eager(segments, 0, True)
+    refuse[0] = True
+    with caplog.at_level(logging.WARNING, logger="graphar"):
+        comm.publish_eager(segments, 0, True)  # the library refuses: withdrawn, said, no error
+    assert "run the Python kernel: graphar op library" in caplog.records[-1].getMessage()
+    refuse[0] = False
     comm.mark_broken("out of step")
     comm.publish_eager(segments, 0, True)
-    assert published == [("g", "state"), ("g", None), ("g", "state"), ("g", None)]
+    assert published == [("g", "state"), ("g", None), ("g", "state"), ("g", None), ("g", None)]

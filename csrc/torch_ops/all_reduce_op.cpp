@@ -7,17 +7,19 @@
 // and for the all-reduce a stream that is not capturing. Every other call goes unchanged to the op's
 // Python kernel (registered for CompositeExplicitAutograd): captures of the all-reduce
 // (graphar.graph records its calls, and a capture may pick another kernel), a communicator that
-// timed out (Python raises), inputs the custom kernels cannot take (NCCL, or the norm apart). What
-// they accept, the Python kernels accept too and serve with the same CUDA kernel and arguments (the
-// kernel choice is the Python policy's, published per group), so whichever serves a call, every
-// rank runs the same CUDA kernel. The fused kernel is a push kernel, which needs no registration in
-// any capture, so its C++ kernel serves captures as well.
+// timed out (Python raises) or whose group was destroyed (Python closes it), inputs the custom
+// kernels cannot take (NCCL, or the norm apart). What they accept, the Python kernels accept too
+// and serve with the same CUDA kernel and arguments (the kernel choice is the Python policy's,
+// published per group), so whichever serves a call, every rank runs the same CUDA kernel. The fused
+// kernel is a push kernel, which needs no registration in any capture, so its C++ kernel serves
+// captures as well.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <atomic>
@@ -41,9 +43,18 @@ using AllReduceFn = int (*)(void*, const graphar_all_reduce_args*);
 using AllReduceNormFn = int (*)(void*, const graphar_all_reduce_norm_args*);
 using LastErrorFn = const char* (*)();
 
+// A group's state as Python published it, and the process group it was published for. torch gives
+// a destroyed group's name to the next group it makes, whose ranks may differ: a call serves the
+// name only while it still resolves to that group. A weak reference: it keeps the group's address
+// from being reused, not its backends alive (destroying a group releases them as before).
+struct Published {
+  graphar_op_group state;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> process_group;
+};
+
 // A group as published (null once withdrawn) and its call count, which outlives republishing.
 struct Entry {
-  std::shared_ptr<const graphar_op_group> group;
+  std::shared_ptr<const Published> group;
   std::atomic<uint64_t> calls{0};
 };
 
@@ -68,12 +79,30 @@ int32_t algo_for(const graphar_op_group& g, uint64_t nbytes) {
   return 0;
 }
 
-// The group's published state and its entry, or nulls when none is published.
-std::pair<Entry*, std::shared_ptr<const graphar_op_group>> find(c10::string_view group_name) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_entries.find(std::string(group_name));
-  if (it == g_entries.end()) return {nullptr, nullptr};
-  return {it->second.get(), it->second->group};
+// Whether `name` still names the process group `pg` (about 50 ns: c10d's registry under its lock).
+bool names(const std::string& name, const c10d::ProcessGroup* pg) {
+  try {
+    return c10d::resolve_process_group(name).get() == pg;
+  } catch (const std::exception&) {  // no group of that name: destroyed
+    return false;
+  }
+}
+
+// The group's published state and its entry, or a null state when none is published or the group it
+// was published for is gone (the Python kernel then closes its communicator and serves the call).
+std::pair<Entry*, std::shared_ptr<const Published>> find(c10::string_view group_name) {
+  const std::string name(group_name);
+  std::shared_ptr<const Published> group;
+  Entry* entry = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_entries.find(name);
+    if (it == g_entries.end()) return {nullptr, nullptr};
+    entry = it->second.get();
+    group = entry->group;
+  }
+  if (group && !names(name, group->process_group._unsafe_get_target())) group = nullptr;
+  return {entry, std::move(group)};
 }
 
 bool timed_out(const graphar_op_group& g) { return *reinterpret_cast<const volatile uint32_t*>(g.failed) != 0; }
@@ -170,7 +199,7 @@ void call_python(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
 at::Tensor all_reduce(const at::Tensor& x, c10::string_view group_name) {
   auto [entry, group] = find(group_name);
   if (group) {
-    if (std::optional<at::Tensor> out = try_all_reduce(*group, x, group_name)) {
+    if (std::optional<at::Tensor> out = try_all_reduce(group->state, x, group_name)) {
       entry->calls.fetch_add(1, std::memory_order_relaxed);
       return *std::move(out);
     }
@@ -186,7 +215,7 @@ NormOutputs all_reduce_add_rms_norm(const at::Tensor& x, const std::optional<at:
                                     bool weight_first) {
   auto [entry, group] = find(group_name);
   if (group) {
-    if (auto out = try_all_reduce_norm(*group, x, residual, weight, eps, weight_first, group_name)) {
+    if (auto out = try_all_reduce_norm(group->state, x, residual, weight, eps, weight_first, group_name)) {
       entry->calls.fetch_add(1, std::memory_order_relaxed);
       return *std::move(out);
     }
@@ -230,7 +259,10 @@ int graphar_op_publish(const char* group_name, const graphar_op_group* group) {
     return GRAPHAR_EINVAL;
   }
   try {
-    auto state = group ? std::make_shared<const graphar_op_group>(*group) : nullptr;
+    // The group the name resolves to now, as Python publishes for a live group; no such group throws.
+    auto state = group ? std::make_shared<const Published>(
+                             Published{*group, c10::weak_intrusive_ptr(c10d::resolve_process_group(group_name))})
+                       : nullptr;
     std::lock_guard<std::mutex> lock(g_mutex);
     std::unique_ptr<Entry>& entry = g_entries[group_name];
     if (!entry) entry = std::make_unique<Entry>();

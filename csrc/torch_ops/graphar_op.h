@@ -40,8 +40,9 @@ const char* graphar_op_last_error(void);
 // Registers the C++ kernels for CUDA tensors (once per process; again: no-op). Both ops must be
 // defined already, each with its Python kernel for CompositeExplicitAutograd.
 int graphar_op_install(void);
-// Publishes a group's state, replacing the previous one; group NULL withdraws it (every call of
-// the group then goes to the Python kernel).
+// Publishes a group's state for the process group `group_name` names now (c10d's registry),
+// replacing the previous one; group NULL withdraws it. Every call of the group goes to the Python
+// kernel while none is published, or once the name no longer names that process group.
 int graphar_op_publish(const char* group_name, const graphar_op_group* group);
 // How many calls the C++ kernel has served on the group since the process started.
 uint64_t graphar_op_calls(const char* group_name);

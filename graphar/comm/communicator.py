@@ -141,10 +141,15 @@ class Communicator:
                            "all-reduces run the Python kernel", self.group_name, len(segments), abi.OP_MAX_ROWS)
             self._withdraw()
             return
-        native_op.publish(self.group_name, native_op.group_state(
+        state = native_op.group_state(
             comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
             device=self.device, rank=self.rank, segments=segments, fused_norm_max=fused_norm_max, pdl=pdl,
-        ))  # fmt: skip
+        )  # fmt: skip
+        try:
+            native_op.publish(self.group_name, state)
+        except _cuda.GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
+            logger.warning("graphar: group %r's eager all-reduces run the Python kernel: %s", self.group_name, e)
+            self._withdraw()
 
     def _withdraw(self) -> None:
         """Every later eager call of the group goes to the Python kernel (which knows why)."""
@@ -238,7 +243,8 @@ def communicator(group_name: str) -> Communicator | None:
 
 def shutdown() -> None:
     """Close every communicator (each waits for its device first). Call it before
-    `dist.destroy_process_group()`: torch reuses group names, and the registry is by name."""
+    `dist.destroy_process_group()`: otherwise a destroyed group's communicator holds its buffers until
+    the group that torch next gives its name first collects (graphar.comm.set_up closes it there)."""
     errors = []
     for comm in list(_communicators.values()):
         try:

@@ -36,12 +36,27 @@ _settled: dict[str, dist.ProcessGroup] = {}
 _captured_first: set[str] = set()  # groups whose first collective was captured, before any set-up
 
 
+def _live(group: dist.ProcessGroup | None) -> bool:
+    """Whether `group` is one torch has not destroyed (a destroyed group has left pg_map)."""
+    return group is not None and group in dist.distributed_c10d._world.pg_map
+
+
+def _close_if_destroyed(group_name: str) -> None:
+    """Close the communicator registered under `group_name` if torch destroyed its group: torch gives
+    the name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a
+    name by itself, graphar.native_op). Not inside a capture, which forbids closing's wait for the
+    device: the communicator stays registered but unused (`serving` gives None) until an eager call."""
+    comm = _communicators.get(group_name)
+    if comm is not None and not _live(_settled.get(group_name)) and not torch.cuda.is_current_stream_capturing():
+        logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
+                       "(call graphar.shutdown() before destroy_process_group)", group_name)  # fmt: skip
+        comm.close()
+
+
 def _awaits_set_up(group_name: str, device: torch.device) -> bool:
     """Whether a collective of the group on `device` is where its set-up is still to be decided: a
-    CUDA device, no communicator, nothing settled for this group (a destroyed one has left pg_map)."""
-    settled = _settled.get(group_name)
-    return (device.type == "cuda" and group_name not in _communicators
-            and (settled is None or settled not in dist.distributed_c10d._world.pg_map))  # fmt: skip
+    CUDA device, no communicator, nothing settled for this group."""
+    return device.type == "cuda" and group_name not in _communicators and not _live(_settled.get(group_name))
 
 
 def serving(group_name: str, device: torch.device) -> Communicator | None:
@@ -50,10 +65,14 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     every rank must set alike), so that backend="graphar" alone turns the custom paths on. Every rank
     makes the same call at the same point of the same program, so the ranks set up together, as
     `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
-    the next eager call sets up. Cheap once settled: a few dict lookups."""
+    the next eager call sets up. A communicator whose group torch destroyed is closed first, and the
+    group that now has its name sets up anew. Cheap once settled: a few dict lookups."""
     comm = _communicators.get(group_name)
-    if comm is not None or not _awaits_set_up(group_name, device):
+    if comm is not None and _live(_settled.get(group_name)):
         return comm
+    _close_if_destroyed(group_name)
+    if not _awaits_set_up(group_name, device):
+        return None
     group = dist.distributed_c10d._resolve_process_group(group_name)
     skip = _not_worth_setting_up(group)
     if skip is not None:
@@ -105,10 +124,7 @@ def init(
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
-    if name in _communicators and _settled.get(name) is not group:
-        logger.warning("graphar.init of group %r: closing the communicator of a destroyed group of that name (torch "
-                       "reuses names; call graphar.shutdown() before destroy_process_group)", name)  # fmt: skip
-        _communicators[name].close()
+    _close_if_destroyed(name)
     if name in _communicators:
         comm = _communicators[name]
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}

@@ -58,13 +58,7 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
         if SHARED_GPU:
             _share_one_gpu()
         torch.cuda.set_device(0 if SHARED_GPU else rank)
-        dist.init_process_group(
-            "gloo" if SHARED_GPU else "nccl",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            device_id=None if SHARED_GPU else torch.device("cuda", rank),
-        )
+        init_world(rank, world_size, port)
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
         dist.barrier(device_ids=[torch.cuda.current_device()])
@@ -74,6 +68,17 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
     # No destroy_process_group(): on torch 2.11 it hangs once Inductor's cudagraph trees have
     # captured NCCL work (seen in test_ulysses's reduce-overhead test); every check is done here.
     os._exit(0)
+
+
+def init_world(rank: int, world_size: int, port: int) -> None:
+    """The default group the workers start with (also for a test that destroys it and makes another)."""
+    dist.init_process_group(
+        "gloo" if SHARED_GPU else "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        device_id=None if SHARED_GPU else torch.device("cuda", rank),
+    )
 
 
 def skip_where_nccl_is_captured() -> None:

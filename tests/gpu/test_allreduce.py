@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, run_workers,
-    set_barrier_counters,
+    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, init_world, integer_valued, nccl_sum,
+    run_workers, set_barrier_counters,
 )  # fmt: skip
 
 import graphar
@@ -196,6 +196,38 @@ def _native_op_serves_eager_calls(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_native_op_serves_eager_calls(world_size: int) -> None:
     run_workers(_native_op_serves_eager_calls, world_size)
+
+
+def _destroyed_without_shutdown(rank: int, world_size: int) -> None:
+    """A group destroyed with no graphar.shutdown(): torch gives its name to the next group it makes,
+    here rank 0 alone. Neither kernel of graphar::all_reduce may serve that name with the old
+    communicator (which would sum over every rank, or wait for them until its timeout)."""
+    from graphar import native_op
+    from graphar._launch import free_port
+
+    comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=20)
+    name, x = comm.group_name, integer_valued(4 * KB, torch.bfloat16)
+    assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x))
+    served = native_op.calls(name)
+    assert served == 1 or native_op.library() is None
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port)
+    dist.destroy_process_group()  # every group
+    init_world(rank, world_size, port[0])
+    mine = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes every group
+    assert rank != 0 or mine.group_name == name, "the premise: torch reuses the name"
+    for _ in range(2):  # the C++ kernel declines the name; the Python kernel closes the old communicator
+        x = integer_valued(4 * KB, torch.bfloat16)
+        assert torch.equal(torch.ops.graphar.all_reduce(x, mine.group_name), x), "a group of one sums to x"
+    assert native_op.calls(name) == served, "the C++ kernel served the reused name"
+    if rank == 0:
+        assert communicator(name) is None and comm.handle is None, "the old communicator is still open"
+    graphar.shutdown()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_a_destroyed_group_name_is_not_served_by_its_old_communicator(world_size: int) -> None:
+    run_workers(_destroyed_without_shutdown, world_size)
 
 
 TIMEOUT_S = 0.5
