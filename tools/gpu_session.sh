@@ -2,8 +2,8 @@
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; under $OUT, session.log and
 # results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
-# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared] [cpu-tests] [one-gpu[=WORLD]]
-#        [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
+# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
+#        [one-gpu[=WORLD]] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
 # NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
 # builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
@@ -39,10 +39,12 @@ for stage in "$@"; do
       step build 400 python -m pip install --no-build-isolation --no-deps -e .
       native ;;
     native) native ;;
-    tests=*) step tests 560 python -m pytest -q -x -rs ${stage#tests=} ;;
-    tests) step tests 560 python -m pytest -q -rs --durations=10 tests/gpu ;;  # about 480 s on 2 H200
-    tests-shared)  # two ranks on this one GPU over gloo (tests/gpu/_dist.py): a dry run of tests/gpu
-      step tests-shared 560 env GRAPHAR_TEST_SHARE_GPU=1 python -m pytest -q -rfs --durations=10 tests/gpu ;;
+    # -v: a step cut at its limit still shows which tests passed and failed.
+    tests=*) step tests 560 python -m pytest -v -x -rs --tb=short ${stage#tests=} ;;
+    tests) step tests 560 python -m pytest -v -rfs --tb=short --durations=10 tests/gpu ;;  # about 480 s on 2 H200
+    tests-shared|tests-shared=*)  # two ranks on this one GPU over gloo (tests/gpu/_dist.py): a dry run of tests/gpu
+      args=tests/gpu; [ "$stage" != tests-shared ] && args=${stage#tests-shared=}  # about 500 s for all of it
+      step tests-shared 560 env GRAPHAR_TEST_SHARE_GPU=1 python -m pytest -v -rfs --tb=short --durations=10 $args ;;
     cpu-tests)
       [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

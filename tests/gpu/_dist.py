@@ -33,6 +33,8 @@ from graphar._launch import free_port
 SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
 # On a shared GPU two ranks only: tools/one_gpu_check.py runs the larger worlds' kernels there.
 WORLD_SIZES = (2,) if SHARED_GPU else (2, 4, 6, 8)
+# A test body takes at most about 25 s there: a hang must not eat the dry run's whole time limit.
+SHARED_DEADLINE_S = 120.0
 
 
 def _share_one_gpu() -> None:
@@ -106,6 +108,7 @@ def run_workers(
         ]
         for p in procs:
             p.start()
+        timeout_s = min(timeout_s, SHARED_DEADLINE_S) if SHARED_GPU else timeout_s
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
