@@ -271,9 +271,6 @@ def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
 def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
           final: bool = True) -> None:  # fmt: skip
     info = common.header(",".join(s.modes), world_size, gpu)
-    if final:
-        for name, why in sorted(reasons.items()):
-            print(f"note: {name}: {why}", flush=True)
     title = "All-reduce latency (us)"
     text = common.report(title, info, tables(results, s), notes(s, reasons))
     common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}", final)

@@ -338,9 +338,6 @@ def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.BarChart:
 def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
           final: bool = True) -> None:  # fmt: skip
     info = common.header("decode, CUDA graphs", world_size, gpu)
-    if final:
-        for name, why in sorted(reasons.items()):
-            print(f"note: {name}: {why}", flush=True)
     sections = [("per decode step, us", table(cells, s))]
     title = "Decode step (TP, Llama-style)"
     text = common.report(title, info, sections, notes(s, world_size, reasons))
