@@ -41,22 +41,13 @@ def _live(group: dist.ProcessGroup | None) -> bool:
     return group is not None and group in dist.distributed_c10d._world.pg_map
 
 
-def _close_if_destroyed(group_name: str) -> None:
-    """Close the communicator registered under `group_name` if torch destroyed its group: torch gives
-    the name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a
-    name by itself, graphar.native_op). Not inside a capture, which forbids closing's wait for the
-    device: the communicator stays registered but unused (`serving` gives None) until an eager call."""
-    comm = _communicators.get(group_name)
-    if comm is not None and not _live(_settled.get(group_name)) and not torch.cuda.is_current_stream_capturing():
-        logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
-                       "(call graphar.shutdown() before destroy_process_group)", group_name)  # fmt: skip
-        comm.close()
-
-
-def _awaits_set_up(group_name: str, device: torch.device) -> bool:
-    """Whether a collective of the group on `device` is where its set-up is still to be decided: a
-    CUDA device, no communicator, nothing settled for this group."""
-    return device.type == "cuda" and group_name not in _communicators and not _live(_settled.get(group_name))
+def _close_destroyed(group_name: str) -> None:
+    """Close the communicator registered under `group_name`, set up for a group torch has destroyed
+    since: torch gives the name to the next group it makes, whose ranks may differ (the C++ kernel
+    stops serving such a name by itself, graphar.native_op)."""
+    logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
+                   "(call graphar.shutdown() before destroy_process_group)", group_name)  # fmt: skip
+    _communicators[group_name].close()
 
 
 def serving(group_name: str, device: torch.device) -> Communicator | None:
@@ -68,10 +59,13 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     the next eager call sets up. A communicator whose group torch destroyed is closed first, and the
     group that now has its name sets up anew. Cheap once settled: a few dict lookups."""
     comm = _communicators.get(group_name)
-    if comm is not None and _live(_settled.get(group_name)):
-        return comm
-    _close_if_destroyed(group_name)
-    if not _awaits_set_up(group_name, device):
+    if _live(_settled.get(group_name)):
+        return comm  # settled: its communicator, or None where it has none
+    if comm is not None:  # set up for a group torch has destroyed since
+        if torch.cuda.is_current_stream_capturing():
+            return None  # closing waits for the device, which a capture forbids: the next eager call closes it
+        _close_destroyed(group_name)
+    if device.type != "cuda":
         return None
     group = dist.distributed_c10d._resolve_process_group(group_name)
     skip = _not_worth_setting_up(group)
@@ -92,8 +86,9 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
 
 
 def sets_up_later(group_name: str, device: torch.device) -> bool:
-    """Whether a collective of the group on `device` will set up its communicator when it first runs."""
-    return _awaits_set_up(group_name, device) and _not_worth_setting_up(
+    """Whether a collective of the group on `device` will set up its communicator when it first runs
+    (a group not settled yet, or one that took a destroyed group's name)."""
+    return device.type == "cuda" and not _live(_settled.get(group_name)) and _not_worth_setting_up(
         dist.distributed_c10d._resolve_process_group(group_name)) is None
 
 
@@ -124,7 +119,8 @@ def init(
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
-    _close_if_destroyed(name)
+    if name in _communicators and not _live(_settled.get(name)):
+        _close_destroyed(name)
     if name in _communicators:
         comm = _communicators[name]
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
