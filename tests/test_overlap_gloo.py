@@ -114,10 +114,11 @@ def test_attention_feeds_gqa_as_the_graph_s_kernel_was_fed() -> None:
     the op repeats them likewise: either way each query head attends its group's K/V head."""
     import torch.nn.functional as F
 
-    from graphar.comm.overlap import _attention
+    from graphar.comm.overlap import _attention, _preferring
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2))
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     for kernel in (None, "flash", "efficient", "cudnn", "math"):  # the CPU runs its own kernel for each
-        torch.testing.assert_close(_attention(q, k, v, True, None, kernel), want, msg=str(kernel))
+        got = _attention(q, k, v, True, None, kernel, _preferring(kernel))
+        torch.testing.assert_close(got, want, msg=str(kernel))

@@ -53,6 +53,7 @@ def ulysses_attention(
         chunks = _flash_chunks(chunks, q.shape[0], hq // p, q.shape[1] * p)
     n = chunk_count(hq, hk, p, chunks)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
+    backends = _preferring(kernel)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     inputs: list[torch.Tensor] = []  # every chunk's tensors stay alive until the streams join
     outputs: list[torch.Tensor] = []
@@ -65,7 +66,7 @@ def ulysses_attention(
         for c in range(n):
             arrived[c].wait()
             qh, kh, vh = (x.transpose(1, 2) for x in ulysses.split_heads(inputs[c], counts))
-            outputs.append(_attention(qh, kh, vh, is_causal, scale, kernel))
+            outputs.append(_attention(qh, kh, vh, is_causal, scale, kernel, backends))
             attended = mark()
             with side():
                 attended.wait()
@@ -80,20 +81,27 @@ _BACKENDS = {"flash": (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp
              "cudnn": (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled)}  # fmt: skip
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-               kernel: str | None) -> torch.Tensor:  # fmt: skip
-    """SDPA of `[b, h, S, d]` heads on `kernel`'s backend first (SDPA's own pick when None): the
-    kernel the replaced graph ran. GQA as that graph fed it: flash attends fewer K/V heads natively;
-    the other kernels got each K/V head repeated (HF's repeat_kv, or math's own), so they get that."""
-    gqa = k.shape[1] != q.shape[1]
+def _preferring(kernel: str | None) -> list[SDPBackend] | None:
+    """SDPA's backends, `kernel`'s first (the kernel the replaced graph ran), then the others the user
+    left on, should it not take a chunk's inputs; None: SDPA's own pick."""
     if kernel is None:
+        return None
+    return [_BACKENDS[kernel][0], *(backend for name, (backend, enabled) in _BACKENDS.items()
+                                    if name != kernel and enabled())]  # fmt: skip
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+               kernel: str | None, backends: list[SDPBackend] | None) -> torch.Tensor:  # fmt: skip
+    """SDPA of `[b, h, S, d]` heads on `backends` (`_preferring(kernel)`). GQA as the replaced graph
+    fed `kernel`: flash attends fewer K/V heads natively; the other kernels got each K/V head repeated
+    (HF's repeat_kv, or math's own), so they get that."""
+    gqa = k.shape[1] != q.shape[1]
+    if backends is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     if gqa and kernel != "flash":
         r = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
-    # The graph's kernel, then the others the user left on, should it not take these inputs.
-    others = [backend for name, (backend, enabled) in _BACKENDS.items() if name != kernel and enabled()]
-    with sdpa_kernel([_BACKENDS[kernel][0], *others], set_priority=True):
+    with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
