@@ -8,6 +8,7 @@ on what to measure (two gloo processes), and each benchmark's NCCL timeout again
 in tools/gpu_session.sh.
 """
 
+import dataclasses
 import datetime
 import importlib.util
 import os
@@ -185,6 +186,11 @@ def _all_ranks_on_cpu(flag: bool) -> bool:
     return bool(t.item())
 
 
+@dataclasses.dataclass
+class _Units:
+    units: list[int]
+
+
 def _agreement_worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -214,6 +220,12 @@ def _agreement_worker(rank: int, port: int) -> None:
                          lambda cells, done, final: written.append((dict(cells), done, final)))  # fmt: skip
         expected = [({(1, "t"): 2.0}, [1], False), ({(1, "t"): 2.0, (2, "t"): 3.0}, [1, 2], True)]
         assert written == (expected if rank == 0 else [])
+        # A benchmark's report so far: its settings cut to the units done, to its results file.
+        calls: list[tuple] = []
+        report = common.reporter("t", _Units([1, 2]), "units", lambda *args: calls.append(args), reasons, Path("out"))
+        report({(1, "t"): 2.0}, [1], False)
+        path = common.results_path("t", common.gpu_name(), 2, Path("out"))
+        assert calls == [({(1, "t"): 2.0}, _Units([1]), 2, reasons, common.gpu_name(), path, False)]
     finally:
         dist.destroy_process_group()
     end_worker()

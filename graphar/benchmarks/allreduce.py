@@ -12,7 +12,6 @@ current folder, or --out), with a log-log plot of latency against size beside it
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,13 +192,8 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     mm = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n))]
     reasons = dict(c.unavailable)
     common.progress(f"set up; timing {len(s.sizes)} sizes in modes {', '.join(s.modes)}")
-    gpu = common.gpu_name()
-    path = common.results_path("allreduce", gpu, world_size, out_path)
-
-    def write_sizes(results: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
-        write(results, dataclasses.replace(s, sizes=done), world_size, reasons, gpu, path, final)
-
-    common.run_units(s.sizes, common.format_bytes, lambda nbytes: run_size(c, nbytes, s, mm, reasons), write_sizes)
+    common.run_units(s.sizes, common.format_bytes, lambda nbytes: run_size(c, nbytes, s, mm, reasons),
+                     common.reporter("allreduce", s, "sizes", write, reasons, out_path))
 
 
 # ---- the report --------------------------------------------------------------------------------

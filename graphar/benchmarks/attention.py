@@ -20,7 +20,6 @@ chart of the time per shape by variant beside it (.png).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -194,14 +193,9 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     _, problem = ranks.attempt(set_up_graphar, "graphar set-up")
     if problem is not None:
         reasons["graphar"] = problem
-    gpu = common.gpu_name()
-    path = common.results_path("attention", gpu, world_size, out_path)
-
-    def write_shapes(cells: dict[tuple, common.Cell], done: list, final: bool) -> None:
-        write(cells, dataclasses.replace(s, shapes=done), world_size, reasons, gpu, path, final)
-
     common.run_units(s.shapes, lambda shape: "x".join(map(str, shape)),
-                     lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons), write_shapes)
+                     lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons),
+                     common.reporter("attention", s, "shapes", write, reasons, out_path))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@
                                         ranks aligned before each repeat
     time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
     run_units(units, label, run, write) run unit by unit; after each, rank 0 rewrites the report so far
+    reporter(name, s, field, write, ...) run_units' `write` for a benchmark's report file
     overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
     derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
     header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
@@ -37,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -256,6 +258,22 @@ def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], 
         progress(f"done {label(unit)} ({i}/{len(units)})")
 
 
+Writer = Callable[..., None]  # a benchmark's write(cells, s, world_size, reasons, gpu, path, final)
+
+
+def reporter(name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
+             ) -> Callable[[dict[Any, Cell], list, bool], None]:  # fmt: skip
+    """`run_units`' write for the benchmark `name`: its report so far, settings `s` with only the units
+    done in `s.<field>`, to its results file for this GPU and world size (`results_path`)."""
+    gpu, world_size = gpu_name(), dist.get_world_size()
+    path = results_path(name, gpu, world_size, out)
+
+    def report_so_far(cells: dict[Any, Cell], done: list, final: bool) -> None:
+        write(cells, dataclasses.replace(s, **{field: done}), world_size, reasons, gpu, path, final)
+
+    return report_so_far
+
+
 @contextlib.contextmanager
 def overriding(obj: Any, attr: str, value: Any) -> Iterator[None]:
     """obj.attr = value within the block; the previous value comes back after it, even if it raises
@@ -356,10 +374,7 @@ def results_path(name: str, gpu: str, world_size: int, out: Path | None, default
 def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str, final: bool = True) -> None:
     """The table to `path` and the charts beside it as a .png (when matplotlib is there); the final
     report goes to stdout too (a partial one, written after each unit, only to the files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")  # replaced whole: a run killed meanwhile keeps the last table
-    partial.write_text(text)
-    partial.replace(path)
+    plot.write_whole(path, lambda partial: partial.write_text(text))
     try:
         said = plot.write_png(charts, path.with_suffix(".png"), title)
     except Exception as e:  # a plot that cannot be drawn must not cost the table or the run

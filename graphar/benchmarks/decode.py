@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -288,13 +287,8 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
     common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
     gen = torch.Generator(device="cuda").manual_seed(0)  # the replicated hidden states: same on every rank
-    gpu = common.gpu_name()
-    path = common.results_path("decode", gpu, world_size, out_path)
-
-    def write_batches(cells: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
-        write(cells, dataclasses.replace(s, batches=done), world_size, reasons, gpu, path, final)
-
-    common.run_units(s.batches, lambda b: f"batch {b}", lambda b: run_batch(runs, b, s, gen), write_batches)
+    common.run_units(s.batches, lambda b: f"batch {b}", lambda b: run_batch(runs, b, s, gen),
+                     common.reporter("decode", s, "batches", write, reasons, out_path))
 
 
 # ---- the report --------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ folder, or --out), with a plot of time against tokens beside it (.png).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import operator
 import random
 from collections.abc import Callable
@@ -165,13 +164,8 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         raise RuntimeError("graphar.init returned None (its log says why)")
     ops = contenders(comm)
     reasons: dict[str, str] = {}
-    gpu = common.gpu_name()
-    path = common.results_path("norm", gpu, world_size, out_path)
-
-    def write_tokens(cells: dict[tuple, common.Cell], done: list[int], final: bool) -> None:
-        write(cells, dataclasses.replace(s, tokens=done), world_size, reasons, gpu, path, final)
-
-    common.run_units(s.tokens, lambda t: f"{t} tokens", lambda t: run_tokens(t, comm, ops, s, reasons), write_tokens)
+    common.run_units(s.tokens, lambda t: f"{t} tokens", lambda t: run_tokens(t, comm, ops, s, reasons),
+                     common.reporter("norm", s, "tokens", write, reasons, out_path))
 
 
 def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,

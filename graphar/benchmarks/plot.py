@@ -8,7 +8,7 @@ the tables are written all the same and `write_png` says how to get the plot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,12 +77,18 @@ def write_png(charts: Sequence[Chart], path: Path, title: str) -> str:
         (_draw_lines if isinstance(chart, LineChart) else _draw_bars)(ax, chart)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")  # replaced whole: a run killed meanwhile keeps the last plot
-    fig.savefig(partial, dpi=110, format="png")
-    partial.replace(path)
+    write_whole(path, lambda partial: fig.savefig(partial, dpi=110, format="png"))
     plt.close(fig)
     return f"plot written to {path}"
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """write() a file beside `path`, then rename it over `path`: a run killed meanwhile leaves the
+    previous file whole, never part of one (the reports are rewritten after every unit)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    write(partial)
+    partial.replace(path)
 
 
 def _style_map(keys: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:

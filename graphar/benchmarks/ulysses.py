@@ -19,7 +19,6 @@ chart of the time per shape by transport beside it (.png).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 from collections.abc import Callable
@@ -175,19 +174,13 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     nccl_group = dist.new_group(list(range(world_size))).group_name
     common.progress(f"set up; timing {len(s.shapes)} shapes")
     reasons: dict[str, str] = {}
-    gpu = common.gpu_name()
-    path = common.results_path("ulysses", gpu, world_size, out_path)
-
     def run(shape: tuple[int, int, int, int]) -> dict[tuple, common.Cell]:
         cells = run_shape(shape, world_size, nccl_group, s, reasons)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return cells
 
-    def write_shapes(results: dict[tuple, common.Cell], done: list[tuple[int, int, int, int]], final: bool) -> None:
-        write(results, dataclasses.replace(s, shapes=done), world_size, reasons, gpu, path, final)
-
-    common.run_units(s.shapes, shape_label, run, write_shapes)
+    common.run_units(s.shapes, shape_label, run, common.reporter("ulysses", s, "shapes", write, reasons, out_path))
 
 
 def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
