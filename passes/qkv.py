@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -48,21 +47,26 @@ from graphar.config import Config
 
 from .attention import is_attention_output
 from .layout import (
-    HEADS_SWAP, Size, accepts_strides, all_to_all_received, apply, compose, contiguous, depends_on, divides, flat,
-    is_layout_op, is_ulysses_relayout, known, new_node, same, shape_of, tieable,
+    Size, all_to_all_received, apply, compose, contiguous, depends_on, divides, flat, is_layout_op,
+    is_ulysses_relayout, known, same, shape_of, tieable,
 )
+from .qkv_rewrite import Rewriter
 
 log = logging.getLogger("graphar")
 
-aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
 class _Relayout(NamedTuple):
-    """An all-to-all read as a Ulysses relayout: the 4-D X before it, and a node after it equal to X relaid out."""
+    """An all-to-all read as a Ulysses relayout: the 4-D X before it, and the nodes after it equal to X
+    relaid out (the last, `result`, is the one the rewrite replaces)."""
 
     source: torch.fx.Node
-    result: torch.fx.Node
+    results: tuple[torch.fx.Node, ...]
+
+    @property
+    def result(self) -> torch.fx.Node:
+        return self.results[-1]
 
 
 @dataclass
@@ -117,16 +121,18 @@ class _AllToAllMatch:
         del shape[self.scatter_dim]
         return tuple(shape)
 
-    def erase(self, last: torch.fx.Node) -> None:
+    def erase(self, last: torch.fx.Node) -> list[torch.fx.Node]:
         """Erase the receive side from `last` back to the all_to_all, up to a node something else still
-        reads (it keeps the original exchange alive)."""
-        graph, node = last.graph, last
+        reads (it keeps the original exchange alive); returns the nodes erased."""
+        graph, node, erased = last.graph, last, []
         while not node.users:
             previous = node.args[0] if node is not self.all_to_all else None
             graph.erase_node(node)
+            erased.append(node)
             if previous is None:
                 break
             node = previous
+        return erased
 
 
 def _equal_splits(all_to_all: torch.fx.Node, world_size: int) -> bool:
@@ -176,16 +182,16 @@ def _read_relayouts(match: _AllToAllMatch) -> None:
     while len(receive_chain[-1].users) == 1 and is_layout_op(user := next(iter(receive_chain[-1].users))):
         receive_chain.append(user)
     for start, x in enumerate(send_chain):  # the farthest X first: the rewrite then skips the most copies
-        for scatter_dim, y in _relayout_results(match, send_chain[start:], receive_chain).items():
-            match.relayouts.setdefault(scatter_dim, _Relayout(x, y))
+        for scatter_dim, ys in _relayout_results(match, send_chain[start:], receive_chain).items():
+            match.relayouts.setdefault(scatter_dim, _Relayout(x, tuple(ys)))
     if not match.relayouts:
         log.info("graphar qkv: %s is not a Ulysses relayout of a 4-D tensor", match.all_to_all.name)
 
 
 def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive: list[torch.fx.Node]
-                      ) -> dict[int, torch.fx.Node]:
+                      ) -> dict[int, list[torch.fx.Node]]:
     """For X = send[0] (then the send-side ops up to the all_to_all's input): by scattered dim, the
-    last node of `receive` that equals the relayout of X."""
+    nodes of `receive` that equal the relayout of X, in order."""
     x_shape, p = shape_of(send[0]), match.world_size
     if x_shape is None or len(x_shape) != 4:
         return {}
@@ -194,7 +200,7 @@ def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive:
     if not exchanged:  # the send side is no layout of X, or its dim 0 does not split over the ranks
         return {}
     received, block_stride = exchanged
-    found = {}
+    found: dict[int, list[torch.fx.Node]] = {}
     for node in receive:
         if node is not match.wait:
             received = apply(received, node)
@@ -202,7 +208,7 @@ def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive:
             break
         for scatter_dim in (1, 2):
             if is_ulysses_relayout(received, shape_of(node), x_shape, p, scatter_dim, block_stride):
-                found[scatter_dim] = node
+                found.setdefault(scatter_dim, []).append(node)
     return found
 
 
@@ -261,104 +267,6 @@ def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
     return triplets, [m for m in matches if id(m) not in used]
 
 
-class _Rewriter:
-    """Applies rewrites one after another; a node a rewrite replaced is read through `replaced`."""
-
-    def __init__(self, graph: torch.fx.Graph) -> None:
-        self.graph = graph
-        self.replaced: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def current(self, node: torch.fx.Node) -> torch.fx.Node:
-        """`node`, or what replaced it."""
-        while node in self.replaced:
-            node = self.replaced[node]
-        return node
-
-    def after_last(self, nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
-        position = {n: i for i, n in enumerate(self.graph.nodes)}
-        return max(nodes, key=position.__getitem__).next
-
-    def replace(self, match: _AllToAllMatch, old: torch.fx.Node, new: torch.fx.Node) -> None:
-        """Point old's users at new (a contiguous copy of it where a user's view needs strides new
-        lacks), then erase the receive side from old back to the all_to_all."""
-        if not all(accepts_strides(user, new.meta["val"]) for user in old.users):
-            with self.graph.inserting_after(new):
-                new = new_node(self.graph, aten.clone.default, new, memory_format=torch.contiguous_format)
-        old.replace_all_uses_with(new)
-        self.replaced[old] = new
-        match.erase(old)
-
-    def qkv(self, triplet: list[_AllToAllMatch]) -> None:
-        """Three sequence -> heads relayouts (Q, K, V) as one packed exchange, sliced back by heads::
-
-            before:  q2 = clone(permute(view(q, [b, S, P, hq/P, d]), [2, 1, 0, 3, 4]))   # [P, S, b, hq/P, d]
-                     w_q = wait_tensor(all_to_all_single(q2, ...))
-                     y_q = permute(view(w_q, [P*S, b, hq/P, d]), [1, 0, 2, 3])         # [b, P*S, hq/P, d]
-                     ... (x3: q, k, v)
-            after:   packed = graphar.qkv_all_to_all(q, k, v, group)          # [b, P*S, (hq+2*hkv)/P, d]
-                     y_q = slice(packed, 2, 0, hq/P); y_k = slice(packed, 2, hq/P, (hq+hkv)/P); ...
-
-        With heads at dim 1 (`[b, h, S, d] -> [b, h/P, P*S, d]`) the op's inputs and the slices are
-        permuted by [0, 2, 1, 3]: the op takes heads at dim 2.
-        """
-        first, p = triplet[0], triplet[0].world_size
-        sources = [self.current(m.relayout.source) for m in triplet]
-        with self.graph.inserting_before(self.after_last(sources)):
-            swap = first.scatter_dim == 1
-            xs = [new_node(self.graph, aten.permute.default, x, HEADS_SWAP) if swap else x for x in sources]
-            packed = new_node(self.graph, torch.ops.graphar.qkv_all_to_all.default, *xs, first.group_name)
-            ys, start = [], 0
-            for x in xs:
-                heads = shape_of(x)[2] // p
-                y = new_node(self.graph, aten.slice.Tensor, packed, 2, start, start + heads)
-                ys.append(new_node(self.graph, aten.permute.default, y, HEADS_SWAP) if swap else y)
-                start += heads
-        for match, y in zip(triplet, ys):
-            self.replace(match, match.relayout.result, y)
-        log.info("graphar qkv: %s packed into %s on group %r", [m.all_to_all.name for m in triplet], packed.name,
-                 first.group_name)
-
-    def output(self, match: _AllToAllMatch) -> None:
-        """The heads -> sequence relayout of the attention output (scatters dim 1, gathers dim 2)::
-
-            before:  o2 = clone(permute(view(o, [b, P, S, h, d]), [1, 3, 2, 0, 4]))    # o: [b, P*S, h, d]
-                     w = wait_tensor(all_to_all_single(o2, ...))
-                     y = permute(view(w, [P*h, S, b, d]), [2, 1, 0, 3])                  # [b, S, P*h, d]
-            after:   y = graphar.heads_to_seq_all_to_all(o, group)
-
-        Heads at dim 1 (o: [b, h, P*S, d], y: [b, P*h, S, d]; it scatters dim 2), through transposes:
-            after:   y = permute(graphar.heads_to_seq_all_to_all(permute(o, [0, 2, 1, 3]), group), [0, 2, 1, 3])
-        """
-        heads_at_1 = 1 not in match.relayouts
-        x, y = match.relayouts[2 if heads_at_1 else 1]
-        x = self.current(x)
-        with self.graph.inserting_before(x.next):
-            if heads_at_1:
-                x = new_node(self.graph, torch.ops.aten.permute.default, x, HEADS_SWAP)
-            out = new_node(self.graph, torch.ops.graphar.heads_to_seq_all_to_all.default, x, match.group_name)
-            if heads_at_1:
-                out = new_node(self.graph, torch.ops.aten.permute.default, out, HEADS_SWAP)
-        self.replace(match, y, out)
-        log.info("graphar qkv: %s rewritten into %s on group %r", match.all_to_all.name, out.name, match.group_name)
-
-    def packed(self, triplet: list[_AllToAllMatch]) -> None:
-        """Three all-to-alls that are no relayout, as one exchange of the three buffers::
-
-            before:  w_i = wait_tensor(all_to_all_single(t_i, splits_i, splits_i, group))   # i = 0, 1, 2
-            after:   packed = graphar.packed_all_to_all_single([t_0, t_1, t_2], group)
-                     w_i = packed[i]
-        """
-        inputs = [self.current(m.sent) for m in triplet]
-        with self.graph.inserting_before(self.after_last(inputs)):
-            packed = new_node(self.graph, torch.ops.graphar.packed_all_to_all_single.default, inputs,
-                               triplet[0].group_name)
-            outs = [new_node(self.graph, operator.getitem, packed, i) for i in range(len(triplet))]
-        for match, out in zip(triplet, outs):
-            self.replace(match, match.wait, out)
-        log.info("graphar qkv: %s packed into %s on group %r", [m.all_to_all.name for m in triplet], packed.name,
-                 triplet[0].group_name)
-
-
 def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     """Rewrite the graph's Ulysses exchanges and packable all-to-all triplets; returns the rewrites."""
     matches = _find_matches(graph, config)
@@ -378,15 +286,15 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
         if match not in outputs:
             log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing",
                      match.all_to_all.name)
-    rewriter = _Rewriter(graph)
+    rewriter = Rewriter(graph)
+    count = 0
     for triplet in qkv_triplets:
         _tie(triplet)
-        rewriter.qkv(triplet)
+        count += rewriter.qkv(triplet)
     for match in outputs:
-        rewriter.output(match)
+        count += rewriter.output(match)
     for triplet in packed_triplets:
-        rewriter.packed(triplet)
-    count = len(qkv_triplets) + len(outputs) + len(packed_triplets)
+        count += rewriter.packed(triplet)
     if count:
         stable_topological_sort(graph)
     return count

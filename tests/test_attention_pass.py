@@ -117,7 +117,8 @@ class <lambda>(torch.nn.Module):
         permute_default_2: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg2_1, [0, 2, 1, 3]);  arg2_1 = None
         ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(permute_default, permute_default_1, permute_default_2, '0', True, None, 2, 'flash');  permute_default = permute_default_1 = permute_default_2 = None
         permute_default_7: "f32[1, 8, 6, 16]" = torch.ops.aten.permute.default(ulysses_attention_default, [0, 2, 1, 3]);  ulysses_attention_default = None
-        return (permute_default_7,)
+        clone_default: "f32[1, 8, 6, 16]" = torch.ops.aten.clone.default(permute_default_7, memory_format = torch.contiguous_format);  permute_default_7 = None
+        return (clone_default,)
 """)
         _, after, counts = post_grad_graphs(xdit, *qkv)  # without the overlap, the output stays on NCCL
         self.assertEqual(counts["qkv_all_to_all"], 1)

@@ -48,6 +48,21 @@ class HeadsFirstBlock(torch.nn.Module):
         return q - 3 * k + v
 
 
+class ExchangedTwice(torch.nn.Module):
+    """Q, K and V exchanged, then their results exchanged again (two levels of Ulysses)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (seq_to_heads_unpacked(seq_to_heads_unpacked(t)) for t in (q, k, v))
+        return q - 3 * k + v
+
+
+class ReturnsExchanged(torch.nn.Module):
+    """The exchanged Q, K and V leave the graph (as before a graph break): eager's strides too."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(seq_to_heads_unpacked(t) for t in (q, k, v))
+
+
 def _integers(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -89,6 +104,14 @@ def _worker(rank: int, port: int) -> None:
             qkv = [_integers(2, 4, 6, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3)]
             actual, code = _compile_and_run(HeadsFirstBlock(), *qkv)
             _check(rank, "heads at dim 1", HeadsFirstBlock()(*qkv), actual, code, exact=True)
+            qkv = [_integers(2, 4, 8, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3)]
+            actual, code = _compile_and_run(ExchangedTwice(), *qkv)
+            _check(rank, "exchanged twice", ExchangedTwice()(*qkv), actual, code, exact=True)
+            assert code.count("graphar.qkv_all_to_all.default(") == 2, f"rank {rank}: both levels packed"
+            actual, code = _compile_and_run(ReturnsExchanged(), *qkv)
+            for got, expected in zip(actual, ReturnsExchanged()(*qkv)):
+                _check(rank, "returns the exchanged", expected, got, code, exact=True)
+                assert got.stride() == expected.stride(), f"rank {rank}: strides {got.stride()}, eager {expected.stride()}"
     finally:
         dist.destroy_process_group()
     end_worker()
