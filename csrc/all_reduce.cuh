@@ -61,22 +61,22 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
   const int largest = part + p.packs % kRanks;
   const int start = bp.rank * part;
   const int end = bp.rank == kRanks - 1 ? p.packs : start + part;
-  // Rotated so that the ranks start on different peers; shard r is summed only by rank r in
-  // this order, so every rank gathers the same bits.
+  // Inputs in rank order, summed in that order like every other kernel's (pack.cuh): from 3 ranks up
+  // a rotated order would round differently. The gather is rotated so that the ranks start on
+  // different peers.
   const uint4* src[kRanks];
   const uint4* tmps[kRanks];
 #pragma unroll
-  for (int i = 0; i < kRanks; i++) {
-    const int target = (bp.rank + i) % kRanks;
-    src[i] = static_cast<const uint4*>(p.data->ptrs[target]);  // in a graph: filled after capture
-    tmps[i] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, target));
+  for (int r = 0; r < kRanks; r++) {
+    src[r] = static_cast<const uint4*>(p.data->ptrs[r]);  // in a graph: filled after capture
+    tmps[r] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, (bp.rank + r) % kRanks));
   }
   uint4* tmp_out = tmp_buffer<uint4>(bp.self);
   bool ok;
   if (p.copy_in != nullptr) {
     // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
     const uint4* in = static_cast<const uint4*>(p.copy_in);
-    uint4* mine = const_cast<uint4*>(src[0]);
+    uint4* mine = const_cast<uint4*>(nth<kRanks>(src, bp.rank));
     for (int idx = tid; idx < largest; idx += stride) {
 #pragma unroll
       for (int s = 0; s < kRanks; s++) {
