@@ -22,7 +22,7 @@ struct Comm {
   int device = -1, rank = 0, ranks = 0, block_limit = 0, graph_slots = 0;
   uint64_t max_bytes = 0, timeout_ns = 0;
   int64_t epoch_packs = 0;  // packs per epoch of the push receive region
-  bool pdl = false;         // the device has programmatic dependent launch (Hopper and later)
+  bool pdl = false;         // the kernels may use programmatic dependent launch (pdl_compiled_in)
   char* meta = nullptr;     // Signal, the 2stage tmp buffer (max_bytes), the push region (2 epochs)
   char* buffer = nullptr;  // registered input buffer (max_bytes)
   RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
@@ -93,10 +93,21 @@ Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
 char* push_region(void* meta, uint64_t max_bytes) { return static_cast<char*>(meta) + sizeof(Signal) + max_bytes; }
 uint64_t push_region_bytes(const Comm* c) { return 2 * static_cast<uint64_t>(c->epoch_packs) * 16; }
 
+__global__ void compiled_arch() {}
+
+// Whether the kernels running on this device wait for the previous kernel with griddepcontrol.wait,
+// which only their code for sm_90 and up holds (push.cuh). A GPU newer than the build's targets
+// runs the library's compute_80 PTX instead, whose kernels would read what the previous kernel has
+// not written yet if they were launched with programmatic dependent launch.
+int pdl_compiled_in(bool* yes) {
+  cudaFuncAttributes attributes{};
+  CUDA_TRY(cudaFuncGetAttributes(&attributes, compiled_arch));  // every kernel here is built alike
+  *yes = attributes.ptxVersion >= 90;
+  return 0;
+}
+
 int create(Comm* c) {
-  int major = 0;
-  CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
-  c->pdl = major >= 9;
+  if (int rc = pdl_compiled_in(&c->pdl)) return rc;
   CUDA_TRY(cudaMalloc(&c->meta, sizeof(Signal) + c->max_bytes + push_region_bytes(c)));
   CUDA_TRY(cudaMalloc(&c->buffer, c->max_bytes));
   CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));

@@ -116,8 +116,9 @@ AUTO_INIT = _switch(
 )  # fmt: skip
 PDL = _switch(
     "GRAPHAR_PDL", True,
-    "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later), so that a "
-    "kernel's start overlaps the end of the kernel before it",
+    "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later, where the CUDA "
+    "library holds code for the GPU's architecture: `GRAPHAR_CUDA_ARCHS`), so that a kernel's start overlaps the "
+    "end of the kernel before it",
 )  # fmt: skip
 
 
