@@ -104,6 +104,9 @@ def _mean_reason(mean: torch.fx.Node | None, ndim: int) -> str | None:
     return None
 
 
+EPS_NOT_CONSTANT = "eps is not a constant"
+
+
 def _core(h: torch.fx.Node, v: torch.fx.Node, square: torch.fx.Node) -> _Norm | str:
     """v * rsqrt(mean(square, -1, keepdim) + eps), each step used only by the next."""
     mean = _only_user(square)
@@ -115,7 +118,7 @@ def _core(h: torch.fx.Node, v: torch.fx.Node, square: torch.fx.Node) -> _Norm | 
         return "the mean is not followed by an add of eps alone"
     eps = add_eps.args[1]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return f"eps {eps} is not a constant"
+        return EPS_NOT_CONSTANT
     rsqrt = _only_user(add_eps)
     scale = _only_user(rsqrt) if rsqrt is not None and rsqrt.target == aten.rsqrt.default else None
     if scale is None or scale.target != aten.mul.Tensor or _other(scale, rsqrt) is not v:
@@ -239,17 +242,22 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
 def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:
     """Fuse every graphar::all_reduce that feeds an RMSNorm (through a residual add or not); returns
     how many were fused."""
-    count = 0
+    count, eps_inputs = 0, 0
     for ar in graph.find_nodes(op="call_function", target=torch.ops.graphar.all_reduce.default):
         match = _match(ar)
         if isinstance(match, str):
             level = logging.DEBUG if match.startswith("not followed") else logging.INFO
             log.log(level, "graphar: %s not fused with a norm: %s", ar.name, match)
+            eps_inputs += match is EPS_NOT_CONSTANT
             continue
         form = "residual add + RMSNorm" if match.residual is not None else "RMSNorm"
         log.info("graphar: %s + %s -> graphar::all_reduce_add_rms_norm", ar.name, form)
         match.replace_with_fused()
         count += 1
+    if eps_inputs:  # the user asked for fuse_norm: say once per graph why it did nothing, and the cure
+        log.warning("graphar: %d all-reduce + RMSNorm not fused: their eps is an input of the graph, not a constant "
+                    "(torch.compile(dynamic=True) passes float attributes as inputs); "
+                    "torch._dynamo.config.specialize_float = True keeps them constants", eps_inputs)  # fmt: skip
     if count:
         # The sum's users that came before the norm's end now read the fused op placed there.
         stable_topological_sort(graph)

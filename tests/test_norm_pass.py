@@ -215,7 +215,32 @@ class <lambda>(torch.nn.Module):
         def block(x, w, residual, weight):
             return _hf_rms_norm(_row_parallel(x, w) + residual, weight, eps=weight[:1])
 
-        self._left_alone(block, "eps slice_1 is not a constant", *_inputs())
+        self._left_alone(block, "eps is not a constant", *_inputs())
+
+    def test_eps_made_an_input_by_dynamic_true_warns_once_with_the_cure(self) -> None:
+        class Norm(torch.nn.Module):  # as HF writes it: eps a float attribute
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(16)), 1e-6
+
+            def forward(self, h: torch.Tensor) -> torch.Tensor:
+                v = h.to(torch.float32)
+                return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+        norm = Norm()
+
+        def two_blocks(x, w, residual, weight):
+            h = _row_parallel(x, w) + residual
+            h = _row_parallel(norm(h)[:, :8], w) + h
+            return norm(h), h
+
+        with self.assertLogs("graphar", "WARNING") as logs:
+            _, _, counts = post_grad_graphs(two_blocks, *_inputs(), config=FUSE, dynamic=True)
+        self.assertEqual((counts["all_reduce"], counts["fuse_norm"]), (2, 0))
+        self.assertEqual([line for line in logs.output if "specialize_float" in line], [
+            "WARNING:graphar:graphar: 2 all-reduce + RMSNorm not fused: their eps is an input of the graph, not a "
+            "constant (torch.compile(dynamic=True) passes float attributes as inputs); "
+            "torch._dynamo.config.specialize_float = True keeps them constants"])
 
 
 class UnfusedMathTest(TestCase):
