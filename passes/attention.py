@@ -176,7 +176,7 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
         return "the attention has a mask or bias"
     if match.option("dropout_p", 0.0) != 0.0:
         return "the attention has dropout"
-    starts = [(s.args[1], s.args[2], s.args[3]) for s in match.slices]
+    starts = [(s.args[1], s.args[2], s.args[3]) for s in match.slices if s.args[4:] in ((), (1,))]  # step 1
     q, k, v = (x.meta["val"] for x in match.exchange.args[:3])
     heads = [q.shape[2] // world_size, k.shape[2] // world_size, v.shape[2] // world_size]
     bounds = [sum(heads[:i]) for i in range(4)]

@@ -172,6 +172,14 @@ class <lambda>(torch.nn.Module):
         self._left_alone(lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias",
                          *_qkv())  # fmt: skip
 
+    def test_strided_slices_of_the_exchange_are_left_alone(self) -> None:
+        def every_other_kv_head(q, k, v):  # hand-written: K and V take every other head of theirs
+            packed = torch.ops.graphar.qkv_all_to_all(q, k, v, "0")
+            qh, kh, vh = (x.transpose(1, 2) for x in (packed[:, :, 0:4], packed[:, :, 4:8:2], packed[:, :, 8:12:2]))
+            return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).transpose(1, 2))
+
+        self._left_alone(every_other_kv_head, "the slices [(2, 0, 4)] are not Q, K and V of the exchange", *_qkv())
+
     def test_heads_that_do_not_split_are_left_alone(self) -> None:
         self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))
 
