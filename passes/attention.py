@@ -141,6 +141,8 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
         sliced = arg.args[0]
         if len(sliced.users) != 1:
             return "a Q/K/V slice is used elsewhere too"
+        if sliced.args[4:] not in ((), (1,)):
+            return "a Q/K/V slice has a step: it takes every n-th head"
         between += [*copy, *repeats, arg, sliced]
         sources.append(sliced)
     exchange = sources[0].args[0]
@@ -176,7 +178,7 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
         return "the attention has a mask or bias"
     if match.option("dropout_p", 0.0) != 0.0:
         return "the attention has dropout"
-    starts = [(s.args[1], s.args[2], s.args[3]) for s in match.slices if s.args[4:] in ((), (1,))]  # step 1
+    starts = [(s.args[1], s.args[2], s.args[3]) for s in match.slices]
     q, k, v = (x.meta["val"] for x in match.exchange.args[:3])
     heads = [q.shape[2] // world_size, k.shape[2] // world_size, v.shape[2] // world_size]
     bounds = [sum(heads[:i]) for i in range(4)]

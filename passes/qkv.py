@@ -59,14 +59,10 @@ c10d = torch.ops._c10d_functional
 
 class _Relayout(NamedTuple):
     """An all-to-all read as a Ulysses relayout: the 4-D X before it, and the nodes after it equal to X
-    relaid out (the last, `result`, is the one the rewrite replaces)."""
+    relaid out (the rewrite replaces the last)."""
 
     source: torch.fx.Node
     results: tuple[torch.fx.Node, ...]
-
-    @property
-    def result(self) -> torch.fx.Node:
-        return self.results[-1]
 
 
 @dataclass

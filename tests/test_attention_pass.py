@@ -178,7 +178,7 @@ class <lambda>(torch.nn.Module):
             qh, kh, vh = (x.transpose(1, 2) for x in (packed[:, :, 0:4], packed[:, :, 4:8:2], packed[:, :, 8:12:2]))
             return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).transpose(1, 2))
 
-        self._left_alone(every_other_kv_head, "the slices [(2, 0, 4)] are not Q, K and V of the exchange", *_qkv())
+        self._left_alone(every_other_kv_head, "a Q/K/V slice has a step: it takes every n-th head", *_qkv())
 
     def test_heads_that_do_not_split_are_left_alone(self) -> None:
         self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))

@@ -339,6 +339,30 @@ class <lambda>(torch.nn.Module):
         return (permute_2, permute_3)
 """)
 
+    def test_an_exchange_of_exchanged_tensors_reads_the_first_packed_result(self) -> None:
+        def two_levels(q, k, v):
+            q, k, v = (seq_to_heads_unpacked(seq_to_heads_unpacked(t)) for t in (q, k, v))
+            return q - 3 * k + v
+
+        _, after, count = graphs(two_levels, *_qkv(b=2))
+        self.assertEqual(count, 2)
+        self.assertExpectedInline(after, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
+        qkv_all_to_all_default: "f32[2, 8, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
+        slice_tensor: "f32[2, 8, 2, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default, 2, 0, 2)
+        slice_tensor_1: "f32[2, 8, 2, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default, 2, 2, 4)
+        slice_tensor_2: "f32[2, 8, 2, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default, 2, 4, 6);  qkv_all_to_all_default = None
+        qkv_all_to_all_default_1: "f32[2, 16, 3, 8]" = torch.ops.graphar.qkv_all_to_all.default(slice_tensor, slice_tensor_1, slice_tensor_2, '0');  slice_tensor = slice_tensor_1 = slice_tensor_2 = None
+        slice_tensor_3: "f32[2, 16, 1, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default_1, 2, 0, 1)
+        slice_tensor_4: "f32[2, 16, 1, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default_1, 2, 1, 2)
+        slice_tensor_5: "f32[2, 16, 1, 8]" = torch.ops.aten.slice.Tensor(qkv_all_to_all_default_1, 2, 2, 3);  qkv_all_to_all_default_1 = None
+        mul: "f32[2, 16, 1, 8]" = torch.ops.aten.mul.Tensor(slice_tensor_4, 3);  slice_tensor_4 = None
+        sub: "f32[2, 16, 1, 8]" = torch.ops.aten.sub.Tensor(slice_tensor_3, mul);  slice_tensor_3 = mul = None
+        add: "f32[2, 16, 1, 8]" = torch.ops.aten.add.Tensor(sub, slice_tensor_5);  sub = slice_tensor_5 = None
+        return (add,)
+""")
+
     def test_single_output_exchange(self) -> None:
         _, after, count = graphs(heads_to_seq_unpacked, torch.randn(2, 8, 2, 8))
         self.assertEqual(count, 1)
