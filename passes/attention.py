@@ -154,10 +154,10 @@ def _match(output: torch.fx.Node) -> _AttentionMatch | str:
 
 
 def _repeated_kv(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """HF's repeat_kv of a K/V input, as it decomposes: a view or reshape of (a copy of)
-    expand(unsqueeze(x, 2)) to [b, h * r, S, d]; (x, the repeat's nodes) or None. Each K/V head
-    repeated r times in a row is what attention with fewer K/V heads (GQA) reads, so the op computes
-    the same."""
+    """HF's repeat_kv of a K/V input, as it decomposes (`repeat_interleave(x, r, dim=1)` decomposes
+    alike): a view or reshape of (a copy of) expand(unsqueeze(x, 2)) to [b, h * r, S, d]; (x, the
+    repeat's nodes) or None. Each K/V head repeated r times in a row is what attention with fewer K/V
+    heads (GQA) reads, so the op computes the same."""
     chain = []
     for targets in (_RESHAPES, (aten.clone.default,), (aten.expand.default,), (aten.unsqueeze.default,)):
         if node.target not in targets or len(node.users) != 1:
@@ -168,7 +168,7 @@ def _repeated_kv(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node
         node = node.args[0]
     b, h, s, d = node.meta["val"].shape
     r = chain[-2].meta["val"].shape[2]
-    if chain[-1].args[1] != 2 or not same(chain[0].meta["val"].shape, (b, h * r, s, d)):
+    if chain[-1].args[1] % 5 != 2 or not same(chain[0].meta["val"].shape, (b, h * r, s, d)):  # 2 or -3
         return None
     return node, chain
 

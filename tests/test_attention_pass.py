@@ -128,14 +128,18 @@ class <lambda>(torch.nn.Module):
             b, h, s, d = x.shape
             return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
-        def hf(q, k, v):
-            qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qh, repeat_kv(kh, 2), repeat_kv(vh, 2)).transpose(1, 2)
-            return heads_to_seq_unpacked(o)
+        # The same repeat as other code writes it: repeat_interleave, and the new dim counted from the end.
+        for repeat in (repeat_kv, lambda x, n: x.repeat_interleave(n, dim=1),
+                       lambda x, n: x.unsqueeze(-3).expand(-1, -1, n, -1, -1).flatten(1, 2)):  # fmt: skip
+            def hf(q, k, v):
+                qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qh, repeat(kh, 2), repeat(vh, 2)).transpose(1, 2)
+                return heads_to_seq_unpacked(o)
 
-        _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
-        self.assertEqual(counts["ulysses_attention"], 1)
-        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
+            _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
+            self.assertEqual(counts["ulysses_attention"], 1)
+            self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')",
+                          after)  # fmt: skip
 
     def test_dynamic_sequence_and_batch(self) -> None:
         # A second shape under default torch.compile recompiles with symbolic sizes: the rewrite holds.
