@@ -4,6 +4,8 @@
 // Each rank owns one IPC allocation laid out as [Signal | tmp buffer] and one registered input
 // buffer. A call reads the ws input pointers of its RankData slot: the registered buffers for
 // eager calls, the caller's tensors (pointers filled in after capture) inside graphar.graph.
+// A block whose barrier fails (a peer never came, or the group failed before) writes its share of the
+// output as poison (barrier.cuh) and meets no later barrier.
 #pragma once
 
 #include "barrier.cuh"
@@ -40,13 +42,12 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   } else {
     ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kOneStageEntry);
   }
-  if (!ok) return;
   const uint4* src[kRanks];
 #pragma unroll
   for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(dp.ptrs[r]);
   uint4* out = static_cast<uint4*>(p.out);
-  for (int idx = tid; idx < p.packs; idx += stride) out[idx] = reduce_in_order<T, kRanks>(src, idx);
-  multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit);
+  for (int idx = tid; idx < p.packs; idx += stride) out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
+  if (ok) multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit);
 }
 
 // Reduce-scatter into the tmp buffers (rank r owns shard r, the last shard takes the remainder),
@@ -87,18 +88,19 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
   } else {
     ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kTwoStageEntry);
   }
-  if (!ok) return;
-  for (int idx = start + tid; idx < end; idx += stride) {
-    tmp_out[idx - start] = reduce_in_order<T, kRanks>(src, idx);
+  if (ok) {
+    for (int idx = start + tid; idx < end; idx += stride) {
+      tmp_out[idx - start] = reduce_in_order<T, kRanks>(src, idx);
+    }
+    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageMid);  // ok is block-uniform
   }
-  if (!multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageMid)) return;
   // The same tid -> offset mapping as stage 1: the barrier only orders block b with block b.
   uint4* out = static_cast<uint4*>(p.out);
   for (int idx = tid; idx < largest; idx += stride) {
 #pragma unroll
     for (int i = 0; i < kRanks; i++) {
       const int from = (bp.rank + i) % kRanks;
-      if (from == kRanks - 1 || idx < part) out[from * part + idx] = tmps[i][idx];
+      if (from == kRanks - 1 || idx < part) out[from * part + idx] = ok ? tmps[i][idx] : poison_pack();
     }
   }
 }

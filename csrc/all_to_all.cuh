@@ -46,7 +46,9 @@ constexpr int kPullThreads = 256;
 template <int kRanks>
 __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllParams p) {
   const BarrierParams& bp = p.barrier;
-  if (!multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry)) return;
+  // Failed: every chunk of this thread's share, the own one placed by the pack too, is poison instead.
+  const bool ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry);
+  const int skip = ok ? p.skip : -1;
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t idx = base + u * stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (idx < pl.chunk_packs && r != p.skip) v[u][r] = src[r][idx];  // every load in flight before any store
+        if (idx < pl.chunk_packs && r != skip) v[u][r] = ok ? src[r][idx] : poison_pack();  // all loads before any store
       }
     }
 #pragma unroll
@@ -72,11 +74,11 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t at = row * pl.dst_row_stride + (idx - row * pl.row_packs);
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (r != p.skip) out[r * pl.dst_chunk_stride + at] = v[u][r];
+        if (r != skip) out[r * pl.dst_chunk_stride + at] = v[u][r];
       }
     }
   }
-  multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit);
+  if (ok) multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit);
 }
 
 }  // namespace graphar

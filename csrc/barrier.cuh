@@ -26,6 +26,9 @@ struct Signal {
   // Calls of the push kernels so far, one copy per block (push.cuh): every entry is equal between
   // calls, so each block reads the call's epoch without waiting for another block.
   alignas(128) Flag push_epoch[kMaxBlocks];
+  // Set by this rank's kernel whose spin gave up: the ranks are out of step from then on. Every later
+  // kernel reads it at entry and writes poison instead of communicating (see poison_packs).
+  alignas(128) Flag failed;
 };
 
 template <typename P>
@@ -99,13 +102,27 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-__device__ __noinline__ void record_timeout(ErrorRecord* e, Where where, int peer) {
+// Marks the group failed for this rank's later kernels, then tells the host where.
+__device__ __noinline__ void record_timeout(Signal* self, ErrorRecord* e, Where where, int peer) {
+  st_flag<false>(&self->failed, 1);
   if (e->failed) return;
   e->where = where;
   e->peer = peer;
   e->block = blockIdx.x;
   __threadfence_system();  // the details become visible before the flag the host polls
   e->failed = 1;
+}
+
+// Whether an earlier kernel of this rank gave up a spin (volatile: it may have run on another stream).
+__device__ __forceinline__ bool group_failed(const BarrierParams& p) { return ld_flag<false>(&p.self->failed) != 0; }
+
+// What a kernel writes instead of its result once the group failed (or when its own spin gave up):
+// all ones, a NaN in every lane of every float dtype, so that a CUDA-graph replay after a timeout,
+// which no host check sees, yields NaN rather than plausible numbers. Packs first, first + stride, ...
+// below n: the thread's share, as the kernel's own output loop walks it.
+__device__ __forceinline__ uint4 poison_pack() { return make_uint4(~0u, ~0u, ~0u, ~0u); }
+__device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t n, int64_t stride) {
+  for (int64_t i = first; i < n; i += stride) out[i] = poison_pack();
 }
 
 // The time bound of one spin loop: the clock starts at the first miss, so a wait that succeeds at
@@ -118,7 +135,7 @@ struct Deadline {
     const uint64_t now = global_timer_ns();
     if (start == 0) start = now;
     if (now - start <= p.timeout_ns) return true;
-    record_timeout(p.error, where, peer);
+    record_timeout(p.self, p.error, where, peer);
     return false;
   }
 };
@@ -148,7 +165,8 @@ __device__ __forceinline__ P nth(const P (&a)[N], int i) {
 // ---- barrier -------------------------------------------------------------------------------
 //
 // Block b of every rank meets block b of every other rank; lane i of the block handles the
-// edge to rank i. Returns false (in every thread of the block) when a peer never arrived.
+// edge to rank i. Returns false (in every thread of the block) when a peer never arrived or, at
+// entry and middle, when the group had already failed.
 enum class Form {
   // Entry, when the data was written before this kernel: kernel completion already made it
   // visible, so the flag is only an arrival count (volatile), and no work precedes it.
@@ -169,12 +187,19 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
   bool timed_out = false;
   if (threadIdx.x < kRanks) {
     const int peer = threadIdx.x;
+    // Loaded beside the counter, so the check costs no extra round trip. The exit needs none: its
+    // kernel passed this check at entry.
+    const bool failed = kForm != Form::kEnd && group_failed(p);
     const Flag val = p.self->self_counter[blockIdx.x][peer] + 1;
-    p.self->self_counter[blockIdx.x][peer] = val;
-    Flag* theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
-    Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
-    st_flag<kOrdered>(theirs, val);
-    timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
+    if (failed) {
+      timed_out = true;  // meets no peer: they give up too, then fail alike
+    } else {
+      p.self->self_counter[blockIdx.x][peer] = val;
+      Flag* theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
+      Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
+      st_flag<kOrdered>(theirs, val);
+      timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
+    }
   }
   if constexpr (kForm == Form::kEnd) {
     return !timed_out;

@@ -105,11 +105,16 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
   for (int r = 0; r < kRanks; r++) out[r] = static_cast<uint4*>(const_cast<void*>(p.regions.ptrs[r])) + offset;
 }
 
-// The call's epoch, read once per block before any thread of it works.
-__device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) epoch = p.self->push_epoch[blockIdx.x];
+// The call's epoch and whether the group failed before it (barrier.cuh), read once per block before
+// any thread of it works; the two loads are in flight together.
+__device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
+  __shared__ uint32_t epoch, group_failed_before;
+  if (threadIdx.x == 0) {
+    epoch = p.self->push_epoch[blockIdx.x];
+    group_failed_before = group_failed(p);
+  }
   __syncthreads();
+  failed = group_failed_before != 0;
   return epoch;
 }
 
@@ -125,9 +130,12 @@ __device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epo
 
 // What every push kernel starts with, in this order: wait for the kernel before it (PDL), let the
 // next one launch, read the call's epoch. Then the epoch's regions and the thread's place in the grid.
+// A failed call (failed at entry, or a receive that timed out) sends nothing more, writes its share of
+// the output as poison and leaves the epoch where it is.
 template <int kRanks>
 struct PushCall {
   uint32_t epoch;
+  bool failed;  // the group failed before this call
   uint4* region[kRanks];  // each rank's receive region at this epoch
   uint4* mine;            // this rank's
   const uint4* in;
@@ -137,7 +145,7 @@ struct PushCall {
   __device__ __forceinline__ explicit PushCall(const PushParams& p) {
     griddep_wait();
     griddep_launch_dependents();
-    epoch = enter_epoch(p.barrier);
+    epoch = enter_epoch(p.barrier, failed);
     epoch_regions<kRanks>(p, epoch, region);
     mine = nth<kRanks>(region, p.barrier.rank);
     in = static_cast<const uint4*>(p.in);
@@ -217,12 +225,15 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
   const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
   constexpr int kBatch = PushBatch<kRanks>::value;
-  push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
-                     [&](int idx, const uint4& v) { send_one_shot(c, bp.rank, p.packs, idx, v); });
-
-  const bool received = receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
-                                                         [&](int idx, const uint4& sum) { c.out[idx] = sum; });
-  if (!received) return;
+  if (!c.failed) {
+    push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
+                       [&](int idx, const uint4& v) { send_one_shot(c, bp.rank, p.packs, idx, v); });
+  }
+  if (c.failed || !receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
+                                                   [&](int idx, const uint4& sum) { c.out[idx] = sum; })) {
+    poison_packs(c.out, c.first, p.packs, c.stride);
+    return;
+  }
   leave_epoch(bp, c.epoch);
 }
 
@@ -249,6 +260,11 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   const Shards sh(p.packs, kRanks);
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
+  auto fail = [&] {  // the thread's share: the gathered packs and its own shard's
+    poison_packs(c.out, c.first, p.packs, c.stride);
+    poison_packs(c.out + start, c.first, size, c.stride);
+  };
+  if (c.failed) return fail();
 
   // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
   push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
@@ -266,7 +282,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
           if (r != bp.rank) st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
         }
       });
-  if (!received) return;
+  if (!received) return fail();
 
   // 3. Gather the other shards' sums.
   for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
@@ -283,7 +299,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
       const int o = sh.owner(idx, kRanks);
       if (idx >= p.packs || o == bp.rank) continue;
       uint4* slot = c.mine + (kRanks + o) * sh.largest + idx - o * sh.part;
-      if (!await_slot(slot, got[b], bp, kPushGather, o)) return;
+      if (!await_slot(slot, got[b], bp, kPushGather, o)) return fail();
       c.out[idx] = got[b];
       reset_slot(slot);
     }

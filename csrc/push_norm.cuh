@@ -90,6 +90,13 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   const uint4* weight = static_cast<const uint4*>(p.weight);
   uint4* residual_out = static_cast<uint4*>(p.residual_out);
   const int rows = q.packs / p.row_packs;
+  auto fail = [&](int from_row) {  // the block's rows from from_row on, both outputs
+    for (int row = from_row; row < rows; row += gridDim.x) {
+      poison_packs(out + row * p.row_packs, threadIdx.x, p.row_packs, blockDim.x);
+      poison_packs(residual_out + row * p.row_packs, threadIdx.x, p.row_packs, blockDim.x);
+    }
+  };
+  if (c.failed) return fail(blockIdx.x);
 
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
     const int start = row * p.row_packs;
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
       squares += sum_of_squares<T>(h[k]);
     }
     // Every thread reaches the block's barriers, timed out or not; then all leave together.
-    if (__syncthreads_or(timed_out)) return;
+    if (__syncthreads_or(timed_out)) return fail(row);
     const float mean = block_sum(squares) / static_cast<float>(p.row_packs * Pack<T>::kLanes);
     const float scale = rsqrtf(mean + p.eps);
 #pragma unroll

@@ -242,10 +242,11 @@ def _peer_stops_calling(rank: int, world_size: int) -> None:
         dist.barrier()
         if rank == 0:  # the only rank that calls: its kernel must give up, not spin forever
             start = time.monotonic()
-            comm.all_reduce(x, algo="1stage")
+            y = comm.all_reduce(x, algo="1stage")
             torch.cuda.synchronize()
             elapsed = time.monotonic() - start
             assert elapsed < TIMEOUT_S + 5, f"the kernel returned only after {elapsed:.1f} s"
+            assert torch.isnan(y).all(), "the call that timed out wrote something other than NaN"
             assert_timed_out_for_good(lambda: comm.all_reduce(x), comm.group_name, "all_reduce 1stage entry")
             # The op too: its C++ kernel sees the error record and hands the call to Python, which raises.
             op = torch.ops.graphar.all_reduce

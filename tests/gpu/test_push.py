@@ -190,6 +190,54 @@ def _peer_stops_pushing(rank: int, world_size: int, algo: str, where: str) -> No
         comm.close()
 
 
+def _poison_after_a_timeout(rank: int, world_size: int) -> None:
+    """A graph captured before a timeout replays with no host check: every kernel in it, each all-reduce
+    and the fused norm, then writes NaN at once instead of spinning on peers that are out of step."""
+    comm = graphar.init(timeout_s=TIMEOUT_S)
+    try:
+        x = integer_valued(64 * KB, torch.bfloat16)
+        rows, residual = x.view(16, -1), integer_valued(x.numel(), torch.bfloat16).view(16, -1)
+        weight = integer_valued(rows.shape[1], torch.bfloat16)
+        algos = ("1stage", "2stage", *PUSH)
+
+        def body() -> list[torch.Tensor]:
+            fused = comm.allreduce.try_all_reduce_norm(rows, residual, weight, 1e-6, False)
+            assert fused is not None, "the fused norm refused its shapes"
+            return [comm.all_reduce(x, algo=algo) for algo in algos] + list(fused)
+
+        body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        graph.replay()
+        for algo, y in zip(algos, outputs):
+            assert torch.equal(y, nccl_sum(x)), f"{algo}: the replay before the timeout differs from NCCL"
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:  # alone: the eager call times out and marks the group failed
+            y = comm.all_reduce(x, algo="push-oneshot")
+            torch.cuda.synchronize()
+            assert torch.isnan(y).all(), "the call that timed out wrote something other than NaN"
+            for out in outputs:
+                out.zero_()
+            start = time.monotonic()
+            graph.replay()
+            torch.cuda.synchronize()
+            elapsed = time.monotonic() - start
+            assert elapsed < TIMEOUT_S, f"the replay after the timeout took {elapsed:.2f} s: it waited on peers"
+            for what, out in zip([*algos, "fused normed", "fused residual"], outputs):
+                assert torch.isnan(out).all(), f"{what}: replayed after the timeout, wrote something other than NaN"
+            assert_timed_out_for_good(lambda: comm.all_reduce(x), comm.group_name, "all_reduce push-oneshot receive")
+        dist.barrier()
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_kernels_after_a_timeout_write_nan_without_waiting(world_size: int) -> None:
+    run_workers(_poison_after_a_timeout, world_size, timeout_s=120)
+
+
 @pytest.mark.parametrize("algo, where", [("push-oneshot", "all_reduce push-oneshot receive"),
                                          ("push-twoshot", "all_reduce push-twoshot scatter")])  # fmt: skip
 def test_peer_that_stops_pushing_times_out(algo: str, where: str) -> None:

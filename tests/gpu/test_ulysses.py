@@ -310,9 +310,10 @@ def _peer_stops_exchanging(rank: int, world_size: int) -> None:
         dist.barrier()
         if rank == 0:
             start = time.monotonic()
-            static.step()
+            outputs = static.step()  # the second exchange finds the group failed: no wait, poison at once
             torch.cuda.synchronize()
             assert time.monotonic() - start < 5, "the pull returned only after its peers' timeout"
+            assert all(torch.isnan(t).all() for t in outputs), "a timed-out exchange wrote something other than NaN"
             assert ex.capacity == capacity  # no growth: the only collective left is the kernel's barrier
             assert_timed_out_for_good(static.step, comm.group_name, "all_to_all entry")
         dist.barrier()  # NCCL is unaffected
