@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
 #pragma unroll
   for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(dp.ptrs[r]);
   uint4* out = static_cast<uint4*>(p.out);
-  for (int idx = tid; idx < p.packs; idx += stride) out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
+  for (int idx = tid; idx < p.packs; idx += stride) {
+    out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
+  }
   if (ok) multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit);
 }
 

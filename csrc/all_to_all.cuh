@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
       const int64_t idx = base + u * stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (idx < pl.chunk_packs && r != skip) v[u][r] = ok ? src[r][idx] : poison_pack();  // all loads before any store
+        // every load in flight before any store
+        if (idx < pl.chunk_packs && r != skip) v[u][r] = ok ? src[r][idx] : poison_pack();
       }
     }
 #pragma unroll
