@@ -36,8 +36,11 @@ class Capture:
 
 
 def current_capture() -> Capture | None:
-    """The graphar capture running on this thread, if any."""
-    return _state.capture
+    """The graphar capture that the current stream is part of, if any. A call inside `graph(...)` on a
+    stream the capture does not cover runs at once, like any call outside it: a graph slot is filled
+    only when the capture ends, too late for a kernel launched now."""
+    capture = _state.capture
+    return capture if capture is not None and torch.cuda.is_current_stream_capturing() else None
 
 
 @contextmanager
@@ -52,7 +55,7 @@ def graph(
     Every rank of each group used inside must capture the same all-reduces: on exit they exchange
     what they recorded (a mismatch raises on every rank) and fill the slots before returning.
     """
-    if current_capture() is not None:
+    if _state.capture is not None:
         raise RuntimeError("graphar.graph captures cannot nest")
     capture = Capture()
     _state.capture = capture
@@ -70,15 +73,19 @@ def graph(
 def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     """Register every recorded call (collective), and tie the tensors the graph reads in place to
     the graph's lifetime: freed and reused, their memory would feed other data to every replay."""
+    # torch captures into a CUDAGraph again only after reset() dropped its earlier graph: that graph's
+    # slots and inputs go now, not when the object dies.
+    earlier = getattr(cuda_graph, "_graphar_release", None)
+    if earlier is not None:
+        earlier()
     # The graph's slots are reused once it is gone (the finalizer holds no tensor); set first, so that
     # a registration that fails still hands them back.
-    if capture.calls:
-        weakref.finalize(cuda_graph, _release, _slots(capture))
+    cuda_graph._graphar_release = weakref.finalize(cuda_graph, _release, _slots(capture)) if capture.calls else None
+    cuda_graph._graphar_inputs = ()
     # Group names are equal on every rank, so every rank registers its groups in the same order.
     for comm in sorted(capture.calls, key=lambda c: c.group_name):
         comm.register_graph(capture.calls[comm])
-    inputs = [call.tensor for calls in capture.calls.values() for call in calls]
-    cuda_graph._graphar_inputs = getattr(cuda_graph, "_graphar_inputs", ()) + tuple(inputs)
+    cuda_graph._graphar_inputs = tuple(call.tensor for calls in capture.calls.values() for call in calls)
 
 
 def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:

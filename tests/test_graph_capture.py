@@ -55,6 +55,32 @@ def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
     assert alive() is None and b.released == [7]  # the graph's slots go back when it is gone
 
 
+def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs() -> None:
+    # torch captures into a CUDAGraph again only after reset(): the earlier capture's exec is gone.
+    comm, cuda_graph, x = _FakeComm("a", []), _Graph(), torch.randn(4)
+    first = graphs.Capture()
+    first.record(comm, _Call(x, slot=3))
+    graphs.finish(cuda_graph, first)
+    alive = weakref.ref(x)
+    del x, first
+    second = graphs.Capture()
+    second.record(comm, _Call(torch.randn(4), slot=5))
+    graphs.finish(cuda_graph, second)
+    gc.collect()
+    assert comm.released == [3] and alive() is None
+    del cuda_graph
+    gc.collect()
+    assert comm.released == [3, 5]
+
+
+def test_a_stream_outside_the_capture_is_not_part_of_it(monkeypatch) -> None:
+    monkeypatch.setattr(graphs._state, "capture", graphs.Capture())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graphs.current_capture() is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert graphs.current_capture() is graphs._state.capture
+
+
 def test_cuda_graph_objects_take_the_reference() -> None:
     # torch.cuda.CUDAGraph is a Python subclass of the C++ graph: its instances have a __dict__.
     assert torch.cuda.CUDAGraph.__dictoffset__ != 0
