@@ -89,6 +89,11 @@ def _worker(rank: int, port: int) -> None:
             assert got.shape == q.shape and got.is_contiguous(), what
             assert torch.equal(got, want), f"{what}: differs from the unchunked path"
         assert overlap.chunk_count(8, 4, WORLD, 4) == 2 and overlap.chunk_count(24, 8, WORLD, 3) == 2
+        # A direct call under autocast attends in the inputs' dtype, which the op returns (autocast
+        # would attend in bfloat16, whose bytes the output exchange cannot put into float32).
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = torch.ops.graphar.ulysses_attention(q, k, v, name, is_causal, scale, 2)
+        assert got.dtype == q.dtype and torch.equal(got, _unchunked(q, k, v, is_causal, scale)), "under autocast"
         _compiled_block(rank)
     finally:
         dist.destroy_process_group()

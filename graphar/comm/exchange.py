@@ -238,7 +238,11 @@ class IpcExchange:
         failed = first_reason([e for _, e in gathered])
         if failed is not None:
             raise GrapharCommError(f"{what}: allocation failed on {failed}")
-        self._addresses = comm.open_exchange(capacity, [h for h, _ in gathered], what)
+        try:
+            self._addresses = comm.open_exchange(capacity, [h for h, _ in gathered], what)
+        except Exception as e:  # the peers opened theirs: the ranks' buffers differ from now on
+            comm.mark_broken(f"{what}: opening the peers' buffers failed on rank {comm.rank}: {e}")
+            raise
         device = torch.device("cuda", comm.device)
         self._buffer = torch.as_tensor(_DeviceMemory(ptr, capacity), device=device)
         if self._side is None:  # high priority: a pull's blocks go first when the next pack leaves room

@@ -96,12 +96,13 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     fed `kernel`: flash attends fewer K/V heads natively; the other kernels got each K/V head repeated
     (HF's repeat_kv, or math's own), so they get that."""
     gqa = k.shape[1] != q.shape[1]
-    if backends is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    if gqa and kernel != "flash":
+    if gqa and backends is not None and kernel != "flash":
         r = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
-    with sdpa_kernel(backends, set_priority=True):
+    pinned = sdpa_kernel(backends, set_priority=True) if backends is not None else contextlib.nullcontext()
+    # In q's dtype, as the op's output is: an eager call under autocast would attend in another dtype,
+    # whose bytes the output exchange would then copy into q's.
+    with torch.autocast(q.device.type, enabled=False), pinned:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
@@ -144,18 +145,20 @@ def _pipeline(device: torch.device) -> Iterator[tuple]:
     if device.type != "cuda":
         yield contextlib.nullcontext, lambda: _Mark(None)
         return
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device.index)
-    if side is None:
-        side = _side_streams[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(main)  # in a capture this forks the side stream into it
+    # Marks, waits and the attention use the current device's streams: make it the tensors' device.
+    with torch.cuda.device(device):
+        main = torch.cuda.current_stream(device)
+        side = _side_streams.get(device.index)
+        if side is None:
+            side = _side_streams[device.index] = torch.cuda.Stream(device)
+        side.wait_stream(main)  # in a capture this forks the side stream into it
 
-    def mark() -> _Mark:
-        event = torch.cuda.Event()
-        event.record()
-        return _Mark(event)
+        def mark() -> _Mark:
+            event = torch.cuda.Event()
+            event.record()
+            return _Mark(event)
 
-    try:
-        yield (lambda: torch.cuda.stream(side)), mark
-    finally:
-        main.wait_stream(side)
+        try:
+            yield (lambda: torch.cuda.stream(side)), mark
+        finally:
+            main.wait_stream(side)
