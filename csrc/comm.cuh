@@ -36,6 +36,8 @@ struct Comm {
   cudaEvent_t last_event = nullptr;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
+  // A launch of this communicator went into a CUDA graph, which may be replayed after destroy.
+  bool captured = false;
   // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of
   // exchange_bytes; zero until graphar_comm_exchange_open. Buffers a captured graph may still use
   // are retired (kept until destroy) when they are replaced.
@@ -85,6 +87,21 @@ int close_and_free(Comm* c) {
   if (c->last_event) note(cudaEventDestroy(c->last_event), "cudaEventDestroy");
   delete c;
   return first;
+}
+
+// A communicator whose launches a CUDA graph holds: the graph's kernels carry its buffers, the
+// peers' mappings and the error record by address, and nothing tells graphar when the graph dies.
+// So they stay allocated and mapped for the rest of the process, and the group is marked failed: a
+// replay after destroy writes NaN (barrier.cuh) instead of touching freed or reused memory.
+int retire_for_graphs(Comm* c) {
+  const Flag failed = 1;
+  const cudaError_t marked = cudaMemcpy(&c->signals.signals[c->rank]->failed, &failed, sizeof(failed),
+                                        cudaMemcpyHostToDevice);
+  // Only eager calls wait on the event: it goes.
+  const cudaError_t destroyed = c->last_event ? cudaEventDestroy(c->last_event) : cudaSuccess;
+  delete c;
+  if (marked != cudaSuccess) return cuda_fail(marked, "cudaMemcpy(failed flag)");
+  return destroyed == cudaSuccess ? 0 : cuda_fail(destroyed, "cudaEventDestroy");
 }
 
 Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
@@ -369,7 +386,7 @@ int graphar_comm_destroy(void* comm) {
   int rc = g.enter(c->device);
   // Graph replays or eager launches may still read these buffers.
   const cudaError_t e = cudaDeviceSynchronize();
-  const int freed = close_and_free(c);
+  const int freed = c->captured ? retire_for_graphs(c) : close_and_free(c);
   if (rc == 0 && e != cudaSuccess) rc = cuda_fail(e, "cudaDeviceSynchronize");
   return rc != 0 ? rc : freed;
 }

@@ -124,7 +124,9 @@ int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, con
 // Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
 // with the same value while no kernel of the communicator runs anywhere.
 int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
-// Waits for the device, closes the peers' mappings and frees everything, even after an error.
+// Waits for the device, closes the peers' mappings and frees everything, even after an error. If a
+// launch of it was captured into a CUDA graph, which may outlive it, it instead marks the group failed
+// and keeps its buffers and mappings for the rest of the process: a later replay writes NaN.
 int graphar_comm_destroy(void* comm);
 
 #ifdef __cplusplus

@@ -100,6 +100,8 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
            bool pdl) {
   if (eager) {
     if (int rc = wait_for_previous(c, stream)) return rc;
+  } else {
+    c->captured = true;
   }
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

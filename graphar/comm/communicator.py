@@ -102,7 +102,9 @@ class Communicator:
         self._withdraw()  # the Python kernel raises it
 
     def close(self) -> None:
-        """Wait for the device, then release the buffers and the peers' mappings. Idempotent."""
+        """Wait for the device, then release the buffers and the peers' mappings. Idempotent. If a CUDA
+        graph captured any of its launches, they stay for the rest of the process instead, marked
+        failed: a replay of that graph after close writes NaN rather than touching freed memory."""
         if self._handle is None:
             return
         self._withdraw()

@@ -267,3 +267,42 @@ def _captured_input_outlives_its_name(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
 def test_captured_input_outlives_its_name(world_size: int) -> None:
     run_workers(_captured_input_outlives_its_name, world_size)
+
+
+def _replayed_after_shutdown(rank: int, world_size: int) -> None:
+    """A graph may outlive the communicator it captured: replayed after graphar.shutdown() and a new
+    graphar.init(), every kernel in it writes NaN (the old buffers stay allocated, marked failed)
+    instead of touching freed memory, and the new communicator is unaffected."""
+    comm = graphar.init()
+    x = integer_valued(64 * KB, torch.bfloat16)
+    algos = ("1stage", "2stage", "push-oneshot", "push-twoshot")
+    captured = []
+    for capture in (graphar.graph, torch.cuda.graph):
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph):
+            outputs = [comm.all_reduce(x, algo=algo) for algo in algos]
+        graph.replay()
+        for algo, y in zip(algos, outputs):
+            assert torch.equal(y, nccl_sum(x)), f"{capture.__name__} {algo}: wrong before the shutdown"
+        captured.append((capture.__name__, graph, outputs))
+    graphar.shutdown()
+    fresh = graphar.init()
+    try:
+        assert fresh is not comm
+        for name, graph, outputs in captured:
+            for y in outputs:
+                y.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            for algo, y in zip(algos, outputs):
+                assert torch.isnan(y).all(), f"{name} {algo}: replayed after the shutdown, wrote something other than NaN"
+        for algo in algos:
+            y = fresh.all_reduce(x, algo=algo)
+            assert torch.equal(y, nccl_sum(x)), f"{algo}: the new communicator differs from NCCL"
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_graph_replayed_after_shutdown_writes_nan(world_size: int) -> None:
+    run_workers(_replayed_after_shutdown, world_size)
