@@ -184,6 +184,16 @@ class <lambda>(torch.nn.Module):
 
         self._left_alone(every_other_kv_head, "a Q/K/V slice has a step: it takes every n-th head", *_qkv())
 
+    def test_kv_tiled_rather_than_repeated_per_head_is_left_alone(self) -> None:
+        # unsqueeze(1): K/V heads tiled (h0 h1 h0 h1), which GQA does not read; same shape as repeat_kv.
+        def tiled(q, k, v):
+            qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
+            kh, vh = (x.unsqueeze(1).expand(-1, 2, -1, -1, -1).flatten(1, 2) for x in (kh, vh))
+            return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2))
+
+        self._left_alone(tiled, "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1",
+                         *_qkv(8, 4))  # fmt: skip
+
     def test_heads_that_do_not_split_are_left_alone(self) -> None:
         self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))
 
