@@ -4,8 +4,10 @@
 // Each rank owns one IPC allocation laid out as [Signal | tmp buffer] and one registered input
 // buffer. A call reads the ws input pointers of its RankData slot: the registered buffers for
 // eager calls, the caller's tensors (pointers filled in after capture) inside graphar.graph.
-// A block whose barrier fails (a peer never came, or the group failed before) writes its share of the
-// output as poison (barrier.cuh) and meets no later barrier.
+// A block whose barrier fails (a peer never came or gave up, or the group failed before) writes its
+// share of the output as poison (barrier.cuh) and meets no later barrier. 1stage's exit barrier
+// counts too: a peer that gave up after this rank passed the entry may have refilled the buffer this
+// rank was reading.
 #pragma once
 
 #include "barrier.cuh"
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   for (int idx = tid; idx < p.packs; idx += stride) {
     out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
   }
-  if (ok) multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit);
+  if (ok && !multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit)) poison_packs(out, tid, p.packs, stride);
 }
 
 // Reduce-scatter into the tmp buffers (rank r owns shard r, the last shard takes the remainder),

@@ -38,48 +38,60 @@ constexpr int kPullUnroll = kRanks >= 6 ? 1 : 16 / kRanks;
 // of waiting for a whole SM to drain, which would serialize the pipeline.
 constexpr int kPullThreads = 256;
 
-// Entry: the pack wrote the exchange buffers (own or, pushed, the peers') in an earlier kernel;
-// release/acquire carries it across GPUs without leaning on kernel boundaries for cross-GPU
-// visibility (free next to the copy).
+// Entry: the pack wrote the exchange buffers (own or, pushed, the peers') in an earlier kernel that
+// ended with a system-scope fence (graphar/kernels/pack.py), so its stores, the pushed ones over the
+// link included, were performed before this kernel started; the release/acquire then makes this
+// block's arrival the peers' signal to read.
 // Exit: a buffer may be written again (the next pack: own buffer when pulled, the peers' when
-// pushed) only once every rank has copied out of it; only arrival matters, so volatile.
+// pushed) only once every rank has copied out of it; only arrival matters, so volatile. A block whose
+// exit fails poisons its share of the output: a peer that gave up may already be packing over what
+// this block copied.
 template <int kRanks>
 __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllParams p) {
   const BarrierParams& bp = p.barrier;
   // Failed: every chunk of this thread's share, the own one placed by the pack too, is poison instead.
   const bool ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry);
-  const int skip = ok ? p.skip : -1;
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll
   for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(p.chunks.ptrs[r]);
   uint4* out = static_cast<uint4*>(p.out);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < pl.chunk_packs;
-       base += kPullUnroll<kRanks> * stride) {
+  // Pack idx of every chunk but `skip`, v[r] for chunk r, placed in the output.
+  auto place = [&](int64_t idx, const uint4 (&v)[kRanks], int skip) {
+    const int64_t row = idx / pl.row_packs;
+    const int64_t at = row * pl.dst_row_stride + (idx - row * pl.row_packs);
+#pragma unroll
+    for (int r = 0; r < kRanks; r++) {
+      if (r != skip) out[r * pl.dst_chunk_stride + at] = v[r];
+    }
+  };
+  uint4 poison[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) poison[r] = poison_pack();
+  auto fail = [&] {
+    for (int64_t idx = first; idx < pl.chunk_packs; idx += stride) place(idx, poison, -1);
+  };
+  if (!ok) return fail();
+  for (int64_t base = first; base < pl.chunk_packs; base += kPullUnroll<kRanks> * stride) {
     uint4 v[kPullUnroll<kRanks>][kRanks];
 #pragma unroll
     for (int u = 0; u < kPullUnroll<kRanks>; u++) {
       const int64_t idx = base + u * stride;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        // every load in flight before any store
-        if (idx < pl.chunk_packs && r != skip) v[u][r] = ok ? src[r][idx] : poison_pack();
+        if (idx < pl.chunk_packs && r != p.skip) v[u][r] = src[r][idx];  // every load in flight before any store
       }
     }
 #pragma unroll
     for (int u = 0; u < kPullUnroll<kRanks>; u++) {
       const int64_t idx = base + u * stride;
       if (idx >= pl.chunk_packs) break;
-      const int64_t row = idx / pl.row_packs;
-      const int64_t at = row * pl.dst_row_stride + (idx - row * pl.row_packs);
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != skip) out[r * pl.dst_chunk_stride + at] = v[u][r];
-      }
+      place(idx, v[u], p.skip);
     }
   }
-  if (ok) multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit);
+  if (!multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit)) fail();
 }
 
 }  // namespace graphar

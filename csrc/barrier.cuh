@@ -57,11 +57,18 @@ enum Where : uint32_t {
   kPushGather = 9,
 };
 
+// Why a kernel gave up on a peer.
+enum Cause : uint32_t {
+  kTimedOut = 0,    // the peer did not arrive within the bound
+  kPeerGaveUp = 1,  // the peer had given up on this barrier first, and took its arrival back
+};
+
 struct ErrorRecord {
   volatile uint32_t failed;
   volatile uint32_t where;
   volatile uint32_t peer;
   volatile uint32_t block;
+  volatile uint32_t cause;
 };
 
 // What the barrier reads; every kernel's parameters embed one.
@@ -102,13 +109,14 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Marks the group failed for this rank's later kernels, then tells the host where.
-__device__ __noinline__ void record_timeout(Signal* self, ErrorRecord* e, Where where, int peer) {
+// Marks the group failed for this rank's later kernels, then tells the host where and why.
+__device__ __noinline__ void record_failure(Signal* self, ErrorRecord* e, Where where, int peer, Cause cause) {
   st_flag<false>(&self->failed, 1);
   if (e->failed) return;
   e->where = where;
   e->peer = peer;
   e->block = blockIdx.x;
+  e->cause = cause;
   __threadfence_system();  // the details become visible before the flag the host polls
   e->failed = 1;
 }
@@ -135,17 +143,26 @@ struct Deadline {
     const uint64_t now = global_timer_ns();
     if (start == 0) start = now;
     if (now - start <= p.timeout_ns) return true;
-    record_timeout(p.self, p.error, where, peer);
+    record_failure(p.self, p.error, where, peer, kTimedOut);
     return false;
   }
 };
 
-// Spins until *flag == val; false on timeout. Equality, not >=, because the counter wraps; the
-// stale value in a slot is always val - 2, never val.
+// A rank whose block gave up on a barrier stores its count back into every peer's slot with this bit
+// flipped: a peer that has not read the count yet must not pass and read what the rank leaves behind
+// (its registered buffer refilled by its next call, a graph input rewritten by later kernels).
+constexpr Flag kRetracted = 0x80000000u;
+
+// Spins until *flag == val; false on timeout or when the peer took its arrival back. Equality, not
+// >=, because the counter wraps; the stale value in a slot is always val - 2, never val.
 template <bool kOrdered>
 __device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
   Deadline deadline;
-  while (ld_flag<kOrdered>(flag) != val) {
+  for (Flag v; (v = ld_flag<kOrdered>(flag)) != val;) {
+    if (v == (val ^ kRetracted)) {
+      record_failure(p.self, p.error, where, peer, kPeerGaveUp);
+      return false;
+    }
     if (!deadline.keep_waiting(p, where, peer)) return false;
   }
   return true;
@@ -165,8 +182,11 @@ __device__ __forceinline__ P nth(const P (&a)[N], int i) {
 // ---- barrier -------------------------------------------------------------------------------
 //
 // Block b of every rank meets block b of every other rank; lane i of the block handles the
-// edge to rank i. Returns false (in every thread of the block) when a peer never arrived or, at
-// entry and middle, when the group had already failed.
+// edge to rank i. Returns false (in every thread of the block) when a peer never arrived or gave up,
+// or, at entry and middle, when the group had already failed. A block that fails takes its arrival
+// back from every peer (kRetracted), so a late peer fails instead of reading data that is gone; a
+// late peer that read before the retraction landed fails at its next barrier with this rank, which
+// this rank never reaches: every barrier's failure poisons the block's output (at the exit too).
 enum class Form {
   // Entry, when the data was written before this kernel: kernel completion already made it
   // visible, so the flag is only an arrival count (volatile), and no work precedes it.
@@ -175,8 +195,8 @@ enum class Form {
   // block sync gathers the block's writes, st.release.sys / ld.acquire.sys carry them across
   // GPUs, and the trailing block sync hands the acquired view to every thread.
   kFenced,
-  // 1stage exit: the peers' reads of our input must end before a later copy or kernel may
-  // overwrite it; only arrival matters (volatile), and nothing follows in the kernel.
+  // Exit (1stage, all-to-all): the peers' reads of our buffers must end before a later copy or
+  // kernel may overwrite them; only arrival matters (volatile).
   kEnd,
 };
 
@@ -185,27 +205,27 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
   constexpr bool kOrdered = kForm == Form::kFenced;
   if constexpr (kForm != Form::kStart) __syncthreads();
   bool timed_out = false;
+  Flag* theirs = nullptr;  // where this lane stored its arrival
+  Flag val = 0;
   if (threadIdx.x < kRanks) {
     const int peer = threadIdx.x;
     // Loaded beside the counter, so the check costs no extra round trip. The exit needs none: its
     // kernel passed this check at entry.
     const bool failed = kForm != Form::kEnd && group_failed(p);
-    const Flag val = p.self->self_counter[blockIdx.x][peer] + 1;
+    val = p.self->self_counter[blockIdx.x][peer] + 1;
     if (failed) {
       timed_out = true;  // meets no peer: they give up too, then fail alike
     } else {
       p.self->self_counter[blockIdx.x][peer] = val;
-      Flag* theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
+      theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
       Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
       st_flag<kOrdered>(theirs, val);
       timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
     }
   }
-  if constexpr (kForm == Form::kEnd) {
-    return !timed_out;
-  } else {
-    return !__syncthreads_or(timed_out);  // tells the whole block whether to go on
-  }
+  const bool block_failed = __syncthreads_or(timed_out);  // tells the whole block whether to go on
+  if (block_failed && theirs != nullptr) st_flag<false>(theirs, val ^ kRetracted);
+  return !block_failed;
 }
 
 }  // namespace graphar

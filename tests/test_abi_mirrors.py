@@ -63,6 +63,12 @@ def test_barrier_where_codes_are_all_named() -> None:
     assert sorted(int(v) for v in re.findall(r"\bk\w+\s*=\s*(\d+)", where)) == sorted(abi.WHERE)
 
 
+def test_failure_causes() -> None:
+    cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
+    assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {"kTimedOut": str(abi.TIMED_OUT),
+                                                             "kPeerGaveUp": str(abi.PEER_GAVE_UP)}
+
+
 def test_max_blocks() -> None:
     (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("barrier.cuh"))
     assert int(value) == settings.MAX_BLOCKS == abi.MAX_BLOCKS

@@ -37,11 +37,15 @@ WHERE = {1: "all_reduce 1stage entry barrier", 2: "all_reduce 1stage exit barrie
          8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather"}  # fmt: skip
 
 
+# Why a kernel gave up on a peer (enum Cause): it never arrived, or it had given up on the barrier first.
+TIMED_OUT, PEER_GAVE_UP = 0, 1
+
+
 class ErrorRecord(ctypes.Structure):
-    """struct ErrorRecord, in host-mapped memory the kernels write when a spin times out."""
+    """struct ErrorRecord, in host-mapped memory the kernels write when they give up on a peer."""
 
     _fields_ = [("failed", ctypes.c_uint32), ("where", ctypes.c_uint32), ("peer", ctypes.c_uint32),
-                ("block", ctypes.c_uint32)]  # fmt: skip
+                ("block", ctypes.c_uint32), ("cause", ctypes.c_uint32)]  # fmt: skip
 
 # struct graphar_all_reduce_args, field by field (Q: uint64_t, i: int32_t). A call packs its
 # arguments with ALL_REDUCE_ARGS.pack(...) and passes the bytes: cheaper than a ctypes Structure.

@@ -88,10 +88,13 @@ class Communicator:
             raise GrapharCommError(f"graphar communicator of group {self.group_name!r} is closed")
         if self._broken is None and self._record.failed:
             r = self._record
+            where = f"{abi.WHERE.get(r.where, '?')} (block {r.block})"
+            what = (f"rank {r.peer} gave up at the {where} first (a peer of it did not arrive in time)"
+                    if r.cause == abi.PEER_GAVE_UP else
+                    f"rank {r.peer} did not reach the {where} within {self.timeout_s} s (GRAPHAR_TIMEOUT_S)")  # fmt: skip
             self._broken = (
-                f"graphar op on group {self.group_name!r} (rank {self.rank}) timed out: rank {r.peer} did "
-                f"not reach the {abi.WHERE.get(r.where, '?')} (block {r.block}) within {self.timeout_s} s "
-                "(GRAPHAR_TIMEOUT_S); the communicator is unusable from now on"
+                f"graphar op on group {self.group_name!r} (rank {self.rank}) timed out: {what}; the communicator "
+                "is unusable from now on"
             )
         if self._broken is not None:
             raise (GrapharTimeoutError if self._record.failed else GrapharCommError)(self._broken)

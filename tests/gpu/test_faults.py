@@ -1,0 +1,138 @@
+"""Faults end in the right answer, NaN plus an error at the next host call, or an error: never a
+finite wrong value (docs/design.md, the failure model).
+
+A late but alive peer: rank 0 calls twice in a row, alone, so its first call gives up on rank 1 and
+its second finds the group failed; only then does rank 1 make its first call. Rank 1 must get the
+sum with rank 0's first input, or NaN; before the barriers took their arrivals back, 1stage and the
+pulled exchange gave rank 1 the sum with rank 0's second input. Every kernel, eager and replayed
+from a torch.cuda.graph and a graphar.graph.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_workers
+
+import graphar
+from graphar.comm.communicator import Communicator
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT_S = 2.0
+# rank 0's two calls, then rank 1's: rank 1 must see FIRST + LATE or NaN, never SECOND + LATE.
+FIRST, SECOND, LATE = 1.0, 100.0, 10.0
+
+
+@dataclass
+class Case:
+    """One kernel: `run()` reads the static `x` (refilled before each call) and returns what to check,
+    `right(values)` what that is when rank r's x holds values[r]."""
+
+    x: torch.Tensor
+    run: Callable[[], torch.Tensor]
+    right: Callable[[list[float]], torch.Tensor]
+
+
+def _all_reduce(comm: Communicator, algo: str) -> Case:
+    x = torch.empty(32 * 1024, device="cuda", dtype=torch.bfloat16)
+    return Case(x, lambda: comm.all_reduce(x, algo=algo), lambda values: torch.full_like(x, sum(values)))
+
+
+def _fused_norm(comm: Communicator) -> Case:
+    """The residual stream (sum + residual): the normed rows of a constant input hide the sum."""
+    x = torch.empty(16, 1024, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randint(-8, 9, x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    residual = residual.to(x.dtype)
+    weight = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+
+    def run() -> torch.Tensor:
+        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
+        assert fused is not None, "the fused kernel refused its shapes"
+        return fused[1]
+
+    return Case(x, run, lambda values: sum(values) + residual)
+
+
+def _exchange(comm: Communicator) -> Case:
+    """heads -> sequence: heads block i of the output comes from rank i."""
+    p, heads = comm.world_size, 4
+    x = torch.empty(1, p * 256, heads, 64, device="cuda", dtype=torch.bfloat16)
+
+    def right(values: list[float]) -> torch.Tensor:
+        return torch.cat([torch.full((1, 256, heads, 64), v, device="cuda", dtype=x.dtype) for v in values], dim=2)
+
+    return Case(x, lambda: torch.ops.graphar.heads_to_seq_all_to_all(x, comm.group_name), right)
+
+
+KINDS: dict[str, Callable[[Communicator], Case]] = {
+    "1stage": lambda comm: _all_reduce(comm, "1stage"),
+    "2stage": lambda comm: _all_reduce(comm, "2stage"),
+    "push-oneshot": lambda comm: _all_reduce(comm, "push-oneshot"),
+    "push-twoshot": lambda comm: _all_reduce(comm, "push-twoshot"),
+    "fused norm": _fused_norm,
+    "pulled exchange": _exchange,
+    "pushed exchange": _exchange,
+}
+
+
+def _right_or_nan(out: torch.Tensor, right: torch.Tensor, what: str) -> bool:
+    """Every element is the right value or NaN; whether any is NaN."""
+    nan = torch.isnan(out)
+    wrong = ~nan & (out != right)
+    assert not wrong.any(), (f"{what}: {int(wrong.sum())} finite wrong values, e.g. {out[wrong][:4].tolist()} where "
+                             f"{right[wrong][:4].tolist()} is right")  # fmt: skip
+    return bool(nan.any())
+
+
+def _raises_at_next_host_call(comm: Communicator, what: str) -> None:
+    with pytest.raises(graphar.GrapharCommError):
+        comm.check()
+    assert not comm.usable, what
+
+
+def _late_peer(rank: int, world_size: int, kind: str) -> None:
+    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if kind == "pushed exchange" else "pull"
+    for mode in ("eager", "torch.cuda.graph", "graphar.graph"):
+        what = f"{kind}, {mode}"
+        comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S)
+        case = KINDS[kind](comm)
+        case.x.fill_(LATE)
+        case.run()  # every rank once: sizes the exchange buffer (collective), warms up before a capture
+        torch.cuda.synchronize()
+        if mode == "eager":
+            call = case.run
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with (graphar.graph(graph) if mode == "graphar.graph" else torch.cuda.graph(graph)):
+                captured = case.run()
+            call = lambda: graph.replay() or captured  # noqa: E731
+
+        dist.barrier()
+        if rank == 0:
+            case.x.fill_(FIRST)
+            first = call().clone()
+            case.x.fill_(SECOND)
+            second = call().clone()
+            torch.cuda.synchronize()
+            assert torch.isnan(first).all() and torch.isnan(second).all(), f"{what}: rank 0 alone wrote numbers"
+            _raises_at_next_host_call(comm, what)
+        dist.barrier()
+        if rank == 1:
+            case.x.fill_(LATE)
+            out = call().clone()
+            torch.cuda.synchronize()
+            if _right_or_nan(out, case.right([FIRST, LATE] + [LATE] * (world_size - 2)), what):
+                _raises_at_next_host_call(comm, what)
+        dist.barrier()
+        comm.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_late_peer_gets_the_right_sum_or_nan(kind: str) -> None:
+    run_workers(_late_peer, 2, kind, timeout_s=120)
