@@ -1,4 +1,5 @@
-"""The Triton relayout kernel compiles once for every sequence length and batch, with no GPU.
+"""The Triton relayout kernel compiles once for every sequence length and batch, and a pushing pack
+ends with a system-scope fence; both checked with no GPU.
 
 Triton compiles a kernel per specialisation key: its constexprs and, for each other argument, its
 type and what it is specialised on (an int equal to 1 or divisible by 16, a pointer aligned to 16
@@ -75,3 +76,29 @@ def test_one_kernel_for_every_sequence_and_batch(d: int) -> None:
                 _, specialization, _ = binder(*args, **constants)
                 keys.setdefault(name, set()).add(tuple(map(str, specialization)))
     assert {name: len(k) for name, k in keys.items()} == dict.fromkeys(keys, 1)
+
+
+def test_a_pushing_pack_fences_its_stores_before_it_ends() -> None:
+    """Stores into peers' buffers are followed by fence.sc.sys in every thread, after the last store of
+    every branch (the all-to-all's entry barrier, in the next kernel, announces them); a pack into
+    local memory has none."""
+    binder = _binder()
+    from triton.backends.compiler import GPUTarget
+
+    def ptx(pairs: list[pack.Pair]) -> list[str]:
+        _, args, constants = pack._launch(pairs)
+        _, specialization, _ = binder(*args, **constants)
+        params = pack._relayout_kernel.params
+        source = triton.compiler.ASTSource(
+            fn=pack._relayout_kernel,
+            signature={p.name: kind for p, (kind, _) in zip(params, specialization)},
+            constexprs={(i,): v for i, (kind, v) in enumerate(specialization) if kind == "constexpr"},
+        )
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+
+    layouts = _layouts(1, 16, 128)
+    pushed = ptx(layouts["pack_heads pushed"])
+    stores = [i for i, line in enumerate(pushed) if "st.global" in line]
+    fences = [i for i, line in enumerate(pushed) if "fence.sc.sys" in line]
+    assert stores and fences and min(fences) > max(stores), (stores[-3:], fences)
+    assert not any("fence.sc.sys" in line for line in ptx(layouts["pack_heads"]))

@@ -107,7 +107,7 @@ if triton is not None:
         shift4: tl.int64, shift5: tl.int64, shift6: tl.int64, shift7: tl.int64,
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
-        SHIFTED: tl.constexpr,
+        SHIFTED: tl.constexpr, FENCE: tl.constexpr,
     ):
         row_block = tl.program_id(0)
         j = tl.program_id(1)
@@ -127,6 +127,14 @@ if triton is not None:
         else:
             _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, s2_j, s2_b, s2_s, s2_h,
                        d2_j, d2_b, d2_s, d2_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+        if FENCE:
+            # Stores into a peer's buffer are announced by the next kernel (the all-to-all's entry barrier),
+            # whose release orders only what its own thread has seen. fence.sc.sys (membar.sys) holds this
+            # thread until its stores, over the link too, are performed for the whole system, so they
+            # precede that announcement by the memory model, not only by how kernel completion drains the
+            # link today.
+            tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, $1;", "=r,r", [row_block], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
 
 def triton_available() -> bool:
@@ -226,7 +234,9 @@ def _launch(pairs: Sequence[Pair]) -> tuple[tuple[int, int, int], list[object], 
         args += [_base(dst), src, h, *src.stride()[:4], *dst.stride()[:4]]
     shifts = _shifts(pairs) or ()
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
-    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts))
+    # The interpreter runs no PTX: there the kernel runs on one device and needs no fence.
+    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
+                     FENCE=bool(shifts) and not _interpreting())  # fmt: skip
     return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), rows, s], constants
 
 
