@@ -32,7 +32,15 @@ struct Comm {
   RankData regions{};  // every rank's push receive region, inside its meta allocation
   void* peer_buffers[kMaxRanks] = {};
   bool opened = false;
-  std::map<std::string, char*> graph_mappings;  // peer graph allocations by IPC handle, opened once
+  // Peers' allocations that graph slots read, by IPC handle: opened by the first slot that needs one,
+  // closed once no slot does (after the device is idle, as a replay of a freed graph may still run).
+  struct Mapping {
+    char* base;
+    int slots;  // graph slots that read it
+  };
+  std::map<std::string, Mapping> graph_mappings;
+  std::map<int, std::vector<std::string>> slot_mappings;  // what each filled graph slot reads
+  std::vector<char*> unused_mappings;  // no slot reads them: closed at the next idle point
   cudaEvent_t last_event = nullptr;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
@@ -65,16 +73,41 @@ int drop_exchange(Comm* c, bool keep) {
   return first;
 }
 
+// Closes the mappings no graph slot reads any more; the device must be idle (no replay reads them).
+int close_unused_mappings(Comm* c) {
+  int first = 0;
+  for (char* base : c->unused_mappings) {
+    const cudaError_t e = cudaIpcCloseMemHandle(base);
+    if (e != cudaSuccess && first == 0) first = cuda_fail(e, "cudaIpcCloseMemHandle(graph buffer)");
+  }
+  c->unused_mappings.clear();
+  return first;
+}
+
+// The slot no longer reads what it was filled with: each mapping no other slot reads becomes unused.
+void forget_slot(Comm* c, int slot) {
+  auto it = c->slot_mappings.find(slot);
+  if (it == c->slot_mappings.end()) return;
+  for (const std::string& key : it->second) {
+    auto m = c->graph_mappings.find(key);
+    if (--m->second.slots > 0) continue;
+    c->unused_mappings.push_back(m->second.base);
+    c->graph_mappings.erase(m);
+  }
+  c->slot_mappings.erase(it);
+}
+
 int close_and_free(Comm* c) {
   int first = 0;
   auto note = [&](cudaError_t e, const char* what) {
     if (e != cudaSuccess && first == 0) first = cuda_fail(e, what);
   };
-  for (auto& kv : c->graph_mappings) note(cudaIpcCloseMemHandle(kv.second), "cudaIpcCloseMemHandle(graph buffer)");
+  for (auto& kv : c->graph_mappings) c->unused_mappings.push_back(kv.second.base);
+  c->graph_mappings.clear();
+  if (const int rc = close_unused_mappings(c); rc != 0 && first == 0) first = rc;
   if (const int rc = drop_exchange(c, false); rc != 0 && first == 0) first = rc;
   for (void* p : c->retired_peer) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle(retired exchange)");
   for (void* p : c->retired_own) note(cudaFree(p), "cudaFree(retired exchange)");
-  c->graph_mappings.clear();
   for (int r = 0; r < c->ranks && c->opened; r++) {
     if (r == c->rank) continue;
     if (c->signals.signals[r]) note(cudaIpcCloseMemHandle(c->signals.signals[r]), "cudaIpcCloseMemHandle(signal)");
@@ -289,6 +322,7 @@ int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint6
   // Peers read this rank's buffer only inside kernels that end after this rank's own do (exit
   // barrier), so once this device is idle nobody reads the old buffers.
   CUDA_TRY(cudaDeviceSynchronize());
+  if (int rc = close_unused_mappings(c)) return rc;  // idle anyway
   if (int rc = drop_exchange(c, keep_old != 0)) return rc;
   void* buffer = nullptr;
   CUDA_TRY(cudaMalloc(&buffer, nbytes));
@@ -328,9 +362,15 @@ int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, con
   }
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
+  // A recycled slot, or a mapping no slot reads any more, may still be read by a replay of the
+  // destroyed graph that held it: let it end, then close what is unused before opening anew.
+  CUDA_TRY(cudaDeviceSynchronize());
+  if (int rc = close_unused_mappings(c)) return rc;
   const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
   std::vector<RankData> filled(count);
   for (int i = 0; i < count; i++) {
+    forget_slot(c, slots[i]);  // normally forgotten when its graph died; this keeps the counts right
+    std::vector<std::string>& reads = c->slot_mappings[slots[i]];
     for (int r = 0; r < c->ranks; r++) {
       const int k = i * c->ranks + r;
       if (staged[k]) {
@@ -343,19 +383,41 @@ int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, con
         if (it == c->graph_mappings.end()) {
           void* base = nullptr;
           CUDA_TRY(cudaIpcOpenMemHandle(&base, h[k], cudaIpcMemLazyEnablePeerAccess));
-          it = c->graph_mappings.emplace(key, static_cast<char*>(base)).first;
+          it = c->graph_mappings.emplace(key, Comm::Mapping{static_cast<char*>(base), 0}).first;
         }
-        filled[i].ptrs[r] = it->second + offsets[k];
+        it->second.slots++;
+        reads.push_back(key);
+        filled[i].ptrs[r] = it->second.base + offsets[k];
       }
     }
   }
-  // A recycled slot may still be read by a replay of the destroyed graph that held it: let it end.
-  CUDA_TRY(cudaDeviceSynchronize());
   for (int i = 0; i < count; i++) {
     CUDA_TRY(cudaMemcpy(c->slots + slots[i], &filled[i], sizeof(RankData), cudaMemcpyHostToDevice));
   }
   // A pageable host-to-device copy may return before it lands; no replay may see an empty slot.
   CUDA_TRY(cudaDeviceSynchronize());
+  return 0;
+}
+
+int graphar_comm_forget_graph_slots(void* comm, const int32_t* slots, int count) {
+  Comm* c = as_comm(comm);
+  for (int i = 0; i < count; i++) forget_slot(c, slots[i]);
+  return 0;
+}
+
+int graphar_comm_close_unused_mappings(void* comm) {
+  Comm* c = as_comm(comm);
+  if (c->unused_mappings.empty()) return 0;
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  CUDA_TRY(cudaDeviceSynchronize());
+  return close_unused_mappings(c);
+}
+
+int graphar_comm_graph_mappings(void* comm, int* open, int* unused) {
+  const Comm* c = as_comm(comm);
+  *open = static_cast<int>(c->graph_mappings.size());
+  *unused = static_cast<int>(c->unused_mappings.size());
   return 0;
 }
 
@@ -386,7 +448,10 @@ int graphar_comm_destroy(void* comm) {
   int rc = g.enter(c->device);
   // Graph replays or eager launches may still read these buffers.
   const cudaError_t e = cudaDeviceSynchronize();
-  const int freed = c->captured ? retire_for_graphs(c) : close_and_free(c);
+  // Mappings no live graph reads can go even when the communicator stays for graphs.
+  const int closed = e == cudaSuccess ? close_unused_mappings(c) : 0;
+  int freed = c->captured ? retire_for_graphs(c) : close_and_free(c);
+  if (freed == 0) freed = closed;
   if (rc == 0 && e != cudaSuccess) rc = cuda_fail(e, "cudaDeviceSynchronize");
   return rc != 0 ? rc : freed;
 }

@@ -60,7 +60,7 @@ int graphar_comm_open(void* comm, const void* handles);
 // phase 0: store a pattern into every peer's memory; phase 1 (after every rank finished phase 0):
 // load everything back. *bad_peer is the first peer whose pattern did not round-trip, or -1.
 int graphar_comm_probe(void* comm, int phase, int* bad_peer);
-// Host address of the error record {failed, where, peer, block} (uint32 each).
+// Host address of the error record {failed, where, peer, block, cause} (uint32 each).
 int graphar_comm_error_record(void* comm, void** record_out);
 // One all-reduce: its arguments in one struct, so that an eager call crosses into the library once.
 typedef struct graphar_all_reduce_args {
@@ -116,11 +116,19 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
                             uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int flags,
                             int blocks, uint64_t stream);
 // Fill slots[0..count) after a capture (each in [1, graph_slots); a slot of a destroyed graph may be
-// filled again: the device is synchronized first). Per call i and rank r (index i*ws+r):
+// filled again: the device is synchronized first, and unused mappings closed). Per call i and rank r (index i*ws+r):
 // a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the
 // call through its registered buffer; own_ptrs[i] is this rank's own input of call i.
 int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, const void* handles,
                                 const uint64_t* offsets, const uint8_t* staged, const uint64_t* own_ptrs);
+// The graph owning these slots is gone: the peers' allocations they read are mapped for no other slot
+// become unused. No CUDA call (safe from a finalizer, during a capture): they are closed at the next
+// idle point: graphar_comm_close_unused_mappings, a graph registration, an exchange growth, destroy.
+int graphar_comm_forget_graph_slots(void* comm, const int32_t* slots, int count);
+// Waits for the device (when any mapping is unused) and closes the unused mappings.
+int graphar_comm_close_unused_mappings(void* comm);
+// Peers' allocations mapped for graph slots: open (read by some slot), unused (not closed yet).
+int graphar_comm_graph_mappings(void* comm, int* open, int* unused);
 // Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
 // with the same value while no kernel of the communicator runs anywhere.
 int graphar_comm_set_barrier_counters(void* comm, uint32_t value);

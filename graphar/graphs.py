@@ -72,20 +72,29 @@ def graph(
 
 def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     """Register every recorded call (collective), and tie the tensors the graph reads in place to
-    the graph's lifetime: freed and reused, their memory would feed other data to every replay."""
+    the graph's lifetime: freed and reused, their memory would feed other data to every replay.
+    When the graph dies, its slots and the peers' mappings it alone read go, and its inputs stay
+    until every peer has closed its mapping of them (graphar.comm.allreduce.AllReduce.release_graph)."""
     # torch captures into a CUDAGraph again only after reset() dropped its earlier graph: that graph's
     # slots and inputs go now, not when the object dies.
     earlier = getattr(cuda_graph, "_graphar_release", None)
     if earlier is not None:
         earlier()
-    # The graph's slots are reused once it is gone (the finalizer holds no tensor); set first, so that
-    # a registration that fails still hands them back.
-    cuda_graph._graphar_release = weakref.finalize(cuda_graph, _release, _slots(capture)) if capture.calls else None
-    cuda_graph._graphar_inputs = ()
+    cuda_graph._graphar_release = None
+    registered: list[tuple[Any, int, list[int], tuple[torch.Tensor, ...]]] = []
     # Group names are equal on every rank, so every rank registers its groups in the same order.
-    for comm in sorted(capture.calls, key=lambda c: c.group_name):
-        comm.register_graph(capture.calls[comm])
-    cuda_graph._graphar_inputs = tuple(call.tensor for calls in capture.calls.values() for call in calls)
+    owners = sorted(capture.calls, key=lambda c: c.group_name)
+    try:
+        for owner in owners:
+            calls = capture.calls[owner]
+            number = owner.register_graph(calls)
+            registered.append((owner, number, [c.slot for c in calls], tuple(c.tensor for c in calls)))
+    except BaseException:  # the failed group is broken; every slot goes back
+        _release_graphs(registered)
+        _release([(owner, [c.slot for c in capture.calls[owner]]) for owner in owners[len(registered) :]])
+        raise
+    if registered:  # the finalizer holds the inputs (and not the graph): alive as long as the graph, and then
+        cuda_graph._graphar_release = weakref.finalize(cuda_graph, _release_graphs, registered)
 
 
 def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:
@@ -95,6 +104,11 @@ def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:
 def _release(slots: list[tuple[Any, list[int]]]) -> None:
     for owner, numbers in slots:
         owner.release_slots(numbers)
+
+
+def _release_graphs(registered: list[tuple[Any, int, list[int], tuple[torch.Tensor, ...]]]) -> None:
+    for owner, number, slots, inputs in registered:
+        owner.release_graph(number, slots, inputs)
 
 
 class BatchGraphs:

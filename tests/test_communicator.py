@@ -225,6 +225,8 @@ class _FakeComm:
         self._store = StoreExchange(store, "graphs", rank, 2, timeout_s=30)
         self.broken: str | None = None
         self.registered: tuple | None = None
+        self.forgotten: list[int] = []
+        self.idle_closes = 0
 
     def check(self) -> None:
         if self.broken is not None:
@@ -247,15 +249,23 @@ class _FakeComm:
         self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
                            list(own_ptrs))  # fmt: skip
 
+    def forget_graph_slots(self, slots: Sequence[int]) -> None:
+        self.forgotten += slots
 
-def _register_on_two_ranks(calls_per_rank) -> tuple[list[_FakeComm], dict[int, BaseException]]:
+    def close_unused_mappings(self) -> None:
+        self.idle_closes += 1
+
+
+def _register_on_two_ranks(calls_per_rank, allreduces=None) -> tuple[list[_FakeComm], dict[int, BaseException]]:
     store = dist.HashStore()
     comms = [_FakeComm(r, store) for r in (0, 1)]
+    allreduces = allreduces or [ar.AllReduce(comms[r], policy.Policy(9, 2, policy.Limits(MB, MB))) for r in (0, 1)]
     errors: dict[int, BaseException] = {}
 
     def run(r: int) -> None:
+        allreduces[r].comm = comms[r]
         try:
-            ar.AllReduce(comms[r], policy.Policy(9, 2, policy.Limits(MB, MB))).register_graph(calls_per_rank[r])
+            allreduces[r].register_graph(calls_per_rank[r])
         except BaseException as e:  # noqa: BLE001  (collected for the assertions)
             errors[r] = e
 
@@ -285,6 +295,24 @@ def test_graph_registration_is_call_major_with_staged_entries() -> None:
     handle = segments[0].data_ptr().to_bytes(8, "little") * 8
     assert handles == handle + bytes(64) + handle + segments[1].data_ptr().to_bytes(8, "little") * 8
     assert comms[1].registered[:2] == ([9, 3], 2)  # slot numbers are each rank's own
+
+
+def test_a_dead_graphs_inputs_stay_until_every_rank_closed_its_mappings() -> None:
+    """An exporter frees nothing a peer still maps: a dead graph's inputs are held until a later
+    registration at which every rank says it let that graph go (after closing its unused mappings)."""
+    x = torch.empty(64)
+    call = ar.GraphCall(1, x, x.data_ptr(), False, (256, 2, 1))
+    allreduces = [ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB)))
+                  for r in (0, 1)]  # fmt: skip
+    comms, errors = _register_on_two_ranks([[call], [call]], allreduces)  # registration 0
+    assert not errors
+    allreduces[0].release_graph(0, [1], (x,))  # graph 0 died on rank 0 only
+    assert comms[0].forgotten == [1] and allreduces[0].held_graphs == 1
+    comms, errors = _register_on_two_ranks([[call], [call]], allreduces)  # registration 1: rank 1 still has it
+    assert not errors and allreduces[0].held_graphs == 1 and all(c.idle_closes == 1 for c in comms)
+    allreduces[1].release_graph(0, [1], (x,))
+    _register_on_two_ranks([[call], [call]], allreduces)  # registration 2: both have let it go
+    assert allreduces[0].held_graphs == 0 and allreduces[1].held_graphs == 0
 
 
 def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from graphar import GrapharCommError, GrapharTimeoutError, graphs
@@ -16,12 +17,18 @@ class _FakeComm:
         self.group_name = name
         self.registered = registered
         self.released: list[int] = []
+        self.held: list[tuple] = []
 
-    def register_graph(self, calls: list) -> None:
+    def register_graph(self, calls: list) -> int:
         self.registered.append((self.group_name, len(calls)))  # no tensor: the test watches their lifetime
+        return len(self.registered) - 1
 
     def release_slots(self, slots: list[int]) -> None:
         self.released += slots
+
+    def release_graph(self, registration: int, slots: list[int], inputs: tuple) -> None:
+        self.released += slots
+        self.held.append(inputs)  # what AllReduce keeps until every peer closed its mappings
 
 
 class _Call:
@@ -52,7 +59,10 @@ def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
     assert b.released == []
     del cuda_graph
     gc.collect()
-    assert alive() is None and b.released == [7]  # the graph's slots go back when it is gone
+    assert b.released == [7]  # the graph's slots go back when it is gone, its inputs to the communicator
+    assert alive() is not None and b.held[0][0] is alive()
+    b.held.clear()
+    assert alive() is None
 
 
 def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs() -> None:
@@ -66,11 +76,27 @@ def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs() -> Non
     second = graphs.Capture()
     second.record(comm, _Call(torch.randn(4), slot=5))
     graphs.finish(cuda_graph, second)
+    comm.held.clear()
     gc.collect()
     assert comm.released == [3] and alive() is None
     del cuda_graph
     gc.collect()
     assert comm.released == [3, 5]
+
+
+def test_a_failed_registration_hands_back_every_slot() -> None:
+    class _Refusing(_FakeComm):
+        def register_graph(self, calls: list) -> int:
+            raise RuntimeError("ranks disagree")
+
+    capture, registered = graphs.Capture(), []
+    a, b, c = _FakeComm("a", registered), _Refusing("b", registered), _FakeComm("c", registered)
+    for slot, comm in enumerate((a, b, c), start=1):
+        capture.record(comm, _Call(torch.randn(4), slot=slot))
+    cuda_graph = _Graph()
+    with pytest.raises(RuntimeError, match="disagree"):
+        graphs.finish(cuda_graph, capture)
+    assert (a.released, b.released, c.released) == ([1], [2], [3]) and cuda_graph._graphar_release is None
 
 
 def test_a_stream_outside_the_capture_is_not_part_of_it(monkeypatch) -> None:

@@ -85,6 +85,8 @@ class CommCalls(Protocol):
     def ipc_handle(self, base: int) -> bytes: ...
     def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
                          own_ptrs: Sequence[int]) -> None: ...  # fmt: skip
+    def forget_graph_slots(self, slots: Sequence[int]) -> None: ...  # no CUDA call: safe from a finalizer
+    def close_unused_mappings(self) -> None: ...  # waits for the device when there is any
 
 
 @dataclass
@@ -123,6 +125,13 @@ class AllReduce:
         self._next_slot = _FIRST_GRAPH_SLOT  # never handed out yet, from here up
         self._free_slots: list[int] = []  # handed back by destroyed graphs (a heap)
         self._recorded = 0
+        # Graph registrations so far (collective: the same count on every rank), and for the graphs that
+        # died: their inputs, held until every rank has closed its mappings of them (an allocation
+        # freed while a peer still maps it is undefined in CUDA), and who has said so at a registration.
+        self._registrations = 0
+        self._held: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._released: list[int] = []  # registrations whose graph died here since the last one
+        self._closed_by: dict[int, set[int]] = {}
         self._calls = 0
         self._native_calls_before = comm.native_calls()  # the C++ kernel counts per group name
         self._fallbacks_seen: set[tuple[torch.dtype, int]] = set()
@@ -178,10 +187,24 @@ class AllReduce:
         return self._next_slot - _FIRST_GRAPH_SLOT - len(self._free_slots)
 
     def release_slots(self, slots: Sequence[int]) -> None:
-        """Hand back the slots of a graph that is gone (or a capture that failed); they are reused.
-        Slot numbers are this rank's own: each rank fills its own table, so ranks need not agree."""
+        """Hand back the slots of a capture that registered nothing; they are reused. Slot numbers are
+        this rank's own: each rank fills its own table, so ranks need not agree."""
         for slot in slots:
             heapq.heappush(self._free_slots, slot)
+
+    def release_graph(self, registration: int, slots: Sequence[int], inputs: tuple[torch.Tensor, ...]) -> None:
+        """The graph of `registration` is gone (its finalizer): its slots are reused, the peers'
+        allocations only it read are closed at the next idle point, and its `inputs` are held until
+        every peer has closed its mappings of them (said at a later registration, or at close)."""
+        self.release_slots(slots)
+        self.comm.forget_graph_slots(slots)
+        self._held[registration] = inputs
+        self._released.append(registration)
+
+    @property
+    def held_graphs(self) -> int:
+        """Dead graphs whose inputs wait for a peer to close its mappings of them."""
+        return len(self._held)
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL.
@@ -301,8 +324,9 @@ class AllReduce:
         capture.record(self, call)
         return (STAGED if call.staged else ZERO_COPY), call.slot
 
-    def register_graph(self, calls: Sequence[GraphCall]) -> None:
-        """Collective after a capture: share the recorded inputs and fill their slots."""
+    def register_graph(self, calls: Sequence[GraphCall]) -> int:
+        """Collective after a capture: share the recorded inputs and fill their slots; returns the
+        registration's number (equal on every rank), which `release_graph` takes when the graph dies."""
         self.comm.check()
         try:
             self._register_graph(calls)
@@ -310,20 +334,36 @@ class AllReduce:
             # The ranks' exchanges or slots may now be out of step: nothing later can be trusted.
             self.comm.mark_broken(f"graphar graph registration on group {self.group_name!r} failed: {e}")
             raise
+        self._registrations += 1
+        return self._registrations - 1
 
     def _register_graph(self, calls: Sequence[GraphCall]) -> None:
-        everyone = self.comm.all_gather(self._shared(calls), f"graph registration on group {self.group_name!r}")
-        counts = [len(shared) for shared in everyone]
+        # Mappings that only dead graphs read are closed before this rank says which graphs it let go.
+        self.comm.close_unused_mappings()
+        released, self._released = self._released, []
+        everyone = self.comm.all_gather((self._shared(calls), released),
+                                        f"graph registration on group {self.group_name!r}")  # fmt: skip
+        self._drop_inputs_closed_everywhere([ids for _, ids in everyone])
+        counts = [len(shared) for shared, _ in everyone]
         if len(set(counts)) != 1:
             raise GrapharCommError(f"ranks recorded different numbers of all-reduces in one graph: {counts}")
         for i in range(len(calls)):
-            signatures = {shared[i].signature for shared in everyone}
+            signatures = {shared[i].signature for shared, _ in everyone}
             if len(signatures) != 1:
                 raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
-        flat = [everyone[r][i] for i in range(len(calls)) for r in range(len(everyone))]
+        flat = [everyone[r][0][i] for i in range(len(calls)) for r in range(len(everyone))]
         self.comm.fill_graph_slots([c.slot for c in calls], b"".join(e.handle for e in flat), [e.offset for e in flat],
                                    [e.staged for e in flat], [c.tensor.data_ptr() for c in calls])  # fmt: skip
+
+    def _drop_inputs_closed_everywhere(self, released_by_rank: Sequence[Sequence[int]]) -> None:
+        """Registrations every rank has let go of (and closed its mappings for): their inputs may go."""
+        for rank, registrations in enumerate(released_by_rank):
+            for registration in registrations:
+                self._closed_by.setdefault(registration, set()).add(rank)
+        for registration in [r for r, ranks in self._closed_by.items() if len(ranks) == len(released_by_rank)]:
+            del self._closed_by[registration]
+            self._held.pop(registration, None)
 
     def _shared(self, calls: Sequence[GraphCall]) -> list[_SharedCall]:
         handles: dict[int, bytes] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,9 @@ class Communicator:
         self._launch = self._lib.graphar_comm_all_reduce
         self._launch_norm = self._lib.graphar_comm_all_reduce_norm
         self._broken: str | None = None
+        # The library's graph mappings are touched at registration and from graphs' finalizers, which
+        # run in whichever thread collects them; ctypes calls drop the GIL.
+        self._graph_lock = threading.RLock()
         handle = ctypes.c_void_p()
         self._call("create", "graphar_comm_create", rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
                    GRAPH_SLOTS, ctypes.byref(handle), handle=False)  # fmt: skip
@@ -114,7 +118,8 @@ class Communicator:
         if _communicators.get(self.group_name) is self:
             del _communicators[self.group_name]
         try:
-            self._call("close", "graphar_comm_destroy")
+            with self._graph_lock:
+                self._call("close", "graphar_comm_destroy")
         finally:  # the library frees everything even when it reports an error
             self._handle = None
 
@@ -205,9 +210,29 @@ class Communicator:
                          own_ptrs: Sequence[int]) -> None:  # fmt: skip
         """After a capture: point `slots` (one per call) at every rank's inputs (call-major entries)."""
         n = len(own_ptrs)
-        self._call("graph registration", "graphar_comm_register_graph", (ctypes.c_int32 * n)(*slots), n, handles,
-                   (ctypes.c_uint64 * len(offsets))(*offsets), (ctypes.c_uint8 * len(staged))(*staged),
-                   (ctypes.c_uint64 * n)(*own_ptrs))  # fmt: skip
+        with self._graph_lock:
+            self._call("graph registration", "graphar_comm_register_graph", (ctypes.c_int32 * n)(*slots), n,
+                       handles, (ctypes.c_uint64 * len(offsets))(*offsets), (ctypes.c_uint8 * len(staged))(*staged),
+                       (ctypes.c_uint64 * n)(*own_ptrs))  # fmt: skip
+
+    def forget_graph_slots(self, slots: Sequence[int]) -> None:
+        """The graph reading through `slots` is gone: the peers' allocations only they read are
+        closed at the next idle point (no CUDA call here: a finalizer may run during a capture)."""
+        with self._graph_lock:
+            if self._handle is not None:  # closed: the library kept or freed everything already
+                self._call("graph release", "graphar_comm_forget_graph_slots",
+                           (ctypes.c_int32 * len(slots))(*slots), len(slots))  # fmt: skip
+
+    def close_unused_mappings(self) -> None:
+        """Close the peers' allocations no live graph reads (waits for the device when there is any)."""
+        with self._graph_lock:
+            self._call("graph release", "graphar_comm_close_unused_mappings")
+
+    def graph_mappings(self) -> tuple[int, int]:
+        """Peers' allocations mapped for graph slots: (read by a live graph, unused and not closed yet)."""
+        open_, unused = ctypes.c_int(), ctypes.c_int()
+        self._call("graph mappings", "graphar_comm_graph_mappings", ctypes.byref(open_), ctypes.byref(unused))
+        return open_.value, unused.value
 
     def _call(self, op: str, name: str, *args: Any, handle: bool = True) -> None:
         """Call `name` of the library (with this communicator's handle first unless handle=False);

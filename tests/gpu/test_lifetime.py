@@ -1,0 +1,100 @@
+"""Nothing grows with re-captures: device memory, the peers' mappings and the graph slots after 200
+capture/discard cycles equal what one cycle left (docs/design.md, decision 13).
+
+Each cycle captures on fresh inputs, replays, frees the graph and empties torch's cache, as a serving
+process does when it re-captures for new shapes, a LoRA swap or a rebuilt BatchGraphs. Every mode's
+figures are printed (pytest -s shows them); growth must stay within 1 MB and 0 mappings.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import SHARED_GPU, integer_valued, nccl_sum, run_workers
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+
+import graphar
+from graphar.comm.communicator import Communicator
+
+pytestmark = pytest.mark.gpu
+
+MB = 1 << 20
+CYCLES = 200
+# A compile per cycle: on a shared GPU, where the ranks also take turns at every barrier, fewer.
+COMPILED_CYCLES = 20 if SHARED_GPU else CYCLES
+MODES = ("graphar.graph", "torch.cuda.graph", "reduce-overhead", "BatchGraphs")
+
+
+def _two_all_reduces(comm: Communicator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """1stage: the kernel that reads its inputs in place through graph slots (graphar.graph)."""
+    return lambda x: comm.all_reduce(comm.all_reduce(x, algo="1stage") * 2, algo="1stage")
+
+
+def _graph_cycle(comm: Communicator, capture: Callable[[torch.cuda.CUDAGraph], object]) -> None:
+    x = integer_valued(64 * 1024, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph):
+        y = _two_all_reduces(comm)(x)
+    for _ in range(3):
+        graph.replay()
+    assert torch.equal(y, nccl_sum(nccl_sum(x) * 2)), "a replay differs from NCCL"
+
+
+def _compiled_cycle(comm: Communicator, cycle: int) -> None:
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: functional_all_reduce(x * 2, "sum", comm.group_name) + 1, backend="graphar",
+                         mode="reduce-overhead")  # fmt: skip
+    x = integer_valued(4096 + 16 * (cycle % 7), torch.float32)  # a new shape now and then
+    for _ in range(4):  # warm-up, record, replays
+        y = step(x)
+    assert torch.equal(y, nccl_sum(x * 2) + 1), "a compiled replay differs from NCCL"
+
+
+def _batch_graphs_cycle(comm: Communicator) -> None:
+    graphs = graphar.BatchGraphs(_two_all_reduces(comm), lambda b: (integer_valued(b * 1024, torch.float32).view(b, -1),),
+                                 [1, 4], warmup=1)  # fmt: skip
+    x = integer_valued(3 * 1024, torch.float32).view(3, -1)
+    assert torch.equal(graphs(x), nccl_sum(nccl_sum(x) * 2)), "a BatchGraphs replay differs from NCCL"
+
+
+def _state(comm: Communicator) -> tuple[float, int, int]:
+    """(device memory in use in MB, peers' mappings open or waiting to close, graph slots held), after
+    every rank let its graphs go."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / MB, sum(comm.graph_mappings()), comm.allreduce.slots_in_use
+
+
+def _cycles(rank: int, world_size: int, mode: str) -> None:
+    comm = graphar.init()
+    cycle: Callable[[int], None] = {
+        "graphar.graph": lambda i: _graph_cycle(comm, graphar.graph),
+        "torch.cuda.graph": lambda i: _graph_cycle(comm, torch.cuda.graph),
+        "reduce-overhead": lambda i: _compiled_cycle(comm, i),
+        "BatchGraphs": lambda i: _batch_graphs_cycle(comm),
+    }[mode]
+    n = COMPILED_CYCLES if mode == "reduce-overhead" else CYCLES
+    for i in range(2):  # warm-up: the cycle's own buffers, and one cycle of inputs held for the peers
+        cycle(i)
+    before = _state(comm)
+    for i in range(n):
+        cycle(i)
+    after = _state(comm)
+    grown = after[0] - before[0]
+    print(f"rank {rank}, {mode}: {n} cycles: device memory {before[0]:.0f} -> {after[0]:.0f} MB ({grown:+.1f}), "
+          f"peers' mappings {before[1]} -> {after[1]}, graph slots {before[2]} -> {after[2]}")  # fmt: skip
+    assert grown <= 1.0, f"{mode}: device memory grew by {grown:.1f} MB over {n} cycles"
+    assert after[1:] == before[1:], f"{mode}: mappings or slots grew: {before[1:]} -> {after[1:]}"
+    comm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recaptures_grow_nothing(mode: str) -> None:
+    run_workers(_cycles, 2, mode, timeout_s=300)
