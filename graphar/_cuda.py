@@ -251,6 +251,11 @@ def check(rc: int, what: str) -> None:
         raise GrapharCudaError(f"{what}: {last_error()}")
 
 
+def build_id() -> str:
+    """The loaded library's build id: the hash of the sources it was built from (`source_hash`)."""
+    return library().graphar_build_id().decode()
+
+
 def pci_bus_id(device: int) -> str:
     buf = ctypes.create_string_buffer(64)
     check(library().graphar_device_pci_bus_id(device, buf, len(buf)), f"PCI bus id of cuda:{device}")

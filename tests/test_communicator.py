@@ -58,17 +58,70 @@ def test_ineligible_inputs_say_why(make, reason) -> None:
 # ---- agreement between ranks ---------------------------------------------------------------
 
 
-def _facts(host="h", bus="0000:01:00.0", settings=(MB, 36, None), error=None):
-    return {"host": host, "bus": bus, "settings": settings, "error": error}
+def _facts(host="h", bus="0000:01:00.0", error=None):
+    return {"host": host, "bus": bus, "launch": {}, "error": error}
 
 
 def test_shared_verdict() -> None:
     assert set_up._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
     assert "several hosts" in set_up._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
     assert "share a GPU" in set_up._shared_reason([_facts(), _facts()])
-    differing = set_up._shared_reason([_facts(), _facts(bus="0000:02:00.0", settings=(MB, 48, None))])
-    assert "block limit" in differing
     assert set_up._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
+
+
+def _launch_settings(capability_major: int = 9) -> dict[str, Any]:
+    """This process's launch settings as `init` reads them on a rank of a pair of GPUs, build id included."""
+    launch = set_up._launch_settings(set_up.settings.MAX_ALLREDUCE_BYTES.get(), capability_major, 2)
+    return {**launch, set_up.BUILD: "0123abcd"}
+
+
+def test_every_setting_that_must_agree_is_read() -> None:
+    assert set(_launch_settings()) == set(set_up.MUST_AGREE)
+    assert set_up.first_disagreement([_launch_settings()] * 4) is None
+
+
+def test_the_first_difference_named_is_the_cause(monkeypatch) -> None:
+    monkeypatch.delenv("GRAPHAR_BLOCK_LIMIT", raising=False)  # the block limits differ too: by architecture
+    differ = set_up.first_disagreement([_launch_settings(9), _launch_settings(8)])
+    assert differ.setting == set_up.ARCH and differ.values == (9, 8)
+
+
+@pytest.mark.parametrize("setting", list(set_up.MUST_AGREE))
+def test_a_setting_that_differs_on_one_rank_is_named_with_every_value(setting: str) -> None:
+    same = _launch_settings()
+    other = {**same, setting: "other"}
+    differ = set_up.first_disagreement([same, other, same])
+    assert differ == (setting, (same[setting], "other", same[setting]), set_up.MUST_AGREE[setting])
+    shown = "unset" if same[setting] is None else same[setting]
+    assert f"{setting} (rank 0: {shown}, rank 1: other, rank 2: {shown}): {set_up.MUST_AGREE[setting]}" in str(differ)
+
+
+@pytest.mark.parametrize(
+    "variable, value, cure",
+    [
+        ("GRAPHAR_MAX_ALLREDUCE_BYTES", "4096", "set GRAPHAR_MAX_ALLREDUCE_BYTES alike on every rank"),
+        ("GRAPHAR_ALLREDUCE_ALGO", "2stage", "set GRAPHAR_ALLREDUCE_ALGO alike on every rank"),
+        ("GRAPHAR_BLOCK_LIMIT", "48", "set GRAPHAR_BLOCK_LIMIT alike on every rank"),
+        ("GRAPHAR_ALLTOALL_ALGO", "push", "set GRAPHAR_ALLTOALL_ALGO alike on every rank"),
+        ("GRAPHAR_PULL_BLOCKS", "32", "set GRAPHAR_PULL_BLOCKS alike on every rank"),
+        ("GRAPHAR_AUTO_INIT", "0", "set GRAPHAR_AUTO_INIT alike on every rank"),
+    ],
+)
+def test_a_variable_set_on_one_rank_only_is_refused_with_its_cure(variable, value, cure, monkeypatch) -> None:
+    for setting in set_up.settings.ALL:
+        monkeypatch.delenv(setting.name, raising=False)
+    rank0 = _launch_settings()
+    monkeypatch.setenv(variable, value)
+    differ = set_up.first_disagreement([rank0, _launch_settings()])
+    assert differ is not None and differ.cure == cure
+    assert differ.values[0] != differ.values[1]
+
+
+@pytest.mark.parametrize("variable", ["GRAPHAR_PDL", "GRAPHAR_NATIVE_OP", "GRAPHAR_TIMEOUT_S", "GRAPHAR_CACHE_DIR"])
+def test_a_variable_that_changes_nothing_peers_see_may_differ(variable, monkeypatch) -> None:
+    rank0 = _launch_settings()
+    monkeypatch.setenv(variable, "0" if variable != "GRAPHAR_CACHE_DIR" else "elsewhere")
+    assert set_up.first_disagreement([rank0, _launch_settings()]) is None
 
 
 def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:

@@ -62,6 +62,14 @@ def rows(capability_major: int, world_size: int, mode: str) -> Rows:
     return measured[mode] if measured is not None else _UNMEASURED[world_size]
 
 
+def table(capability_major: int, world_size: int) -> tuple[dict[str, Rows], int]:
+    """What a communicator of this GPU architecture and world size picks from: each capture mode's
+    rows, and the fused norm's largest message before the kernels' limits."""
+    key = (capability_major, world_size)
+    modes = {mode: rows(capability_major, world_size, mode) for mode in MODES}
+    return modes, FUSED_NORM_MAX.get(key, _FUSED_NORM_UNMEASURED)
+
+
 class Picks(NamedTuple):
     """The kernel of one size in each capture mode (None: the forced kernel cannot take it)."""
 
@@ -87,12 +95,11 @@ class Policy:
         self._key = (capability_major, world_size)
         self.limits = limits
         self._forced = forced
-        measured = FUSED_NORM_MAX.get(self._key, _FUSED_NORM_UNMEASURED)
+        self._rows, measured = table(capability_major, world_size)
         # Bytes of the all-reduce's input; the fused kernel is the push one-shot's, so forcing another
         # kernel turns it off (the all-reduce and the norm then run apart, the all-reduce as forced).
         fused = forced in (None, PUSH_ONE_SHOT)
         self.fused_norm_max = min(measured, limits.push_one_shot) if fused else 0
-        self._rows = {mode: rows(capability_major, world_size, mode) for mode in MODES}
         self._cache: dict[tuple[int, str | None], Picks] = {}
 
     @property

@@ -3,25 +3,29 @@ group's first collective.
 
 `init(group)` is collective over the group. It returns a `Communicator` only where the custom paths
 are safe (one node, even world size <= 8, P2P confirmed by a real IPC store and load, NVLink between
-every pair above 2 ranks); otherwise None on every rank, with the reason logged once. Every step
-whose outcome can differ between ranks ends in an exchange of verdicts (`rendezvous`), so all ranks
-decide alike. `serving` runs `init` for a group that never had it, at its first eager collective.
+every pair above 2 ranks); otherwise None on every rank, with the reason logged once. Where the
+ranks differ in a setting every rank must share (`MUST_AGREE`), it raises GrapharCommError on every
+rank. Every step whose outcome can differ between ranks ends in an exchange of verdicts
+(`rendezvous`), so all ranks decide alike. `serving` runs `init` for a group that never had it, at
+its first eager collective.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
+from graphar.comm import policy
 from graphar.comm.allreduce import block_limit
 from graphar.comm.communicator import Communicator, _communicators
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
+from graphar.errors import GrapharCommError
 from graphar.kernels import pack
 
 logger = logging.getLogger("graphar")
@@ -111,9 +115,10 @@ def init(
     Collective: every rank of the group calls it. Optional: a group without it sets up at its first
     eager collective (`serving`); call it to choose the moment, the buffers' size or the timeout, or
     before a capture that would be the group's first collective. Returns None on every rank (and
-    logs why, once) when the group cannot use it. `max_bytes` (default GRAPHAR_MAX_ALLREDUCE_BYTES,
-    8 MiB) sizes the all-reduce's IPC buffers and bounds eligible calls; `timeout_s` (default
-    GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer.
+    logs why, once) when the group cannot use it; raises GrapharCommError on every rank when the
+    ranks differ in a setting they must share (`MUST_AGREE`). `max_bytes` (default
+    GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the all-reduce's IPC buffers and bounds eligible calls;
+    `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer.
     """
     if not dist.is_initialized():
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
@@ -168,17 +173,102 @@ def _uniform_reason(group: dist.ProcessGroup) -> str | None:
     return None
 
 
-def _local_facts(device: int, settings: tuple[Any, ...]) -> dict[str, Any]:
-    facts: dict[str, Any] = {"host": socket.gethostname(), "settings": settings, "bus": None, "error": None}
+ARCH = "the GPU architecture (compute capability major)"
+BUILD = "the CUDA library's build id"
+TRITON = "whether Triton is installed"
+TABLE = "the all-reduce kernel table (graphar.comm.policy)"
+BLOCKS = "the block limit (GRAPHAR_BLOCK_LIMIT, else by GPU architecture)"
+MAX_BYTES = "graphar.init(max_bytes=)"
+
+# What every rank of a group must share, each with its cure: ranks that differ in one would launch
+# unlike kernels or grids (barriers meet block by block) or make unlike collectives, and wait for
+# each other until the timeout. In this order so that the first difference is the cause (the
+# architecture sets the default block limit, GRAPHAR_MAX_ALLREDUCE_BYTES the default max_bytes).
+MUST_AGREE: dict[str, str] = {
+    # The kernel table and the default block limit are by architecture.
+    ARCH: "put GPUs of one architecture in the group",
+    # The kernels and how they meet their peers are the build's.
+    BUILD: "run the same graphar version on every rank",
+    # Without Triton a rank's Ulysses packs cannot place chunks in its peers' buffers: its exchanges differ.
+    TRITON: "install Triton on every rank or on none",
+    # Every call's kernel is picked from it.
+    TABLE: "run the same graphar version on every rank",
+    # The pass rewrites all-reduces up to it (the default of the max_all_reduce_bytes option).
+    settings.MAX_ALLREDUCE_BYTES.name: "set GRAPHAR_MAX_ALLREDUCE_BYTES alike on every rank",
+    # The kernels take calls up to it; larger ones run on NCCL.
+    MAX_BYTES: "pass the same max_bytes to graphar.init on every rank",
+    # It forces every call's kernel.
+    settings.ALLREDUCE_ALGO.name: "set GRAPHAR_ALLREDUCE_ALGO alike on every rank",
+    # Blocks per all-reduce launch: each meets its peers' block of the same index.
+    BLOCKS: "set GRAPHAR_BLOCK_LIMIT alike on every rank",
+    # Pulled and pushed exchanges meet their peers at different steps.
+    settings.ALLTOALL_ALGO.name: "set GRAPHAR_ALLTOALL_ALGO alike on every rank",
+    # Blocks of the all-to-all's copy, which meet their peers block by block.
+    settings.PULL_BLOCKS.name: "set GRAPHAR_PULL_BLOCKS alike on every rank",
+    # A rank that does not set a group up at its first collective leaves its peers waiting in that set-up
+    # (caught here at a set-up every rank reaches; else that set-up's exchange times out, naming the cause).
+    settings.AUTO_INIT.name: "set GRAPHAR_AUTO_INIT alike on every rank",
+}
+# Ranks may differ in the others. GRAPHAR_PDL: the same kernel, which waits for the kernel before it
+# on its own stream; only its start moves. GRAPHAR_NATIVE_OP: the C++ and Python kernels launch the
+# same kernel with the same arguments. GRAPHAR_TIMEOUT_S, init(timeout_s=), GRAPHAR_EXCHANGE_TIMEOUT_S:
+# each bounds this rank's own waits, and a rank that gives up tells no peer. GRAPHAR_CACHE_DIR,
+# GRAPHAR_CUDA_ARCHS: where and for which GPUs the library is built; the build id stands for its
+# kernels. GRAPHAR_SKIP_CUDA_BUILD: read at install only.
+
+
+class Disagreement(NamedTuple):
+    """A setting the ranks of a group differ in: its value on each rank, and how to make them agree."""
+
+    setting: str
+    values: tuple[Any, ...]  # in rank order
+    cure: str
+
+    def __str__(self) -> str:
+        values = ", ".join(f"rank {r}: {'unset' if v is None else v}" for r, v in enumerate(self.values))
+        return (f"the ranks differ in {self.setting} ({values}): {self.cure} (ranks that differ in it would wait "
+                "for each other until the timeout)")  # fmt: skip
+
+
+def first_disagreement(launch: Sequence[Mapping[str, Any]]) -> Disagreement | None:
+    """The first setting of `MUST_AGREE` whose value differs between ranks (`launch`: each rank's
+    values, in rank order); None when they all agree. Every rank computes the same one."""
+    for setting, cure in MUST_AGREE.items():
+        values = tuple(rank[setting] for rank in launch)
+        if any(v != values[0] for v in values[1:]):
+            return Disagreement(setting, values, cure)
+    return None
+
+
+def _launch_settings(max_bytes: int, capability_major: int, world_size: int) -> dict[str, Any]:
+    """This rank's value of every setting of `MUST_AGREE` but the build id (which needs the library);
+    the communicator is made with these values, so it runs what the ranks compared."""
+    return {
+        ARCH: capability_major,
+        TRITON: pack.triton_available(),
+        TABLE: policy.table(capability_major, world_size),
+        settings.MAX_ALLREDUCE_BYTES.name: settings.MAX_ALLREDUCE_BYTES.get(),
+        MAX_BYTES: max_bytes,
+        settings.ALLREDUCE_ALGO.name: settings.ALLREDUCE_ALGO.get(),
+        BLOCKS: block_limit(capability_major),
+        **{s.name: s.get() for s in (settings.ALLTOALL_ALGO, settings.PULL_BLOCKS, settings.AUTO_INIT)},
+    }
+
+
+def _local_facts(device: int, launch: dict[str, Any]) -> dict[str, Any]:
+    """This rank's facts for the set-up verdict; `launch` gets the build id where the library loads."""
+    facts: dict[str, Any] = {"host": socket.gethostname(), "launch": launch, "bus": None, "error": None}
     try:
         facts["bus"] = _cuda.pci_bus_id(device)
+        facts["launch"] = {**launch, BUILD: _cuda.build_id()}
     except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
         facts["error"] = str(e)
     return facts
 
 
 def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
-    """Verdict from every rank's facts; every rank computes the same one."""
+    """Why the group cannot use the custom paths, from every rank's facts (None: it can, so far);
+    every rank computes the same one."""
     reason = first_reason([f["error"] for f in facts])
     if reason is not None:
         return reason
@@ -187,9 +277,6 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
     buses = [f["bus"] for f in facts]
     if len(set(buses)) != len(buses):
         return f"ranks share a GPU: {buses}"
-    if len({f["settings"] for f in facts}) != 1:
-        return (f"ranks differ in (max_bytes, block limit, GRAPHAR_ALLREDUCE_ALGO, GRAPHAR_ALLTOALL_ALGO, "
-                f"GRAPHAR_PULL_BLOCKS, Triton, GPU architecture): {[f['settings'] for f in facts]}")
     return None
 
 
@@ -205,7 +292,8 @@ def _set_up(
     group: dist.ProcessGroup, name: str, max_bytes: int, timeout_s: float
 ) -> tuple[Communicator | None, str | None]:
     """The set-up agreement: facts, then IPC handles, then open and store (probe 0), then load back
-    (probe 1); every step's verdicts shared, so every rank returns alike."""
+    (probe 1); every step's verdicts shared, so every rank returns alike, or raises alike where the
+    ranks differ in a setting of `MUST_AGREE`."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.cuda.current_device()
     generation = _generations.get(name, 0)
@@ -217,14 +305,12 @@ def _set_up(
     what = f"graphar.init of group {name!r} (every rank of it must: graphar.init, or GRAPHAR_AUTO_INIT set alike)"
 
     capability_major = torch.cuda.get_device_capability(device)[0]
-    blocks = block_limit(capability_major)
-    forced = settings.ALLREDUCE_ALGO.get()
-    # Every rank must launch alike: the same kernels, block counts (barriers meet block by block) and
-    # transport, which a Triton-less rank would choose differently (its Ulysses packs could not push).
-    shared = (max_bytes, blocks, forced, settings.ALLTOALL_ALGO.get(), settings.PULL_BLOCKS.get(),
-              pack.triton_available(), capability_major)  # fmt: skip
-    facts = exchange.all_gather(_local_facts(device, shared), what)
+    launch = _launch_settings(max_bytes, capability_major, world_size)
+    facts = exchange.all_gather(_local_facts(device, launch), what)
     reason = _shared_reason(facts)
+    differ = first_disagreement([f["launch"] for f in facts]) if reason is None else None
+    if differ is not None:  # a mistake to mend, not a machine to fall back on: refuse it
+        raise GrapharCommError(f"graphar.init of group {name!r} refused: {differ}")
     if reason is None and world_size > 2:
         reason = first_reason(exchange.all_gather(_nvlink_reason([f["bus"] for f in facts], rank), what))
     if reason is not None:
@@ -235,8 +321,9 @@ def _set_up(
     handles = b""
     try:
         comm = Communicator(group_name=name, rank=rank, world_size=world_size, device=device, max_bytes=max_bytes,
-                            timeout_s=timeout_s, blocks=blocks, forced_algo=forced,
-                            capability_major=capability_major, store=exchange)  # fmt: skip
+                            timeout_s=timeout_s, blocks=launch[BLOCKS],
+                            forced_algo=launch[settings.ALLREDUCE_ALGO.name], capability_major=capability_major,
+                            store=exchange)  # fmt: skip
         handles = comm._ipc_handles()
     except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
         local = str(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -228,6 +229,40 @@ def _destroyed_without_shutdown(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
 def test_a_destroyed_group_name_is_not_served_by_its_old_communicator(world_size: int) -> None:
     run_workers(_destroyed_without_shutdown, world_size)
+
+
+def _ranks_that_differ_in_a_setting(rank: int, world_size: int) -> None:
+    """GRAPHAR_BLOCK_LIMIT on the last rank only (its all-reduces would launch fewer blocks than its
+    peers', whose spare blocks would wait for it until the timeout), then GRAPHAR_PULL_BLOCKS: the set-up
+    raises on every rank naming the variable and each rank's value, by graphar.init and at a group's
+    first collective alike; set alike, the group sets up."""
+    from graphar.comm.allreduce import block_limit
+
+    last = world_size - 1
+    default = block_limit(torch.cuda.get_device_capability()[0])
+    os.environ["GRAPHAR_BLOCK_LIMIT"] = "16" if rank == last else ""
+    with pytest.raises(GrapharCommError) as refused:
+        graphar.init()
+    values = ", ".join(f"rank {r}: {16 if r == last else default}" for r in range(world_size))
+    assert f"({values}): set GRAPHAR_BLOCK_LIMIT alike on every rank" in str(refused.value), refused.value
+    os.environ["GRAPHAR_BLOCK_LIMIT"] = ""
+    comm = graphar.init()
+    assert comm is not None, "set alike, the group sets up"
+    check_exact(comm, integer_valued(64 * KB, torch.bfloat16), None)
+
+    os.environ.update(GRAPHAR_AUTO_INIT="1", GRAPHAR_PULL_BLOCKS="32" if rank == last else "")
+    group = dist.new_group(list(range(world_size)))
+    x = integer_valued(4 * KB, torch.bfloat16)
+    with pytest.raises(GrapharCommError, match=f"GRAPHAR_PULL_BLOCKS .*rank {last}: 32"):
+        torch.ops.graphar.all_reduce(x, group.group_name)  # its first collective sets it up
+    assert torch.equal(torch.ops.graphar.all_reduce(x, group.group_name), nccl_sum(x, group)), "then NCCL serves"
+    os.environ["GRAPHAR_PULL_BLOCKS"] = ""
+    graphar.shutdown()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
+def test_ranks_that_differ_in_a_setting_all_raise(world_size: int) -> None:
+    run_workers(_ranks_that_differ_in_a_setting, world_size)
 
 
 TIMEOUT_S = 0.5
