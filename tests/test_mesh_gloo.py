@@ -4,7 +4,8 @@
 TP group 0 runs its exchange while TP group 1's ranks wait for it to finish, then the reverse: an
 exchange that needed any rank outside its group (the world's store, a world collective) would wait
 for ranks that wait for it, and time out (so would one that used global ranks). Then both groups
-exchange at once, each at its second set-up: each gathers its own ranks' values only.
+exchange at once, each at its second set-up: each gathers its own ranks' values only. The whole
+set-up, on GPUs, is tests/gpu/test_mesh.py's.
 """
 
 from __future__ import annotations
