@@ -206,6 +206,29 @@ def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry,
             dist.destroy_process_group()
 
 
+def test_set_up_keys_agree_on_a_group_name_another_world_used_for_other_ranks(monkeypatch) -> None:
+    """Two ranks' histories, one process each turn: in a first world each sets up its own group of one,
+    which torch names "1" on rank 0 and "2" on rank 1; the next world's group of both ranks is named "1"
+    again. Both ranks must gather under one prefix (counted per name, rank 0 was at its second set-up
+    of "1" and rank 1 at its first: each waited for keys the other never wrote), and not under the
+    first world's "1" keys, which a store that outlives the world still holds."""
+    prefixes = []
+    for rank in (0, 1):
+        monkeypatch.setattr(set_up, "_generations", {})  # a process of its own
+        mine = []
+        for world in range(2):
+            dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
+            try:
+                group = [dist.new_group([r]) for r in range(2)][rank] if world == 0 else dist.new_group([0, 1])
+                mine.append((group.group_name, set_up._exchange(group)._prefix))
+            finally:
+                dist.destroy_process_group()
+        prefixes.append(mine)
+    (first0, next0), (first1, next1) = prefixes
+    assert (first0[0], first1[0], next0[0], next1[0]) == ("1", "2", "1", "1"), "the premise: torch reuses names"
+    assert next0[1] == next1[1] and next0[1] != first0[1]
+
+
 @pytest.fixture
 def fresh_registry(monkeypatch) -> None:
     for name, empty in (("_settled", {}), ("_logged", set()), ("_captured_first", set())):

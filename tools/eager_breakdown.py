@@ -28,6 +28,12 @@ LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")  # 
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
+UNFUSED_NORM_STEP = "torch.ops.graphar.all_reduce_add_rms_norm (unfused: the all-reduce, then 7 norm kernels)"
+# That step queues about 9 launches a call (the all-reduce, its ordering event, the norm's 7 ops): at
+# 200 calls a loop the launch queue (about a thousand entries) would fill and the loop time the
+# device, which on one shared GPU waits a time slice at every pull kernel's barrier (1644 us a call
+# was read so with --algo 1stage).
+UNFUSED_NORM_CALLS = 20
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -44,7 +50,7 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object]]:
     import graphar.ops
-    from graphar import graphs
+    from graphar import _cuda, graphs
     from graphar.comm import abi, policy
     from graphar.comm.allreduce import ineligible_reason
 
@@ -75,7 +81,8 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
         "whole graphar.ops.all_reduce (the op's Python kernel, called directly)":
             lambda: graphar.ops.all_reduce(x, comm.group_name),
         OP_STEP: lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
-        "torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)":
+        ("torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)"
+         if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else UNFUSED_NORM_STEP):
             lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
     }  # fmt: skip
@@ -89,7 +96,8 @@ def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
         dist.barrier()  # both ranks time the same step together: the kernels need their peer
         if name == WITHDRAWN_STEP:  # every call of the group handed to the Python kernel, for this step
             native_op.publish(comm.group_name, None)
-        us = _per_call_us(fn, 200 if name.startswith(LAUNCHES) else 2000)
+        calls = UNFUSED_NORM_CALLS if name == UNFUSED_NORM_STEP else 200 if name.startswith(LAUNCHES) else 2000
+        us = _per_call_us(fn, calls)
         if name == WITHDRAWN_STEP:
             comm.allreduce.publish()
         if rank == 0:

@@ -31,7 +31,8 @@ from graphar.kernels import pack
 logger = logging.getLogger("graphar")
 
 _WORLD_SIZES = (2, 4, 6, 8)
-_generations: dict[str, int] = {}
+# Set-ups started per (group name, global ranks): the generation in the keys of the set-up's exchange.
+_generations: dict[tuple[str, tuple[int, ...]], int] = {}
 _logged: set[str] = set()
 # Groups whose set-up is settled: `init` ran for them (set up or not), or the automatic set-up does not
 # apply. Kept with the group itself: torch reuses a name after destroy_process_group, and the new
@@ -296,11 +297,7 @@ def _set_up(
     ranks differ in a setting of `MUST_AGREE`."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     device = torch.cuda.current_device()
-    generation = _generations.get(name, 0)
-    _generations[name] = generation + 1
-    store = dist.distributed_c10d._world.pg_map[group][1]
-    exchange = StoreExchange(store, f"graphar/allreduce/{name}/{generation}", rank, world_size,
-                             settings.EXCHANGE_TIMEOUT_S.get())  # fmt: skip
+    exchange = _exchange(group)
     # A rank that never comes: it did not call graphar.init, or set GRAPHAR_AUTO_INIT otherwise.
     what = f"graphar.init of group {name!r} (every rank of it must: graphar.init, or GRAPHAR_AUTO_INIT set alike)"
 
@@ -338,3 +335,19 @@ def _set_up(
             comm.close()
         return None, reason
     return comm, None
+
+
+def _exchange(group: dist.ProcessGroup) -> StoreExchange:
+    """The set-up's all-gathers: over the group's own store alone (torch prefixes it with the group's
+    name, which no other live group has), never the world's, so a group sets up while other groups'
+    ranks are busy elsewhere. The keys hold the group's ranks and a count of set-ups per name and
+    ranks: torch gives a destroyed world's group names to the next world's groups, whose ranks may
+    have set up other groups of that name (counted per name, they started at different counts and
+    waited for keys the others never wrote), and a store can outlive the world (torchrun's agent
+    store) with the old group's keys in it."""
+    name, ranks = group.group_name, tuple(dist.get_process_group_ranks(group))
+    generation = _generations.get((name, ranks), 0)
+    _generations[(name, ranks)] = generation + 1
+    store = dist.distributed_c10d._world.pg_map[group][1]
+    prefix = f"graphar/allreduce/{name}/{'-'.join(map(str, ranks))}/{generation}"
+    return StoreExchange(store, prefix, dist.get_rank(group), len(ranks), settings.EXCHANGE_TIMEOUT_S.get())
