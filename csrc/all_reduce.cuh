@@ -4,8 +4,9 @@
 // Each rank owns one IPC allocation laid out as [Signal | tmp buffer] and one registered input
 // buffer. A call reads the ws input pointers of its RankData slot: the registered buffers for
 // eager calls, the caller's tensors (pointers filled in after capture) inside graphar.graph.
-// A block whose barrier fails (a peer never came or gave up, or the group failed before) writes its
-// share of the output as poison (barrier.cuh) and meets no later barrier. 1stage's exit barrier
+// A block that finds another kernel of the communicator running, or whose barrier fails (a peer never
+// came or gave up, or the group failed before), writes its share of the output as poison (barrier.cuh)
+// and meets no later barrier. 1stage's exit barrier
 // counts too: a peer that gave up after this rank passed the entry may have refilled the buffer this
 // rank was reading.
 #pragma once
@@ -34,14 +35,17 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   const RankData dp = *p.data;  // in a graph this slot holds the pointers filled in after capture
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
   const int stride = gridDim.x * blockDim.x;
-  bool ok;
-  if (p.copy_in != nullptr) {
+  const uint4* in = static_cast<const uint4*>(p.copy_in);
+  uint4 first{};  // the first pack to copy in, in flight while the block claims the communicator
+  if (in != nullptr && tid < p.packs) first = in[tid];
+  bool ok = claim_block(bp, kOneStageEntry);
+  if (ok && in != nullptr) {
     // Same idx -> block mapping as the reduce loop: block b's barrier covers what block b copied.
-    const uint4* in = static_cast<const uint4*>(p.copy_in);
     uint4* mine = static_cast<uint4*>(const_cast<void*>(p.data->ptrs[bp.rank]));
-    for (int idx = tid; idx < p.packs; idx += stride) mine[idx] = in[idx];
+    if (tid < p.packs) mine[tid] = first;
+    for (int idx = tid + stride; idx < p.packs; idx += stride) mine[idx] = in[idx];
     ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kOneStageEntry);
-  } else {
+  } else if (ok) {
     ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kOneStageEntry);
   }
   const uint4* src[kRanks];
@@ -52,6 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
     out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
   }
   if (ok && !multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit)) poison_packs(out, tid, p.packs, stride);
+  release_block(bp);
 }
 
 // Reduce-scatter into the tmp buffers (rank r owns shard r, the last shard takes the remainder),
@@ -77,8 +82,8 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
     tmps[r] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, (bp.rank + r) % kRanks));
   }
   uint4* tmp_out = tmp_buffer<uint4>(bp.self);
-  bool ok;
-  if (p.copy_in != nullptr) {
+  bool ok = claim_block(bp, kTwoStageEntry);
+  if (ok && p.copy_in != nullptr) {
     // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
     const uint4* in = static_cast<const uint4*>(p.copy_in);
     uint4* mine = const_cast<uint4*>(nth<kRanks>(src, bp.rank));
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
       }
     }
     ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageEntry);
-  } else {
+  } else if (ok) {
     ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kTwoStageEntry);
   }
   if (ok) {
@@ -107,6 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
       if (from == kRanks - 1 || idx < part) out[from * part + idx] = ok ? tmps[i][idx] : poison_pack();
     }
   }
+  release_block(bp);
 }
 
 }  // namespace graphar

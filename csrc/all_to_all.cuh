@@ -50,7 +50,7 @@ template <int kRanks>
 __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllParams p) {
   const BarrierParams& bp = p.barrier;
   // Failed: every chunk of this thread's share, the own one placed by the pack too, is poison instead.
-  const bool ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry);
+  const bool ok = claim_block(bp, kAllToAllEntry) && multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry);
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll
@@ -73,25 +73,29 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
   auto fail = [&] {
     for (int64_t idx = first; idx < pl.chunk_packs; idx += stride) place(idx, poison, -1);
   };
-  if (!ok) return fail();
-  for (int64_t base = first; base < pl.chunk_packs; base += kPullUnroll<kRanks> * stride) {
-    uint4 v[kPullUnroll<kRanks>][kRanks];
+  if (ok) {
+    for (int64_t base = first; base < pl.chunk_packs; base += kPullUnroll<kRanks> * stride) {
+      uint4 v[kPullUnroll<kRanks>][kRanks];
 #pragma unroll
-    for (int u = 0; u < kPullUnroll<kRanks>; u++) {
-      const int64_t idx = base + u * stride;
+      for (int u = 0; u < kPullUnroll<kRanks>; u++) {
+        const int64_t idx = base + u * stride;
 #pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (idx < pl.chunk_packs && r != p.skip) v[u][r] = src[r][idx];  // every load in flight before any store
+        for (int r = 0; r < kRanks; r++) {
+          if (idx < pl.chunk_packs && r != p.skip) v[u][r] = src[r][idx];  // every load in flight before any store
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kPullUnroll<kRanks>; u++) {
+        const int64_t idx = base + u * stride;
+        if (idx >= pl.chunk_packs) break;
+        place(idx, v[u], p.skip);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kPullUnroll<kRanks>; u++) {
-      const int64_t idx = base + u * stride;
-      if (idx >= pl.chunk_packs) break;
-      place(idx, v[u], p.skip);
-    }
+    if (!multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit)) fail();
+  } else {
+    fail();
   }
-  if (!multi_gpu_barrier<kRanks, Form::kEnd>(bp, kAllToAllExit)) fail();
+  release_block(bp);
 }
 
 }  // namespace graphar

@@ -23,9 +23,13 @@ struct Signal {
   // Two phases because a peer may store its count for barrier k+1 while this rank still polls
   // for barrier k; it gets no further, as passing k+1 needs this rank's arrival there.
   alignas(128) Flag peer_counter[2][kMaxBlocks][kMaxRanks];
-  // Calls of the push kernels so far, one copy per block (push.cuh): every entry is equal between
-  // calls, so each block reads the call's epoch without waiting for another block.
-  alignas(128) Flag push_epoch[kMaxBlocks];
+  // Calls of the push kernels so far, one copy per block (push.cuh), per launch class (eager,
+  // captured: see BarrierParams::graph): every entry is equal between calls, so each block reads the
+  // call's epoch without waiting for another block.
+  alignas(128) Flag push_epoch[2][kMaxBlocks];
+  // The blocks of this rank's kernels that are running now: (sum of their tags << 16) + their count
+  // (claim_kernel). Only this GPU touches it.
+  alignas(128) unsigned long long running;
   // Set by this rank's kernel whose spin gave up: the ranks are out of step from then on. Every later
   // kernel reads it at entry and writes poison instead of communicating (see poison_packs).
   alignas(128) Flag failed;
@@ -55,12 +59,15 @@ enum Where : uint32_t {
   kPushOneShot = 7,
   kPushScatter = 8,
   kPushGather = 9,
+  kPushEntry = 10,  // a push kernel's start (where it found another kernel running)
 };
 
 // Why a kernel gave up on a peer.
 enum Cause : uint32_t {
   kTimedOut = 0,    // the peer did not arrive within the bound
   kPeerGaveUp = 1,  // the peer had given up on this barrier first, and took its arrival back
+  kConcurrent = 2,  // another kernel of this communicator ran at the same time on this rank
+  kOutOfStep = 3,   // the peer met this barrier in a graph replay and this rank in an eager call, or the reverse
 };
 
 struct ErrorRecord {
@@ -77,7 +84,13 @@ struct BarrierParams {
   Signal* self;
   ErrorRecord* error;
   uint64_t timeout_ns;  // 0: spin without bound
+  // This launch's number on this rank (1, 2, ... below 2^48), as claim_kernel tells its blocks from
+  // another kernel's. A replay of a graph repeats it, and replays of one graph never overlap.
+  uint64_t tag;
   int rank;
+  // 1 when the launch was captured into a CUDA graph, 0 when eager: equal on every rank for the same
+  // call, so a peer met in the other class is in another call (calls on unordered streams).
+  int graph;
 };
 
 // ---- flag accesses -------------------------------------------------------------------------
@@ -133,6 +146,60 @@ __device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t 
   for (int64_t i = first; i < n; i += stride) out[i] = poison_pack();
 }
 
+// ---- one kernel at a time ------------------------------------------------------------------
+//
+// The kernels of one communicator share the barrier counters, the registered buffer, the push epochs
+// and the peers' slots, so two of them running at once on a rank (a graph replay and an eager call on
+// streams that are not ordered, say) would corrupt each other. Each block adds (tag << 16) + 1 to
+// Signal::running when it starts and takes it away when it ends: a block that finds a block of
+// another kernel running (the tags in the sum are not all its own) has lost, touches nothing shared,
+// writes poison and marks the group failed. The kernel it met has not been disturbed; the peers then
+// fail at their next meeting with this rank. Tags below 2^48 and at most 2^16 blocks running: the sum
+// of n tags equals n times one tag only if they are all that tag.
+
+constexpr int kRunningCountBits = 16;
+constexpr unsigned long long kRunningCount = (1ull << kRunningCountBits) - 1;
+
+__device__ __forceinline__ unsigned long long running_entry(const BarrierParams& p) {
+  return (p.tag << kRunningCountBits) + 1;
+}
+
+// Thread 0 of each block: counts the block in; false when another kernel's block is running.
+__device__ __forceinline__ bool enter_running(const BarrierParams& p) {
+  unsigned long long before;  // acquire: the last kernel to count out had finished with the buffers
+  asm volatile("atom.acquire.gpu.global.add.u64 %0, [%1], %2;"
+               : "=l"(before)
+               : "l"(&p.self->running), "l"(running_entry(p))
+               : "memory");
+  const unsigned long long blocks = before & kRunningCount;
+  return (before >> kRunningCountBits) == ((blocks * p.tag) & ((1ull << (64 - kRunningCountBits)) - 1));
+}
+
+// Thread 0 of each block, after every thread of the block is done with the shared buffers: counts it
+// out. Release: the next kernel to count in finds this one's writes done.
+__device__ __forceinline__ void leave_running(const BarrierParams& p) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(&p.self->running), "l"(0ull - running_entry(p))
+               : "memory");
+}
+
+// Every thread of the block learns whether it may go on; thread 0 of a block that lost records why.
+// Before the block touches anything shared.
+__device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where) {
+  __shared__ int lost;
+  if (threadIdx.x == 0) {
+    lost = !enter_running(p);
+    if (lost) record_failure(p.self, p.error, where, p.rank, kConcurrent);
+  }
+  __syncthreads();
+  return !lost;
+}
+
+// The block is done with everything shared (every thread reaches this, the block's losers too).
+__device__ __forceinline__ void release_block(const BarrierParams& p) {
+  __syncthreads();
+  if (threadIdx.x == 0) leave_running(p);
+}
+
 // The time bound of one spin loop: the clock starts at the first miss, so a wait that succeeds at
 // once never reads it.
 struct Deadline {
@@ -148,19 +215,28 @@ struct Deadline {
   }
 };
 
-// A rank whose block gave up on a barrier stores its count back into every peer's slot with this bit
-// flipped: a peer that has not read the count yet must not pass and read what the rank leaves behind
-// (its registered buffer refilled by its next call, a graph input rewritten by later kernels).
+// What a barrier flag holds: the barrier's count (30 bits, wrapping), the launch class (graph) and
+// a retraction bit. A rank whose block gave up on a barrier stores its flag back into every peer's
+// slot with kRetracted set: a peer that has not read it yet must not pass and read what the rank
+// leaves behind (its registered buffer refilled by its next call, a graph input rewritten by later
+// kernels).
+constexpr Flag kCount = 0x3FFFFFFFu;
+constexpr Flag kGraphCall = 0x40000000u;
 constexpr Flag kRetracted = 0x80000000u;
 
-// Spins until *flag == val; false on timeout or when the peer took its arrival back. Equality, not
-// >=, because the counter wraps; the stale value in a slot is always val - 2, never val.
+__device__ __forceinline__ Flag flag_value(Flag count, const BarrierParams& p) {
+  return (count & kCount) | (p.graph ? kGraphCall : 0u);
+}
+
+// Spins until *flag == val; false on timeout, when the peer took its arrival back, or when it arrived
+// in the other launch class (then it is in another call). Equality, not >=, because the count wraps;
+// the stale value in a slot is always two counts back, never val.
 template <bool kOrdered>
 __device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
   Deadline deadline;
   for (Flag v; (v = ld_flag<kOrdered>(flag)) != val;) {
-    if (v == (val ^ kRetracted)) {
-      record_failure(p.self, p.error, where, peer, kPeerGaveUp);
+    if ((v & kCount) == (val & kCount)) {  // this count, but retracted or of the other class
+      record_failure(p.self, p.error, where, peer, (v & kRetracted) ? kPeerGaveUp : kOutOfStep);
       return false;
     }
     if (!deadline.keep_waiting(p, where, peer)) return false;
@@ -212,11 +288,12 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
     // Loaded beside the counter, so the check costs no extra round trip. The exit needs none: its
     // kernel passed this check at entry.
     const bool failed = kForm != Form::kEnd && group_failed(p);
-    val = p.self->self_counter[blockIdx.x][peer] + 1;
+    const Flag count = p.self->self_counter[blockIdx.x][peer] + 1;
+    val = flag_value(count, p);
     if (failed) {
       timed_out = true;  // meets no peer: they give up too, then fail alike
     } else {
-      p.self->self_counter[blockIdx.x][peer] = val;
+      p.self->self_counter[blockIdx.x][peer] = count;
       theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
       Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
       st_flag<kOrdered>(theirs, val);

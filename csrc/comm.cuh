@@ -44,6 +44,7 @@ struct Comm {
   cudaEvent_t last_event = nullptr;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
+  uint64_t launches = 0;  // launches so far, captured ones too: the next one's tag is launches + 1
   // A launch of this communicator went into a CUDA graph, which may be replayed after destroy.
   bool captured = false;
   // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of
@@ -141,7 +142,8 @@ Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
 
 // Where the push receive region starts in a meta allocation.
 char* push_region(void* meta, uint64_t max_bytes) { return static_cast<char*>(meta) + sizeof(Signal) + max_bytes; }
-uint64_t push_region_bytes(const Comm* c) { return 2 * static_cast<uint64_t>(c->epoch_packs) * 16; }
+// Two epochs per launch class (push.cuh epoch_regions).
+uint64_t push_region_bytes(const Comm* c) { return 4 * static_cast<uint64_t>(c->epoch_packs) * 16; }
 
 __global__ void compiled_arch() {}
 
@@ -429,11 +431,11 @@ int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
   Signal& s = host[0];
   for (int b = 0; b < kMaxBlocks; b++) {
     for (int r = 0; r < kMaxRanks; r++) {
-      s.self_counter[b][r] = value;
-      s.peer_counter[value & 1][b][r] = value;
-      s.peer_counter[(value + 1) & 1][b][r] = value - 1;
+      s.self_counter[b][r] = value;  // the flags as eager calls store them (barrier.cuh flag_value)
+      s.peer_counter[value & 1][b][r] = value & kCount;
+      s.peer_counter[(value + 1) & 1][b][r] = (value - 1) & kCount;
     }
-    s.push_epoch[b] = value;
+    s.push_epoch[0][b] = s.push_epoch[1][b] = value;
   }
   CUDA_TRY(cudaDeviceSynchronize());
   CUDA_TRY(cudaMemcpy(c->meta, &s, sizeof(Signal), cudaMemcpyHostToDevice));

@@ -82,14 +82,16 @@ int wait_for_previous(Comm* c, cudaStream_t stream) {
   return 0;
 }
 
-// What every launch's barrier reads, from the communicator.
-BarrierParams barrier_params(const Comm* c) {
+// What the next launch's barrier reads, from the communicator; eager: not captured.
+BarrierParams barrier_params(const Comm* c, bool eager) {
   BarrierParams b{};
   b.signals = c->signals;
   b.self = c->signals.signals[c->rank];
   b.error = c->error_device;
   b.timeout_ns = c->timeout_ns;
+  b.tag = c->launches + 1;
   b.rank = c->rank;
+  b.graph = eager ? 0 : 1;
   return b;
 }
 
@@ -114,6 +116,7 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
   config.numAttrs = pdl ? 1 : 0;
   void* args[] = {params};
   CUDA_TRY(cudaLaunchKernelExC(&config, kernel, args));
+  c->launches++;  // the tag barrier_params gave this launch is taken
   if (!eager) return 0;
   CUDA_TRY(cudaEventRecord(c->last_event, stream));
   c->last_stream = stream;
@@ -162,7 +165,7 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   const bool graph_slot = a.path == GRAPHAR_ZERO_COPY || a.path == GRAPHAR_STAGED;
   const int packs = static_cast<int>(a.nbytes / 16);
   Params p{};
-  p.barrier = barrier_params(c);
+  p.barrier = barrier_params(c, eager);
   p.data = c->slots + (graph_slot ? a.slot : 0);
   p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(a.input);
   p.out = reinterpret_cast<void*>(a.output);
@@ -175,9 +178,9 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   return launch(c, eager, kernel, &p, blocks, kThreads, stream, false);
 }
 
-PushParams push_params(const Comm* c, uint64_t input, uint64_t output, uint64_t nbytes) {
+PushParams push_params(const Comm* c, bool eager, uint64_t input, uint64_t output, uint64_t nbytes) {
   PushParams p{};
-  p.barrier = barrier_params(c);
+  p.barrier = barrier_params(c, eager);
   p.regions = c->regions;
   p.in = reinterpret_cast<const void*>(input);
   p.out = reinterpret_cast<void*>(output);
@@ -187,7 +190,7 @@ PushParams push_params(const Comm* c, uint64_t input, uint64_t output, uint64_t 
 }
 
 int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
-  PushParams p = push_params(c, a.input, a.output, a.nbytes);
+  PushParams p = push_params(c, eager, a.input, a.output, a.nbytes);
   const int blocks = std::min(c->block_limit, (p.packs + kPushThreads - 1) / kPushThreads);
   return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0 && c->pdl);
 }
@@ -230,8 +233,12 @@ int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args*
   }
   if (int rc = check_push_room(c, true, a.nbytes)) return rc;
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  DeviceGuard g;
+  if (int rc = g.enter(c->device)) return rc;
+  bool eager = false;
+  if (int rc = is_eager(stream, &eager)) return rc;
   NormParams p{};
-  p.push = push_params(c, a.input, a.output, a.nbytes);
+  p.push = push_params(c, eager, a.input, a.output, a.nbytes);
   p.residual = reinterpret_cast<const void*>(a.residual);
   p.weight = reinterpret_cast<const void*>(a.weight);
   p.residual_out = reinterpret_cast<void*>(a.residual_output);
@@ -239,10 +246,6 @@ int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args*
   p.weight_first = a.weight_first;
   p.eps = a.eps;
   const int rows = static_cast<int>(a.nbytes / a.row_bytes);
-  DeviceGuard g;
-  if (int rc = g.enter(c->device)) return rc;
-  bool eager = false;
-  if (int rc = is_eager(stream, &eager)) return rc;
   return launch(c, eager, kernel, &p, std::min(c->block_limit, rows), kNormThreads, stream, a.pdl != 0 && c->pdl);
 }
 
@@ -273,7 +276,7 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   }
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   AllToAllParams p{};
-  p.barrier = barrier_params(c);
+  p.barrier = barrier_params(c, mode == GRAPHAR_EAGER);
   p.out = reinterpret_cast<void*>(output);
   const bool pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
   for (int r = 0; r < c->ranks; r++) {  // pushed: slot r of this rank's buffer; pulled: slot `rank` of rank r's

@@ -97,24 +97,30 @@ __device__ __forceinline__ bool await_slot(const uint4* slot, uint4& v, const Ba
   return true;
 }
 
-// Each rank's receive region at this call's epoch.
+// Each rank's receive region at this call's epoch: two epochs per launch class (BarrierParams::graph),
+// so an eager call and a graph replay never meet in one region, even when unordered streams run them
+// in different orders on different ranks (they then wait for data that never comes, and time out).
 template <int kRanks>
 __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoch, uint4* (&out)[kRanks]) {
-  const int64_t offset = static_cast<int64_t>(epoch & 1) * p.epoch_packs;
+  const int64_t offset = static_cast<int64_t>(2 * p.barrier.graph + (epoch & 1)) * p.epoch_packs;
 #pragma unroll
   for (int r = 0; r < kRanks; r++) out[r] = static_cast<uint4*>(const_cast<void*>(p.regions.ptrs[r])) + offset;
 }
 
-// The call's epoch and whether the group failed before it (barrier.cuh), read once per block before
-// any thread of it works; the two loads are in flight together.
+// The call's epoch, and whether the group failed before it or another kernel of the communicator is
+// running (barrier.cuh), read once per block before any thread of it works; the three accesses are in
+// flight together.
 __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
-  __shared__ uint32_t epoch, group_failed_before;
+  __shared__ uint32_t epoch, refused;
   if (threadIdx.x == 0) {
-    epoch = p.self->push_epoch[blockIdx.x];
-    group_failed_before = group_failed(p);
+    epoch = p.self->push_epoch[p.graph][blockIdx.x];
+    const bool failed_before = group_failed(p);
+    const bool alone = enter_running(p);
+    if (!alone) record_failure(p.self, p.error, kPushEntry, p.rank, kConcurrent);
+    refused = failed_before || !alone;
   }
   __syncthreads();
-  failed = group_failed_before != 0;
+  failed = refused != 0;
   return epoch;
 }
 
@@ -122,20 +128,22 @@ __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& fa
 // reads them after its griddepcontrol.wait (or stream order), so after this kernel completed.
 __device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epoch) {
   if (threadIdx.x != 0) return;
-  p.self->push_epoch[blockIdx.x] = epoch + 1;
+  Flag* epochs = p.self->push_epoch[p.graph];
+  epochs[blockIdx.x] = epoch + 1;
   if (blockIdx.x == 0) {
-    for (int b = gridDim.x; b < kMaxBlocks; b++) p.self->push_epoch[b] = epoch + 1;
+    for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = epoch + 1;
   }
 }
 
 // What every push kernel starts with, in this order: wait for the kernel before it (PDL), let the
-// next one launch, read the call's epoch. Then the epoch's regions and the thread's place in the grid.
-// A failed call (failed at entry, or a receive that timed out) sends nothing more, writes its share of
-// the output as poison and leaves the epoch where it is.
+// next one launch, read the call's epoch and count the block in. Then the epoch's regions and the
+// thread's place in the grid. A failed call (failed at entry, another kernel running, or a receive
+// that timed out) sends nothing more, writes its share of the output as poison and leaves the epoch
+// where it is. Every thread ends with finish(), which counts the block out.
 template <int kRanks>
 struct PushCall {
   uint32_t epoch;
-  bool failed;  // the group failed before this call
+  bool failed;  // the group failed before this call, or another kernel is running
   uint4* region[kRanks];  // each rank's receive region at this epoch
   uint4* mine;            // this rank's
   const uint4* in;
@@ -152,6 +160,12 @@ struct PushCall {
     out = static_cast<uint4*>(p.out);
     first = blockIdx.x * blockDim.x + threadIdx.x;
     stride = gridDim.x * blockDim.x;
+  }
+
+  // ok: this thread's share arrived whole; thread 0's advances the epoch.
+  __device__ __forceinline__ void finish(const BarrierParams& p, bool ok) const {
+    if (ok) leave_epoch(p, epoch);
+    release_block(p);
   }
 };
 
@@ -229,12 +243,10 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
     push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
                        [&](int idx, const uint4& v) { send_one_shot(c, bp.rank, p.packs, idx, v); });
   }
-  if (c.failed || !receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
-                                                   [&](int idx, const uint4& sum) { c.out[idx] = sum; })) {
-    poison_packs(c.out, c.first, p.packs, c.stride);
-    return;
-  }
-  leave_epoch(bp, c.epoch);
+  const bool ok = !c.failed && receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
+                                                               [&](int idx, const uint4& sum) { c.out[idx] = sum; });
+  if (!ok) poison_packs(c.out, c.first, p.packs, c.stride);
+  c.finish(bp, ok);
 }
 
 // ---- two shot: reduce-scatter by push, then all-gather by push --------------------------------------
@@ -260,51 +272,54 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   const Shards sh(p.packs, kRanks);
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
-  auto fail = [&] {  // the thread's share: the gathered packs and its own shard's
+  // This thread's share, false at the first receive that timed out.
+  auto run = [&]() -> bool {
+    // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
+    push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
+      const int o = sh.owner(idx, kRanks);
+      if (o != bp.rank) st_slot(nth<kRanks>(c.region, o) + bp.rank * sh.largest + idx - o * sh.part, v);
+    });
+
+    // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
+    const bool received = receive_sums<T, kRanks, kBatch>(
+        c.in + start, c.mine, sh.largest, size, c, bp, kPushScatter, [&](int i, const uint4& total) {
+          const uint4 sum = sendable(total);  // a sum is never kEmpty; kept uniform
+          c.out[start + i] = sum;
+#pragma unroll
+          for (int r = 0; r < kRanks; r++) {
+            if (r != bp.rank) st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
+          }
+        });
+    if (!received) return false;
+
+    // 3. Gather the other shards' sums.
+    for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
+      uint4 got[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; b++) {
+        const int idx = base + b * c.stride;
+        const int o = sh.owner(idx, kRanks);
+        if (idx < p.packs && o != bp.rank) got[b] = ld_slot(c.mine + (kRanks + o) * sh.largest + idx - o * sh.part);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; b++) {
+        const int idx = base + b * c.stride;
+        const int o = sh.owner(idx, kRanks);
+        if (idx >= p.packs || o == bp.rank) continue;
+        uint4* slot = c.mine + (kRanks + o) * sh.largest + idx - o * sh.part;
+        if (!await_slot(slot, got[b], bp, kPushGather, o)) return false;
+        c.out[idx] = got[b];
+        reset_slot(slot);
+      }
+    }
+    return true;
+  };
+  const bool ok = !c.failed && run();
+  if (!ok) {  // the thread's share: the gathered packs and its own shard's
     poison_packs(c.out, c.first, p.packs, c.stride);
     poison_packs(c.out + start, c.first, size, c.stride);
-  };
-  if (c.failed) return fail();
-
-  // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
-  push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
-    const int o = sh.owner(idx, kRanks);
-    if (o != bp.rank) st_slot(nth<kRanks>(c.region, o) + bp.rank * sh.largest + idx - o * sh.part, v);
-  });
-
-  // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
-  const bool received = receive_sums<T, kRanks, kBatch>(
-      c.in + start, c.mine, sh.largest, size, c, bp, kPushScatter, [&](int i, const uint4& total) {
-        const uint4 sum = sendable(total);  // a sum is never kEmpty; kept uniform
-        c.out[start + i] = sum;
-#pragma unroll
-        for (int r = 0; r < kRanks; r++) {
-          if (r != bp.rank) st_slot(c.region[r] + (kRanks + bp.rank) * sh.largest + i, sum);
-        }
-      });
-  if (!received) return fail();
-
-  // 3. Gather the other shards' sums.
-  for (int base = c.first; base < p.packs; base += kBatch * c.stride) {
-    uint4 got[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * c.stride;
-      const int o = sh.owner(idx, kRanks);
-      if (idx < p.packs && o != bp.rank) got[b] = ld_slot(c.mine + (kRanks + o) * sh.largest + idx - o * sh.part);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; b++) {
-      const int idx = base + b * c.stride;
-      const int o = sh.owner(idx, kRanks);
-      if (idx >= p.packs || o == bp.rank) continue;
-      uint4* slot = c.mine + (kRanks + o) * sh.largest + idx - o * sh.part;
-      if (!await_slot(slot, got[b], bp, kPushGather, o)) return fail();
-      c.out[idx] = got[b];
-      reset_slot(slot);
-    }
   }
-  leave_epoch(bp, c.epoch);
+  c.finish(bp, ok);
 }
 
 // Packs an epoch needs: the one-shot's ws slots of the message, the two-shot's 2 * ws of its largest shard.

@@ -96,54 +96,56 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
       poison_packs(residual_out + row * p.row_packs, threadIdx.x, p.row_packs, blockDim.x);
     }
   };
-  if (c.failed) return fail(blockIdx.x);
-
-  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int start = row * p.row_packs;
-    push_packs<PushBatch<kRanks>::value>(in + start, p.row_packs, threadIdx.x, blockDim.x, [&](int i, const uint4& v) {
-      send_one_shot(c, bp.rank, q.packs, start + i, v);
-    });
-  }
-
-  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    uint4 h[kNormPacksPerThread];
-    float squares = 0.f;
-    bool timed_out = false;
-#pragma unroll
-    for (int k = 0; k < kNormPacksPerThread; k++) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i >= p.row_packs || timed_out) continue;
-      const int idx = row * p.row_packs + i;
-      uint4 got[kRanks];
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) got[r] = r == bp.rank ? sendable(in[idx]) : ld_slot(mine + r * q.packs + idx);
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !timed_out) timed_out = !await_slot(mine + r * q.packs + idx, got[r], bp, kPushOneShot, r);
-      }
-      if (timed_out) continue;
-#pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank) reset_slot(mine + r * q.packs + idx);
-      }
-      const uint4 sum = sum_in_order<T, kRanks>(got);  // the all-reduce's output, rounded to T
-      h[k] = residual != nullptr ? add_packs<T>(sum, residual[idx]) : sum;
-      squares += sum_of_squares<T>(h[k]);
+  // The first row whose receive timed out (every thread of the block agrees), or -1.
+  auto run = [&]() -> int {
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+      const int start = row * p.row_packs;
+      push_packs<PushBatch<kRanks>::value>(in + start, p.row_packs, threadIdx.x, blockDim.x,
+                                           [&](int i, const uint4& v) { send_one_shot(c, bp.rank, q.packs, start + i, v); });
     }
-    // Every thread reaches the block's barriers, timed out or not; then all leave together.
-    if (__syncthreads_or(timed_out)) return fail(row);
-    const float mean = block_sum(squares) / static_cast<float>(p.row_packs * Pack<T>::kLanes);
-    const float scale = rsqrtf(mean + p.eps);
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+      uint4 h[kNormPacksPerThread];
+      float squares = 0.f;
+      bool timed_out = false;
 #pragma unroll
-    for (int k = 0; k < kNormPacksPerThread; k++) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i >= p.row_packs) continue;
-      const int idx = row * p.row_packs + i;
-      residual_out[idx] = h[k];
-      out[idx] = normalise<T>(h[k], scale, weight != nullptr ? weight + i : nullptr, p.weight_first != 0);
+      for (int k = 0; k < kNormPacksPerThread; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= p.row_packs || timed_out) continue;
+        const int idx = row * p.row_packs + i;
+        uint4 got[kRanks];
+#pragma unroll
+        for (int r = 0; r < kRanks; r++) got[r] = r == bp.rank ? sendable(in[idx]) : ld_slot(mine + r * q.packs + idx);
+#pragma unroll
+        for (int r = 0; r < kRanks; r++) {
+          if (r != bp.rank && !timed_out) timed_out = !await_slot(mine + r * q.packs + idx, got[r], bp, kPushOneShot, r);
+        }
+        if (timed_out) continue;
+#pragma unroll
+        for (int r = 0; r < kRanks; r++) {
+          if (r != bp.rank) reset_slot(mine + r * q.packs + idx);
+        }
+        const uint4 sum = sum_in_order<T, kRanks>(got);  // the all-reduce's output, rounded to T
+        h[k] = residual != nullptr ? add_packs<T>(sum, residual[idx]) : sum;
+        squares += sum_of_squares<T>(h[k]);
+      }
+      // Every thread reaches the block's barriers, timed out or not; then all leave together.
+      if (__syncthreads_or(timed_out)) return row;
+      const float mean = block_sum(squares) / static_cast<float>(p.row_packs * Pack<T>::kLanes);
+      const float scale = rsqrtf(mean + p.eps);
+#pragma unroll
+      for (int k = 0; k < kNormPacksPerThread; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= p.row_packs) continue;
+        const int idx = row * p.row_packs + i;
+        residual_out[idx] = h[k];
+        out[idx] = normalise<T>(h[k], scale, weight != nullptr ? weight + i : nullptr, p.weight_first != 0);
+      }
     }
-  }
-  leave_epoch(bp, c.epoch);
+    return -1;
+  };
+  const int failed_row = c.failed ? static_cast<int>(blockIdx.x) : run();
+  if (failed_row >= 0) fail(failed_row);
+  c.finish(bp, failed_row < 0);
 }
 
 }  // namespace graphar

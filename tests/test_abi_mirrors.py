@@ -65,8 +65,10 @@ def test_barrier_where_codes_are_all_named() -> None:
 
 def test_failure_causes() -> None:
     cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
-    assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {"kTimedOut": str(abi.TIMED_OUT),
-                                                             "kPeerGaveUp": str(abi.PEER_GAVE_UP)}
+    assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {
+        "kTimedOut": str(abi.TIMED_OUT), "kPeerGaveUp": str(abi.PEER_GAVE_UP), "kConcurrent": str(abi.CONCURRENT),
+        "kOutOfStep": str(abi.OUT_OF_STEP),
+    }  # fmt: skip
 
 
 def test_max_blocks() -> None:

@@ -71,9 +71,24 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
             assert instruction in body
         assert "trap" not in body and ".local" not in body
         assert "ld.global.v4.u32" in body or "ld.v4.u32" in body  # 16-byte packs
-    # block syncs: 1stage before the fenced entry and the exit; 2stage before the fenced entry and
-    # the middle, none for an exit barrier
-    assert one.count("bar.sync") == 2 and two.count("bar.sync") == 2
+    # block syncs: after the claim, before the fenced entry, before the exit (1stage) or the middle
+    # (2stage), and before the block counts itself out
+    assert one.count("bar.sync") == 4 and two.count("bar.sync") == 4
+
+
+@needs_nvcc
+def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
+    """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
+    itself in (acquire) before any flag, slot or buffer access, and out (release) at its very end."""
+    _, out, _ = build
+    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    for fragment in ("one_stageI13__nv_bfloat16Li2E", "two_stageIfLi8E", "push_one_shotI13__nv_bfloat16Li2E",
+                     "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E", "gather_all_to_allILi4E"):  # fmt: skip
+        body = _ptx_function(ptx, fragment)
+        claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.rindex("red.release.gpu.global.add.u64")
+        shared = [body.find(op) for op in ("st.volatile", "st.release", "ld.volatile.global.v4", "st.global.v4")]
+        assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == 1, fragment
+        assert all(i < release for i in shared), fragment
 
 
 @needs_nvcc

@@ -34,11 +34,13 @@ MAX_BLOCKS = settings.MAX_BLOCKS
 WHERE = {1: "all_reduce 1stage entry barrier", 2: "all_reduce 1stage exit barrier",
          3: "all_reduce 2stage entry barrier", 4: "all_reduce 2stage middle barrier",
          5: "all_to_all entry barrier", 6: "all_to_all exit barrier", 7: "all_reduce push-oneshot receive",
-         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather"}  # fmt: skip
+         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather", 10: "all_reduce push entry"}  # fmt: skip
 
 
-# Why a kernel gave up on a peer (enum Cause): it never arrived, or it had given up on the barrier first.
-TIMED_OUT, PEER_GAVE_UP = 0, 1
+# Why a kernel gave up (enum Cause): a peer never arrived; it had given up on the barrier first; another
+# kernel of the communicator ran at the same time on this rank; the peer was in a graph replay and this
+# rank in an eager call, or the reverse.
+TIMED_OUT, PEER_GAVE_UP, CONCURRENT, OUT_OF_STEP = 0, 1, 2, 3
 
 
 class ErrorRecord(ctypes.Structure):

@@ -91,17 +91,29 @@ class Communicator:
         if self._handle is None:
             raise GrapharCommError(f"graphar communicator of group {self.group_name!r} is closed")
         if self._broken is None and self._record.failed:
-            r = self._record
-            where = f"{abi.WHERE.get(r.where, '?')} (block {r.block})"
-            what = (f"rank {r.peer} gave up at the {where} first (a peer of it did not arrive in time)"
-                    if r.cause == abi.PEER_GAVE_UP else
-                    f"rank {r.peer} did not reach the {where} within {self.timeout_s} s (GRAPHAR_TIMEOUT_S)")  # fmt: skip
             self._broken = (
-                f"graphar op on group {self.group_name!r} (rank {self.rank}) timed out: {what}; the communicator "
-                "is unusable from now on"
+                f"graphar op on group {self.group_name!r} (rank {self.rank}) failed: {self._failure()}; the "
+                "communicator is unusable from now on"
             )
         if self._broken is not None:
-            raise (GrapharTimeoutError if self._record.failed else GrapharCommError)(self._broken)
+            timed_out = self._record.failed and self._record.cause in (abi.TIMED_OUT, abi.PEER_GAVE_UP)
+            raise (GrapharTimeoutError if timed_out else GrapharCommError)(self._broken)
+
+    def _failure(self) -> str:
+        """What the error record says, in words."""
+        r = self._record
+        where = f"{abi.WHERE.get(r.where, '?')} (block {r.block})"
+        unordered = ("its calls run on streams that are not ordered (a graph replay beside eager calls, or two "
+                     "replays): order them, e.g. one stream per communicator or events between the streams")  # fmt: skip
+        return {
+            abi.TIMED_OUT: f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s "
+                           "(GRAPHAR_TIMEOUT_S)",
+            abi.PEER_GAVE_UP: f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive "
+                              "in time)",
+            abi.CONCURRENT: f"two of its kernels ran at once on this rank (found at the {where}): {unordered}",
+            abi.OUT_OF_STEP: f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
+                             f"an eager call, or the reverse): {unordered}",
+        }.get(r.cause, f"the kernels recorded an unknown failure {r.cause} at the {where}")
 
     def mark_broken(self, reason: str) -> None:
         """From now on every call raises GrapharCommError(reason): the ranks may be out of step."""

@@ -1,11 +1,13 @@
 """Faults end in the right answer, NaN plus an error at the next host call, or an error: never a
 finite wrong value (docs/design.md, the failure model).
 
-A late but alive peer: rank 0 calls twice in a row, alone, so its first call gives up on rank 1 and
-its second finds the group failed; only then does rank 1 make its first call. Rank 1 must get the
-sum with rank 0's first input, or NaN; before the barriers took their arrivals back, 1stage and the
-pulled exchange gave rank 1 the sum with rank 0's second input. Every kernel, eager and replayed
-from a torch.cuda.graph and a graphar.graph.
+- A late but alive peer: rank 0 calls twice in a row, alone, so its first call gives up on rank 1
+  and its second finds the group failed; only then does rank 1 make its first call. Rank 1 must get
+  the sum with rank 0's first input, or NaN; before the barriers took their arrivals back, 1stage and
+  the pulled exchange gave rank 1 the sum with rank 0's second input. Every kernel, eager and
+  replayed from a torch.cuda.graph and a graphar.graph.
+- Two streams on one communicator, unordered: a graph replay beside eager calls or beside another
+  graph's replay, 1000 times (ITERATIONS).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from graphar.comm.communicator import Communicator
 pytestmark = pytest.mark.gpu
 
 TIMEOUT_S = 2.0
+ITERATIONS = 1000
 # rank 0's two calls, then rank 1's: rank 1 must see FIRST + LATE or NaN, never SECOND + LATE.
 FIRST, SECOND, LATE = 1.0, 100.0, 10.0
 
@@ -136,3 +139,61 @@ def _late_peer(rank: int, world_size: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_late_peer_gets_the_right_sum_or_nan(kind: str) -> None:
     run_workers(_late_peer, 2, kind, timeout_s=120)
+
+
+def _captured(case: Case) -> Callable[[], torch.Tensor]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = case.run()
+    return lambda: graph.replay() or out
+
+
+def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
+    """A graph replayed on one stream and, unordered with it, an eager call (or a second graph's replay)
+    of the same communicator on another: each output is right or NaN, and a NaN comes with an error at
+    the next host call. In one process the two streams' kernels do run at once."""
+    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if kind == "pushed exchange" else "pull"
+    comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S)
+    cases = [KINDS[kind](comm), KINDS[kind](comm)]
+    for case in cases:
+        case.x.fill_(LATE)
+        case.run()  # sizes the exchange buffer (collective), warms up before the captures
+    torch.cuda.synchronize()
+    calls = [_captured(cases[0]), _captured(cases[1]) if other == "replay" else cases[1].run]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    failed_at = None
+    for i in range(ITERATIONS):
+        values = [[float((r + 1) * (i % 7 + 1)) for r in range(world_size)],
+                  [float((r + 1) * (i % 5 + 9)) for r in range(world_size)]]  # fmt: skip
+        outs: list[torch.Tensor | None] = []
+        for case, call, stream, v in zip(cases, calls, streams, values):
+            with torch.cuda.stream(stream):
+                case.x.fill_(v[rank])
+                try:
+                    outs.append(call())
+                except graphar.GrapharCommError:  # an eager call after the failure: the error, at once
+                    assert failed_at is not None or not comm.usable, "an eager call raised on a healthy communicator"
+                    outs.append(None)
+        torch.cuda.synchronize()
+        for n, (case, out, v) in enumerate(zip(cases, outs, values)):
+            if out is None or _right_or_nan(out, case.right(v), f"{kind}, replay beside {other}, iteration {i}, "
+                                                                  f"call {n}"):  # fmt: skip
+                failed_at = i if failed_at is None else failed_at
+                _raises_at_next_host_call(comm, f"{kind} beside {other}")
+    print(f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
+          f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}")
+    dist.barrier()
+    comm.close()
+
+
+# The Triton pack of an exchange claims nothing: beside an eager exchange, a replayed one's pack can
+# overwrite the buffer the other's copy is reading (seen on one shared H200: finite wrong values). Two
+# replays are caught at the copy's claim. docs/design.md, the failure model.
+_PACK_RACE = pytest.mark.xfail(reason="an exchange's pack kernel does not claim the communicator", strict=False)
+TWO_STREAMS = [pytest.param(kind, other, marks=[_PACK_RACE] if "exchange" in kind and other == "eager" else [])
+               for kind in KINDS for other in ("eager", "replay")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, other", TWO_STREAMS)
+def test_two_streams_on_one_communicator_are_right_or_an_error(kind: str, other: str) -> None:
+    run_workers(_two_streams, 2, kind, other, timeout_s=120)
