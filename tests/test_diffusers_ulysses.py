@@ -131,6 +131,20 @@ class <lambda>(torch.nn.Module):
         _, _, counts = post_grad_graphs(diffusers_ulysses, *qkv, config=PIPELINE)
         self.assertEqual(counts, {"ulysses_attention": 1})
 
+    def test_counts_name_the_ops_the_graph_holds(self) -> None:
+        # Two attention layers: with the pipeline on, its ops hold all four exchanges, none is left.
+        def two_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            x = diffusers_ulysses(q, k, v) + q  # a residual between the layers, as in a transformer block
+            return diffusers_ulysses(x, x, x)
+
+        for config, expected in ((ONLY_QKV, {"qkv_all_to_all": 2, "heads_to_seq_all_to_all": 2}),
+                                 (PIPELINE, {"ulysses_attention": 2})):
+            with self.subTest(attention_chunks=config.attention_chunks):
+                _, after, counts = post_grad_graphs(two_layers, *_qkv(), config=config)
+                self.assertEqual(counts, expected)
+                self.assertEqual(after.count("torch.ops.graphar."), 2 * len(expected))
+                self.assertNotIn("all_to_all_single", after)
+
     def test_cross_attention_lengths_leave_qkv_unpacked(self) -> None:
         # diffusers lets K/V be shorter than Q; Q/K/V are then no triplet, the output still is rewritten.
         with self.assertLogs("graphar", "INFO") as logs:

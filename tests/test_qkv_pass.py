@@ -380,6 +380,11 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(made, {})
         self.assertEqual(before, after)
 
+    def test_ops_the_model_calls_itself_are_not_counted(self) -> None:
+        _, after, made = graphs(lambda q, k, v: torch.ops.graphar.qkv_all_to_all(q, k, v, "0"), *_qkv())
+        self.assertEqual(made, {})
+        self.assertIn("graphar.qkv_all_to_all", after)
+
     def test_every_rank_rewrites_alike(self) -> None:
         _, after_rank0, _ = graphs(ulysses_dim2, *_qkv(b=2))
         _init_fake_world(rank=1)
