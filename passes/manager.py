@@ -1,7 +1,9 @@
 """The pass manager: one object owns the pass list, its config and its cache key; and the report of
 what it rewrote, which holds also when Inductor serves a compiled graph from its cache.
 
-The pass adds its counts to `counters["inductor"]` under `graphar_<rewrite>`: Inductor stores those
+The report counts the graphar ops the pass leaves in the graph, by op name, once all its rewrites
+ran: a rewrite that absorbs another's ops (the attention pipeline absorbs the exchanges) lowers their
+count. The pass adds them to `counters["inductor"]` under `graphar_<op>`: Inductor stores those
 deltas with each compiled graph and adds them again when its FX-graph or AOTAutograd cache serves
 it, though our pass does not run then. At the end of every Dynamo compile, `report()` moves what
 arrived there into `counters["graphar"]` and logs it, so a rank that hit the cache reports what a
@@ -11,6 +13,7 @@ rank that compiled reports.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +46,11 @@ def compact(graph: torch.fx.Graph) -> str:
     )
 
 
+def _graphar_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's calls of graphar's ops."""
+    return [n for n in graph.nodes if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "graphar"]
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -50,33 +58,35 @@ def _world_size() -> int:
 class GrapharPass(CustomGraphPass):
     """Rewrites collectives into graphar's ops, after any pass that was already installed.
 
-    `counts` holds the number of rewrites of the last call, by rewrite name; the totals add up in
-    `torch._dynamo.utils.counters["graphar"]`.
+    `counts` holds, for the last call, the graphar ops the pass left in the graph by op name (e.g.
+    `qkv_all_to_all`, `ulysses_attention`); the totals add up in `torch._dynamo.utils.counters["graphar"]`.
     """
 
     def __init__(self, config: Config | None = None, previous: Callable[[torch.fx.Graph], Any] | None = None):
         self.config = config or Config()
         self.previous = previous
-        self.passes: list[tuple[str, Callable[[torch.fx.Graph, Config], int]]] = []
+        self.passes: list[Callable[[torch.fx.Graph, Config], int]] = []
         if self.config.all_reduce:
-            self.passes.append(("all_reduce", rewrite_all_reduces))
+            self.passes.append(rewrite_all_reduces)
             if self.config.fuse_norm:  # it fuses graphar::all_reduce, which the rewrite above makes
-                self.passes.append(("fuse_norm", fuse_all_reduce_norms))
+                self.passes.append(fuse_all_reduce_norms)
         if self.config.qkv_all_to_all:
-            self.passes.append(("qkv_all_to_all", rewrite_qkv_triplets))
+            self.passes.append(rewrite_qkv_triplets)
             if self.config.attention_chunks > 1:  # it pipelines the exchanges the rewrite above makes
-                self.passes.append(("ulysses_attention", rewrite_ulysses_attention))
-        self.counts: dict[str, int] = {}
+                self.passes.append(rewrite_ulysses_attention)
+        self.counts: Counter[str] = Counter()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.previous is not None:
             self.previous(graph)
         show = graph_log.isEnabledFor(logging.DEBUG)
         before = compact(graph) if show else ""
-        self.counts = {name: rewrite(graph, self.config) for name, rewrite in self.passes}
-        if any(self.counts.values()):
+        already = set(_graphar_nodes(graph))  # not the pass's: a model may call graphar's ops itself
+        changed = [rewrite(graph, self.config) for rewrite in self.passes]
+        if any(changed):
             graph.eliminate_dead_code()
             graph.lint()
+        self.counts = Counter(n.target.overloadpacket.__name__ for n in _graphar_nodes(graph) if n not in already)
         for name, count in self.counts.items():
             counters["inductor"][_PREFIX + name] += count
         _report.passes_run += 1

@@ -69,8 +69,9 @@ def all_post_grad_graphs(
     recorders: list[Any] | None = None,
 ) -> list[tuple[str, str, dict[str, int]]]:
     """(before, after, counts) for every graph `fn` compiles to, in order (graph breaks allowed
-    with fullgraph=False). `dynamic` is torch.compile's; `torch._dynamo.mark_dynamic` on the
-    arguments works too. `recorders`, when given, receives each graph's recording pass."""
+    with fullgraph=False); counts: the graphar ops the pass left in the graph, by name. `dynamic`
+    is torch.compile's; `torch._dynamo.mark_dynamic` on the arguments works too. `recorders`, when
+    given, receives each graph's recording pass."""
     results = []
 
     def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]):

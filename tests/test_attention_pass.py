@@ -49,7 +49,7 @@ class AttentionPassTest(TestCase):
     def test_block_attention_becomes_one_pipelined_op(self) -> None:
         block = UlyssesBlock(8, 8, 16, _weight, exact=False)
         _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128), config=PIPELINE)
-        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+        self.assertEqual(counts, {"ulysses_attention": 1})  # no exchange left: they are in it
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 6, 128]", arg1_1: "f32[128, 128]", arg2_1: "f32[128, 128]", arg3_1: "f32[128, 128]"):
@@ -73,14 +73,14 @@ class <lambda>(torch.nn.Module):
     def test_causal_and_scale_travel_with_the_op(self) -> None:
         _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25),
                                             *_qkv(), config=PIPELINE)  # fmt: skip
-        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2, 'flash')", after)
 
     def test_gqa_with_a_kernel_that_takes_it(self) -> None:
         # The CPU flash kernel takes fewer K/V heads itself; the op runs SDPA with enable_gqa.
         _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4),
                                             config=PIPELINE)  # fmt: skip
-        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
 
     def test_contiguous_output_as_diffusers_writes_it(self) -> None:
@@ -89,7 +89,7 @@ class <lambda>(torch.nn.Module):
             return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).contiguous())
 
         _, after, counts = post_grad_graphs(contiguous, *_qkv(), config=PIPELINE)
-        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertEqual(counts, {"ulysses_attention": 1})
 
     def test_the_benchmark_block_gets_the_op(self) -> None:
         # QK-norm and RoPE before the exchange, a contiguous output and a projection after it.
@@ -98,7 +98,7 @@ class <lambda>(torch.nn.Module):
         block = Block((1, 12, 8, 16), rank=0, world_size=2, exchange=True, device="cpu")
         with torch.no_grad():
             _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128, dtype=torch.bfloat16), config=PIPELINE)
-        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+        self.assertEqual(counts, {"ulysses_attention": 1})
 
     def test_heads_at_dim_1_as_xdit_writes_it(self) -> None:
         def xdit(q, k, v):  # [b, h, S, d] in and out, functional collectives
@@ -108,7 +108,7 @@ class <lambda>(torch.nn.Module):
         gen = torch.Generator().manual_seed(0)
         qkv = [torch.randn(1, 8, 6, 16, generator=gen) for _ in range(3)]
         _, after, counts = post_grad_graphs(xdit, *qkv, config=PIPELINE)
-        self.assertEqual((counts["qkv_all_to_all"], counts["ulysses_attention"]), (2, 1))
+        self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 8, 6, 16]", arg1_1: "f32[1, 8, 6, 16]", arg2_1: "f32[1, 8, 6, 16]"):
@@ -121,7 +121,7 @@ class <lambda>(torch.nn.Module):
         return (clone_default,)
 """)
         _, after, counts = post_grad_graphs(xdit, *qkv)  # without the overlap, the output stays on NCCL
-        self.assertEqual(counts["qkv_all_to_all"], 1)
+        self.assertEqual(counts, {"qkv_all_to_all": 1})
 
     def test_gqa_with_kv_repeated_as_hf_writes_it(self) -> None:
         def repeat_kv(x, n):  # HF's repeat_kv
@@ -137,7 +137,7 @@ class <lambda>(torch.nn.Module):
                 return heads_to_seq_unpacked(o)
 
             _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
-            self.assertEqual(counts["ulysses_attention"], 1)
+            self.assertEqual(counts, {"ulysses_attention": 1})
             self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')",
                           after)  # fmt: skip
 
@@ -148,7 +148,7 @@ class <lambda>(torch.nn.Module):
             torch._dynamo.mark_dynamic(t, (0, 1))
         _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv,
                                             config=PIPELINE)  # fmt: skip
-        self.assertEqual(counts["ulysses_attention"], 1)
+        self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s25)", arg1_1: "f32[1, s25, 8, 16]", arg2_1: "Sym(s25)", arg3_1: "f32[1, s25, 8, 16]", arg4_1: "Sym(s25)", arg5_1: "f32[1, s25, 8, 16]"):

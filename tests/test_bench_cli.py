@@ -210,10 +210,10 @@ def _agreement_worker(rank: int, port: int) -> None:
         assert ranks.measured(lambda: "graph", lambda graph: 2.0 + rank, "capture", reasons, "col") == 2.0 + rank
         assert ranks.verdict(lambda: "WRONG" if rank == 1 else None, "check", reasons, "c") == "WRONG"
         assert ranks.verdict(lambda: None, "check", reasons, "c") is None
-        made = {"fuse_norm": 2} if rank == 0 else {}
-        assert ranks.rewritten(made, "fuse_norm", reasons, "(d)") == "not rewritten"
-        assert reasons["(d)"] == "not rewritten: no fuse_norm rewrite, rewrites {}"
-        assert ranks.rewritten({"fuse_norm": 1}, "fuse_norm", reasons, "(e)") is None
+        made = {"all_reduce_add_rms_norm": 2} if rank == 0 else {}
+        assert ranks.rewritten(made, "all_reduce_add_rms_norm", reasons, "(d)") == "not rewritten"
+        assert reasons["(d)"] == "not rewritten: no all_reduce_add_rms_norm rewrite, rewrites {}"
+        assert ranks.rewritten({"all_reduce_add_rms_norm": 1}, "all_reduce_add_rms_norm", reasons, "(e)") is None
         # After each unit, rank 0 gets the cells so far (max over ranks) to write.
         written: list[tuple] = []
         common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit + rank)},

@@ -40,13 +40,15 @@ def _marked(dim: int | tuple[int, ...], *tensors: torch.Tensor) -> tuple[torch.T
     return tensors
 
 
-def graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = None) -> tuple[str, str, int, list[str]]:
-    """(before, after, rewrites, guards and asserts graphar's pass added) of the one graph `fn` compiles to."""
+def graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = None
+           ) -> tuple[str, str, dict[str, int], list[str]]:
+    """(before, after, graphar ops made, guards and asserts graphar's pass added) of the one graph `fn`
+    compiles to."""
     recorders: list[Any] = []
     ((before, after, counts),) = all_post_grad_graphs(fn, *args, config=ONLY_QKV, dynamic=dynamic,
                                                       recorders=recorders)
     before, after, *facts = _symbols([normalise(before), normalise(after), *recorders[0].new_facts])
-    return before, after, counts["qkv_all_to_all"], facts
+    return before, after, dict(counts), facts
 
 
 def seq_to_heads_rank_minor(x: torch.Tensor) -> torch.Tensor:
@@ -60,8 +62,8 @@ def seq_to_heads_rank_minor(x: torch.Tensor) -> torch.Tensor:
 class DynamicQkvPassTest(FakeWorldTestCase):
     def test_heads_at_dim_2_dynamic_sequence(self) -> None:
         # Q, K and V as separate inputs: one symbol each, tied by the pass's one guard.
-        before, after, count, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8)))
-        self.assertEqual(count, 2)
+        before, after, made, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8)))
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s1, s2)"])  # symbols to each other, never to a number
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):
@@ -130,8 +132,8 @@ class <lambda>(torch.nn.Module):
 
     def test_heads_at_dim_1_dynamic_sequence(self) -> None:
         q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv(s=8))  # [b, h, S, d]
-        _, after, count, facts = graphs(ulysses_dim1, *_marked(2, q, k, v))
-        self.assertEqual(count, 1)
+        _, after, made, facts = graphs(ulysses_dim1, *_marked(2, q, k, v))
+        self.assertEqual(made, {"qkv_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s0, s2)"])
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -152,8 +154,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_gqa_dynamic_sequence(self) -> None:
-        _, after, count, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8, h_kv=2)))
-        self.assertEqual(count, 2)
+        _, after, made, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8, h_kv=2)))
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s1, s2)"])
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -173,8 +175,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_dynamic_batch(self) -> None:
-        _, after, count, facts = graphs(ulysses_dim2, *_marked(0, *_qkv(b=2)))
-        self.assertEqual(count, 2)
+        _, after, made, facts = graphs(ulysses_dim2, *_marked(0, *_qkv(b=2)))
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -198,8 +200,8 @@ class <lambda>(torch.nn.Module):
             b, s, _ = x.shape
             return ulysses_dim2(*((x + i).view(b, s, 4, 8) for i in range(3)))
 
-        _, after, count, facts = graphs(block, torch.randn(2, 8, 32), dynamic=True)
-        self.assertEqual(count, 2)
+        _, after, made, facts = graphs(block, torch.randn(2, 8, 32), dynamic=True)
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -226,8 +228,8 @@ class <lambda>(torch.nn.Module):
 
     def test_output_exchange_dynamic_sequence(self) -> None:
         # The sequence is divided by the world size in the user's reshape: Dynamo's guard proves it.
-        _, after, count, facts = graphs(heads_to_seq_unpacked, *_marked(1, torch.randn(2, 8, 2, 8)))
-        self.assertEqual(count, 1)
+        _, after, made, facts = graphs(heads_to_seq_unpacked, *_marked(1, torch.randn(2, 8, 2, 8)))
+        self.assertEqual(made, {"heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -238,8 +240,8 @@ class <lambda>(torch.nn.Module):
 
     def test_dim_0_not_provably_divisible_is_left_alone(self) -> None:
         args = _marked(0, torch.randn(6, 3), torch.randn(6), torch.randn(6, 5))
-        before, after, count, facts = graphs(three_exchanges, *args)
-        self.assertEqual((count, facts), (0, []))
+        before, after, made, facts = graphs(three_exchanges, *args)
+        self.assertEqual((made, facts), ({}, []))
         self.assertEqual(before, after)
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
@@ -267,19 +269,19 @@ class <lambda>(torch.nn.Module):
                 torch._check(t.shape[0] % WORLD == 0)
             return three_exchanges(a, b, c)
 
-        _, after, count, facts = graphs(checked, *args)
-        self.assertEqual((count, facts), (1, []))
+        _, after, made, facts = graphs(checked, *args)
+        self.assertEqual((made, facts), ({"packed_all_to_all_single": 1}, []))
         self.assertIn("graphar.packed_all_to_all_single", after)
 
     def test_not_a_relayout_is_left_alone(self) -> None:
-        before, after, count, facts = graphs(seq_to_heads_rank_minor, *_marked(1, _qkv(s=8)[0]))
-        self.assertEqual((count, facts), (0, []))
+        before, after, made, facts = graphs(seq_to_heads_rank_minor, *_marked(1, _qkv(s=8)[0]))
+        self.assertEqual((made, facts), ({}, []))
         self.assertEqual(before, after)
 
     def test_q_and_k_of_different_lengths_are_not_tied(self) -> None:
         q, _, _ = _qkv(s=8)
         _, k, v = _qkv(s=6)
-        _, after, count, facts = graphs(ulysses_dim2, *_marked(1, q, k, v))
-        self.assertEqual((count, facts), (1, []))  # the output exchange alone; no guard
+        _, after, made, facts = graphs(ulysses_dim2, *_marked(1, q, k, v))
+        self.assertEqual((made, facts), ({"heads_to_seq_all_to_all": 1}, []))  # the output exchange alone; no guard
         self.assertNotIn("graphar.qkv_all_to_all", after)
         self.assertIn("graphar.heads_to_seq_all_to_all", after)

@@ -67,14 +67,15 @@ def _qkv(b: int = 1, s: int = 4, h: int = 4, h_kv: int | None = None, d: int = 8
     return tuple(torch.randn(b, s, heads, d, dtype=dtype) for heads in (h, h_kv or h, h_kv or h))
 
 
-def graphs(fn: Callable[..., Any], *args: Any) -> tuple[str, str, int]:
+def graphs(fn: Callable[..., Any], *args: Any) -> tuple[str, str, dict[str, int]]:
+    """(before, after, the graphar ops the pass made, by name)."""
     before, after, counts = post_grad_graphs(fn, *args, config=ONLY_QKV)
-    return normalise(before), normalise(after), counts["qkv_all_to_all"]
+    return normalise(before), normalise(after), dict(counts)
 
 
-def graphs_with_breaks(fn: Callable[..., Any], *args: Any) -> list[tuple[str, str, int]]:
-    """(before, after, count) for every graph `fn` compiles to (graph breaks allowed)."""
-    return [(normalise(before), normalise(after), counts["qkv_all_to_all"])
+def graphs_with_breaks(fn: Callable[..., Any], *args: Any) -> list[tuple[str, str, dict[str, int]]]:
+    """(before, after, ops made) for every graph `fn` compiles to (graph breaks allowed)."""
+    return [(normalise(before), normalise(after), dict(counts))
             for before, after, counts in all_post_grad_graphs(fn, *args, config=ONLY_QKV, fullgraph=False)]
 
 
@@ -90,8 +91,8 @@ class FakeWorldTestCase(TestCase):
 
 class QkvPassTest(FakeWorldTestCase):
     def test_heads_at_dim_2_in_place_c10d(self) -> None:
-        before, after, count = graphs(ulysses_dim2, *_qkv())
-        self.assertEqual(count, 2)  # the Q/K/V triplet and the output exchange
+        before, after, made = graphs(ulysses_dim2, *_qkv())
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 4, 8]", arg2_1: "f32[1, 4, 4, 8]"):
@@ -155,8 +156,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_heads_at_dim_2_batch_2(self) -> None:
-        _, after, count = graphs(ulysses_dim2, *_qkv(b=2))
-        self.assertEqual(count, 2)
+        _, after, made = graphs(ulysses_dim2, *_qkv(b=2))
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
@@ -175,8 +176,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_heads_at_dim_1_functional(self) -> None:
-        before, after, count = graphs(ulysses_dim1, *(t.transpose(1, 2).contiguous() for t in _qkv(b=2)))
-        self.assertEqual(count, 1)
+        before, after, made = graphs(ulysses_dim1, *(t.transpose(1, 2).contiguous() for t in _qkv(b=2)))
+        self.assertEqual(made, {"qkv_all_to_all": 1})
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
@@ -227,8 +228,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_gqa(self) -> None:
-        _, after, count = graphs(ulysses_dim2, *_qkv(h=4, h_kv=2))
-        self.assertEqual(count, 2)
+        _, after, made = graphs(ulysses_dim2, *_qkv(h=4, h_kv=2))
+        self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 2, 8]", arg2_1: "f32[1, 4, 2, 8]"):
@@ -247,8 +248,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_not_a_relayout_becomes_packed_all_to_all(self) -> None:
-        before, after, count = graphs(three_exchanges, torch.randn(4, 3), torch.randn(6), torch.randn(2, 5, 2))
-        self.assertEqual(count, 1)
+        before, after, made = graphs(three_exchanges, torch.randn(4, 3), torch.randn(6), torch.randn(2, 5, 2))
+        self.assertEqual(made, {"packed_all_to_all_single": 1})
         self.assertExpectedInline(before, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[6]", arg2_1: "f32[2, 5, 2]"):
@@ -283,8 +284,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def assert_untouched(self, fn: Callable[..., Any], *args: Any) -> None:
-        before, after, count = graphs(fn, *args)
-        self.assertEqual(count, 0)
+        before, after, made = graphs(fn, *args)
+        self.assertEqual(made, {})
         self.assertEqual(before, after)
         self.assertIn("_c10d_functional.all_to_all_single", after)
 
@@ -315,7 +316,7 @@ class <lambda>(torch.nn.Module):
             return q, k, seq_to_heads_unpacked(v)
 
         results = graphs_with_breaks(broken, *_qkv())
-        self.assertEqual([count for _, _, count in results], [0, 0])
+        self.assertEqual([made for _, _, made in results], [{}, {}])
         self.assertTrue(all(before == after for before, after, _ in results))
         self.assertExpectedInline(results[0][1], """\
 class <lambda>(torch.nn.Module):
@@ -344,8 +345,8 @@ class <lambda>(torch.nn.Module):
             q, k, v = (seq_to_heads_unpacked(seq_to_heads_unpacked(t)) for t in (q, k, v))
             return q - 3 * k + v
 
-        _, after, count = graphs(two_levels, *_qkv(b=2))
-        self.assertEqual(count, 2)
+        _, after, made = graphs(two_levels, *_qkv(b=2))
+        self.assertEqual(made, {"qkv_all_to_all": 2})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
@@ -364,8 +365,8 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_single_output_exchange(self) -> None:
-        _, after, count = graphs(heads_to_seq_unpacked, torch.randn(2, 8, 2, 8))
-        self.assertEqual(count, 1)
+        _, after, made = graphs(heads_to_seq_unpacked, torch.randn(2, 8, 2, 8))
+        self.assertEqual(made, {"heads_to_seq_all_to_all": 1})
         self.assertExpectedInline(after, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 2, 8]"):
@@ -374,10 +375,15 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_excluded_group_is_left_alone(self) -> None:
-        before, after, count = post_grad_graphs(ulysses_dim2, *_qkv(), config=Config(all_reduce=False,
-                                                                                    exclude_groups=("0",)))
-        self.assertEqual(count["qkv_all_to_all"], 0)
+        before, after, made = post_grad_graphs(ulysses_dim2, *_qkv(), config=Config(all_reduce=False,
+                                                                                   exclude_groups=("0",)))
+        self.assertEqual(made, {})
         self.assertEqual(before, after)
+
+    def test_ops_the_model_calls_itself_are_not_counted(self) -> None:
+        _, after, made = graphs(lambda q, k, v: torch.ops.graphar.qkv_all_to_all(q, k, v, "0"), *_qkv())
+        self.assertEqual(made, {})
+        self.assertIn("graphar.qkv_all_to_all", after)
 
     def test_every_rank_rewrites_alike(self) -> None:
         _, after_rank0, _ = graphs(ulysses_dim2, *_qkv(b=2))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -136,16 +137,16 @@ def separate_qkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def _rewrites_per_call(rank: int, name: str, model: Callable[..., torch.Tensor],
-                       calls: list[tuple[torch.Tensor, ...]]) -> list[int]:
+                       calls: list[tuple[torch.Tensor, ...]]) -> list[dict[str, int]]:
     """Compile `model` once (default torch.compile: a new shape recompiles with dynamic sizes), call it
-    with each argument tuple, check each output against eager; the pass's rewrites made by each call."""
+    with each argument tuple, check each output against eager; the graphar ops each call compiled in."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="graphar", fullgraph=True)
     counts = []
     for args in calls:
-        before = counters["graphar"]["qkv_all_to_all"]
+        before = Counter(counters["graphar"])
         actual = compiled(*args)
-        counts.append(counters["graphar"]["qkv_all_to_all"] - before)
+        counts.append(dict(Counter(counters["graphar"]) - before))
         if not torch.equal(actual, model(*args)):
             raise AssertionError(f"rank {rank} {name}: compiled output differs from eager at {args[0].shape}")
     return counts
@@ -161,19 +162,20 @@ def _dynamic_worker(rank: int, port: int) -> None:
         return tuple(_integers(1, s, 4, 8, dtype=torch.float32, seed=10 * rank + i) for i in range(3))
 
     block = _block(4, 2, 8, torch.float32, exact=True)
-    # Rewrites per call: a compile gets 2 (Q/K/V, output) whether static (first call) or dynamic (a
-    # call with a new sequence or batch); a call served by the dynamic graph compiles nothing.
+    # Ops per call: a compile gets both exchanges whether static (first call) or dynamic (a call with
+    # a new sequence or batch); a call served by the dynamic graph compiles nothing.
+    both = {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1}
     cases = {
-        "q, k, v inputs, sequence 8, 16, 24": (separate_qkv_attention, [qkv(s) for s in (8, 16, 24)], [2, 2, 0]),
+        "q, k, v inputs, sequence 8, 16, 24": (separate_qkv_attention, [qkv(s) for s in (8, 16, 24)], [both, both, {}]),
         "block, sequence 24, 16, 8, then batch 2, 3": (
-            block, [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)], [2, 2, 0, 2, 0]),
+            block, [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)], [both, both, {}, both, {}]),
     }
     try:
         with torch.no_grad():
             for name, (model, calls, expected) in cases.items():
                 counts = _rewrites_per_call(rank, name, model, calls)
                 if counts != expected:
-                    raise AssertionError(f"rank {rank} {name}: rewrites per call {counts}, expected {expected}")
+                    raise AssertionError(f"rank {rank} {name}: graphar ops per call {counts}, expected {expected}")
     finally:
         dist.destroy_process_group()
     end_worker()

@@ -67,7 +67,7 @@ def check_compiled_fused_norm(comm, rank: int) -> None:
             assert torch.equal(h, want_h), f"compiled fused norm {options}, batch {batch}: the residual stream"
             err = ((normed - norm(want_h)).abs() / norm(want_h).abs().clamp_min(1e-3)).max().item()
             assert err <= 2**-20, f"compiled fused norm {options}, batch {batch}: {err}"
-        assert counters["graphar"]["fuse_norm"] >= 1, f"not fused: {dict(counters['graphar'])}"
+        assert counters["graphar"]["all_reduce_add_rms_norm"] >= 1, f"not fused: {dict(counters['graphar'])}"
     torch._dynamo.reset()
 
 

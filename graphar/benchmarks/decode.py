@@ -43,7 +43,7 @@ VARIANTS = (INDUCTOR, ZERO_COPY, COPY_IN, FUSED, PUSH)
 LABELS = {v: f"({'abcde'[i]}) {v}" for i, v in enumerate(VARIANTS)}  # as the table and the plot name them
 CAPTURE_ORDER = (INDUCTOR, COPY_IN, ZERO_COPY, FUSED, PUSH)  # (c) compiles the graphar step (b) and (e) reuse
 # The rewrite a variant is about: without it, it would time the unfused path under its name.
-EXPECTED_REWRITES = {FUSED: "fuse_norm"}
+EXPECTED_REWRITES = {FUSED: "all_reduce_add_rms_norm"}
 DIFF_COLUMNS = {ZERO_COPY: "max abs diff (a, b)", FUSED: "max abs diff (a, d)", PUSH: "max abs diff (a, e)"}
 CHECK_COLUMNS = (*DIFF_COLUMNS.values(), "(b) == (c) bits", "ranks equal")
 # A diff above this fraction of the output's largest magnitude is flagged: far above bf16 rounding

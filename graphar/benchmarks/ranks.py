@@ -6,8 +6,8 @@
     attempt(fn, what)                   fn() on every rank, (value, None), or (None, why) on every rank if one raised
     verdict(fn, what, reasons, key)     a check's cell ("WRONG", ...; "err" if it raised), alike on every rank
     measured(prepare, time_it, ...)     a timed cell: prepare() (a capture) agreed, then time_it(it); else "err"
-    counting_rewrites()                 the graphar rewrites compiled within a with block
-    rewritten(made, expected, ...)      "not rewritten" on every rank unless the expected rewrite was made
+    counting_rewrites()                 the graphar ops compiled within a with block
+    rewritten(made, expected, ...)      "not rewritten" on every rank unless the expected op was compiled
 
 Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
 timeout: a decision taken before a collective (eligible? did the capture work? did the check pass?)
@@ -96,8 +96,8 @@ def measured(prepare: Callable[[], T], time_it: Callable[[T], float], what: str,
 
 @contextlib.contextmanager
 def counting_rewrites() -> Iterator[Counter[str]]:
-    """The graphar rewrites (torch._dynamo.utils.counters["graphar"]) made within the block. Compiles
-    are lazy: the block must hold the compiled function's first call."""
+    """The graphar ops compiled within the block, by op name (torch._dynamo.utils.counters["graphar"]).
+    Compiles are lazy: the block must hold the compiled function's first call."""
     from torch._dynamo.utils import counters
 
     before = Counter(counters["graphar"])
@@ -109,7 +109,7 @@ def counting_rewrites() -> Iterator[Counter[str]]:
 
 
 def rewritten(made: Mapping[str, int], expected: str, reasons: dict[str, str], key: str) -> str | None:
-    """Collective: None when every rank's compile made the `expected` rewrite, else "not rewritten" on
+    """Collective: None when every rank's compile made the `expected` op, else "not rewritten" on
     every rank (the counts in reasons[key]): the variant would time graphar's fallback under its name."""
     problem = agree(None if made.get(expected) else f"not rewritten: no {expected} rewrite, rewrites {dict(made)}")
     if problem is not None:

@@ -135,7 +135,7 @@ def _capture_modes(rank: int, world_size: int) -> None:
                     torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
                 assert_equal_across_ranks(got[0], "reduce-overhead fused block")
         assert comm.allreduce.calls > calls
-        assert torch._dynamo.utils.counters["graphar"]["fuse_norm"] >= 1, "no fusion in the graph"
+        assert torch._dynamo.utils.counters["graphar"]["all_reduce_add_rms_norm"] >= 1, "no fusion in the graph"
     finally:
         comm.close()
 
