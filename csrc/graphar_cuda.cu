@@ -1,5 +1,6 @@
 // The C ABI of graphar_cuda.h, and the one translation unit graphar/_cuda.py compiles: it includes
-// the communicator's lifecycle (comm.cuh) and the launches (launch.cuh), and holds the entry points
+// the communicator's lifecycle (comm.cuh), its graph slots (graph_slots.cuh) and the launches
+// (launch.cuh), and holds the entry points
 // that need no communicator (errors, build id, pointer and IPC queries).
 #include <cuda.h>  // driver types only: the driver entry point is resolved at run time, no -lcuda
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "comm.cuh"
+#include "graph_slots.cuh"
 #include "graphar_cuda.h"
 #include "host.cuh"
 #include "launch.cuh"
