@@ -20,7 +20,7 @@ diffusers = pytest.importorskip("diffusers")
 CHUNKS = (0, 2)
 
 
-def wan(setting: Setting) -> tuple[torch.nn.Module, dict[str, Any]]:
+def wan() -> tuple[torch.nn.Module, dict[str, Any]]:
     """2 blocks, 4 heads of 16; a 2-frame 8x8 latent: 32 tokens, 16 a rank."""
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
@@ -32,7 +32,7 @@ def wan(setting: Setting) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, inputs
 
 
-def flux(setting: Setting) -> tuple[torch.nn.Module, dict[str, Any]]:
+def flux() -> tuple[torch.nn.Module, dict[str, Any]]:
     """One double-stream and one single-stream block, 4 heads of 16; 32 image and 8 text tokens."""
     model = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -54,27 +54,32 @@ def enable_ulysses(model: torch.nn.Module) -> None:
         model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
 
 
+def _compiled(name: str, model: torch.nn.Module, inputs: dict[str, Any], want: torch.Tensor, setting: Setting,
+              backend: str, chunks: int = 0) -> Run:  # fmt: skip
+    with measured(name) as result:
+        compiled = setting.compile(model, backend, options={"attention_chunks": chunks})
+        result.compare(compiled(**inputs, return_dict=False)[0], want)
+    return result
+
+
 def run(rank: int, setting: Setting) -> list[Run]:
     """Each model compiled with each CHUNKS; where that breaks the graph, with backend="inductor" too,
     to compare the breaks."""
     runs = []
     for build in (wan, flux):
         torch.manual_seed(0)
-        model, inputs = build(setting)
+        model, inputs = build()
         model = model.to(setting.device, setting.dtype).eval()
         inputs = {k: v.to(setting.device, setting.dtype if v.is_floating_point() else None) for k, v in inputs.items()}
         enable_ulysses(model)
+        name = f"diffusers {build.__name__}"
         with torch.no_grad():
             want = model(**inputs, return_dict=False)[0]
-            compiles = [(f"attention_chunks={chunks}", "graphar", chunks) for chunks in CHUNKS]
-            while compiles:
-                what, backend, chunks = compiles.pop(0)
-                with measured(f"diffusers {build.__name__} {what}") as result:
-                    compiled = setting.compile(model, backend, options={"attention_chunks": chunks})
-                    result.compare(compiled(**inputs, return_dict=False)[0], want)
-                runs.append(result)
-                if result.graph_breaks and backend == "graphar" and not compiles:
-                    compiles.append(("backend=inductor", "inductor", 0))
+            graphar_runs = [_compiled(f"{name} attention_chunks={c}", model, inputs, want, setting, "graphar", c)
+                            for c in CHUNKS]  # fmt: skip
+            runs += graphar_runs
+            if any(r.graph_breaks for r in graphar_runs):
+                runs.append(_compiled(f"{name} backend=inductor", model, inputs, want, setting, "inductor"))
     return runs
 
 
