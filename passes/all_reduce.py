@@ -126,8 +126,16 @@ def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
                     match.group_name, limit)  # fmt: skip
 
 
+# Collectives graphar has no op for (sequence parallelism's, FSDP's): named in the log, so that a user
+# reading it sees why they stay on the process group's collective.
+_NO_GRAPHAR_OP = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+
+
 def rewrite_all_reduces(graph: torch.fx.Graph, config: Config) -> int:
     """Rewrite every eligible all-reduce in `graph`; returns how many were rewritten."""
+    for target in _NO_GRAPHAR_OP:
+        for node in graph.find_nodes(op="call_function", target=target):
+            log.info("graphar: %s left on its collective: graphar has no op for it", node.name)
     count = 0
     for match in _find_matches(graph):
         reason = _reason_to_skip(match, config)

@@ -1,5 +1,5 @@
-"""The one-GPU tools (tools/one_gpu_check.py, tools/one_gpu_bench.py) run only on GPU machines; here,
-on the CPU, they are kept from rotting: they import, their CLIs answer, everything they relax in
+"""The one-GPU tools (tools/one_gpu_check.py, tools/one_gpu_bench.py, tools/one_gpu_clients.py) run only
+on GPU machines; here, on the CPU, they are kept from rotting: they import, their CLIs answer, everything they relax in
 graphar still exists (a renamed function would otherwise be patched as a new attribute and the tool
 fail on a GPU), and the smoke run reads a report's graphar cells right."""
 
@@ -34,6 +34,12 @@ def test_the_smoke_run_imports_and_names_the_benchmarks() -> None:
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "{allreduce,decode,norm,ulysses,attention}" in out.stdout
+
+
+def test_the_clients_run_imports_and_needs_a_gpu() -> None:
+    out = subprocess.run([sys.executable, str(TOOLS / "one_gpu_clients.py")], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert (out.returncode, out.stdout.strip()) == (2, "no GPU"), out.stderr
 
 
 def test_the_smoke_run_flags_graphar_cells_only() -> None:

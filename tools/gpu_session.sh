@@ -3,13 +3,18 @@
 # results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
 # Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
-#        [one-gpu[=WORLD]] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]] [eager-breakdown]
+#        [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]]
+#        [eager-breakdown]
 # NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
 # builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
 # one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
 # numbers), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
+# one-gpu-clients runs tests/clients' libraries with two ranks on one GPU (tools/one_gpu_clients.py); the
+# machine reaches no registry, so carry the clients extra in .whl/ too (pip download -d .whl
+# transformers==5.23.0 accelerate==1.15.0 diffusers==0.42.1, then delete the torch, triton and nvidia-*
+# wheels it fetched: the machine's torch serves).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export GRAPHAR_CUDA_ARCHS="${GRAPHAR_CUDA_ARCHS:-90a}"
@@ -27,6 +32,10 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log, report status,
   [ -d bench/results ] && find bench/results -newer "$mark" \( -name '*.md' -o -name '*.png' \) \
     -exec tar -rf "$OUT/results.tar" {} +
   rm -f "$mark"
+}
+carried_wheels() {  # the wheels in .whl/, where given, importable from here on
+  [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
 native() {
   step native 300 python -c "from graphar import native_op as n; assert n.library() is not None, 'see the log above'"
@@ -46,11 +55,13 @@ for stage in "$@"; do
       args=tests/gpu; [ "$stage" != tests-shared ] && args=${stage#tests-shared=}  # about 500 s for all of it
       step tests-shared 560 env GRAPHAR_TEST_SHARE_GPU=1 python -m pytest -v -rfs --tb=short --durations=10 $args ;;
     cpu-tests)
-      [ -d .whl ] && python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      carried_wheels
       step cpu-tests 400 python -m pytest -q -p no:cacheprovider --ignore=tests/gpu tests ;;
     one-gpu|one-gpu=*) world=${stage#one-gpu=}; [ "$world" = one-gpu ] && world=2
       step "$stage" 400 python tools/one_gpu_check.py --world "$world" ;;
+    one-gpu-clients)
+      carried_wheels
+      step one-gpu-clients 560 python tools/one_gpu_clients.py ;;
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
