@@ -33,8 +33,11 @@ TOLERANCE = 1e-4
 
 
 def rewrites() -> dict[str, int]:
-    """graphar's ops in the compiled graphs so far: the one place that reads counters["graphar"]."""
-    return {name: counters["graphar"][name] for name in ("all_reduce", "qkv_all_to_all", "ulysses_attention")}
+    """graphar's ops in the compiled graphs so far, by op (every op the pass makes, zero included): the
+    one place that reads counters["graphar"]."""
+    ops = ("all_reduce", "all_reduce_add_rms_norm", "qkv_all_to_all", "heads_to_seq_all_to_all",
+           "packed_all_to_all_single", "ulysses_attention")  # fmt: skip
+    return {name: counters["graphar"][name] for name in ops}
 
 
 @dataclass(frozen=True)
