@@ -1,4 +1,4 @@
-"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|decode|norm|ulysses`).
+"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|compile|decode|norm|ulysses`).
 
     add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
     main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
