@@ -8,7 +8,8 @@ ranks (this process is rank 0) moves nothing, so only the compile is real. Each 
 whole (fullgraph, dynamic=False) at its first call, once per backend, each time cold: Dynamo reset,
 a fresh Inductor cache folder, Inductor's in-memory caches cleared, the FX-graph and AOTAutograd
 caches off (graphar's pass runs in every compile). `--quick` (a smoke run, for tests) keeps the
-compiled kernels between compiles: its times leave out most of the C++ compiler's. Models, bf16 with small widths (only the graph's size matters here):
+compiled kernels between compiles: its times leave out most of the C++ compiler's. Models, bf16
+with small widths (only the graph's size matters here):
   llama  N tensor-parallel Llama-style decoder blocks, one decode step (decode's Block: q/k/v/o and
          gate/up/down sharded, a dist.all_reduce after o and after down, RMSNorms);
   dit    N Ulysses DiT blocks (attention's Block: Q/K/V, QK-norm, RoPE, three all-to-alls in and one
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import subprocess
@@ -170,6 +172,7 @@ def main(args: argparse.Namespace, s: Settings) -> int:
     import graphar  # noqa: F401  (graphar's ops, and the backend where its entry point is not installed)
 
     path = common.results_file(FILE_NAME, args.out)
+    git_commit()
     cells: dict[tuple, common.Cell] = {}
     reasons: dict[str, str] = {}
     with (fake_world(s.world_size), fresh_cache_if(not s.cold),
@@ -201,6 +204,7 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+@functools.cache  # read once, as the run starts: edits made while it runs are not what ran
 def git_commit() -> str:
     """The checkout's commit, "+ uncommitted changes" where its code differs; "n/a" outside a checkout."""
     checkout = common.PACKAGE_DIR.parent
