@@ -7,8 +7,9 @@ Runs here, in this process, on the CPU: no GPU and no peers. A fake process grou
 ranks (this process is rank 0) moves nothing, so only the compile is real. Each model is compiled
 whole (fullgraph, dynamic=False) at its first call, once per backend, each time cold: Dynamo reset,
 a fresh Inductor cache folder, Inductor's in-memory caches cleared, the FX-graph and AOTAutograd
-caches off (graphar's pass runs in every compile). `--quick` (a smoke run, for tests) keeps the
-compiled kernels between compiles: its times leave out most of the C++ compiler's. Models, bf16
+caches off (graphar's pass runs in every compile), after a warm-up compile of each. `--quick` (a
+smoke run, for tests) keeps the compiled kernels between compiles and warms nothing up: its times
+leave out most of the C++ compiler's, and its first row holds one-time costs. Models, bf16
 with small widths (only the graph's size matters here):
   llama  N tensor-parallel Llama-style decoder blocks, one decode step (decode's Block: q/k/v/o and
          gate/up/down sharded, a dist.all_reduce after o and after down, RMSNorms);
@@ -178,12 +179,14 @@ def main(args: argparse.Namespace, s: Settings) -> int:
     with (fake_world(s.world_size), fresh_cache_if(not s.cold),
           torch._inductor.config.patch(fx_graph_cache=False),  # a hit in these would skip graphar's pass
           torch._functorch.config.patch(enable_autograd_cache=False)):
-        # A process's first compiles pay for imports and one-time set-up: not the first row's to pay.
-        common.progress("warming up: both backends on one block of each model...")
-        for name in dict(s.units):
-            module, x = model(name, 1, s.world_size)
-            for backend in ("inductor", "graphar"):
-                compile_once(module, x, backend, s.cold)
+        # A process's first compiles pay for imports and one-time set-up: not the first row's to pay
+        # (but --quick's, to be quick).
+        if s.cold:
+            common.progress("warming up: both backends on one block of each model...")
+            for name in dict(s.units):
+                module, x = model(name, 1, s.world_size)
+                for backend in ("inductor", "graphar"):
+                    compile_once(module, x, backend, s.cold)
         for i, unit in enumerate(s.units, 1):
             cells.update(measure(unit, s, reasons))
             write(cells, dataclasses.replace(s, units=s.units[:i]), reasons, path, final=i == len(s.units))
@@ -256,8 +259,8 @@ def write(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str],
     info = {"CPU": f"{cpu_name()}, {os.cpu_count()} cores", **versions, "commit": git_commit(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "mode": f"cold compile, fake process group of {s.world_size} ranks"}  # fmt: skip
-    caches = ("every cache cold" if s.cold else
-              "kernels compiled once per run (--quick: a smoke run, most of the C++ compiler's time left out)")
+    caches = ("every cache cold, after a warm-up" if s.cold else "kernels compiled once per run, no warm-up "
+              "(--quick: a smoke run; most of the C++ compiler's time left out, the first row pays one-time costs)")
     notes = [
         "Compile s: wall time of the compiled model's first call (Dynamo, AOTAutograd, Inductor, the C++ "
         f"compiler, and one run of a few ms), {caches}; FX-graph and AOTAutograd caches off; one sample each, on "
