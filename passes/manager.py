@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from graphar.config import Config
@@ -31,6 +31,9 @@ from .qkv import rewrite_qkv_triplets
 
 log = logging.getLogger("graphar")
 _PREFIX = "graphar_"
+# The pass's own time, per call, goes to torch._dynamo.utils.compilation_time_metrics under this key
+# (and into torch's compile-time reports and traces beside Inductor's phases).
+TIMER = "graphar_pass"
 # Before/after graphs, compact, at DEBUG (the demo shows them; TORCH_LOGS="+graphar" prints them).
 graph_log = logging.getLogger("graphar.graphs")
 
@@ -79,6 +82,10 @@ class GrapharPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.previous is not None:
             self.previous(graph)
+        with dynamo_timed(TIMER):
+            self._rewrite(graph)
+
+    def _rewrite(self, graph: torch.fx.Graph) -> None:
         show = graph_log.isEnabledFor(logging.DEBUG)
         before = compact(graph) if show else ""
         already = set(_graphar_nodes(graph))  # not the pass's: a model may call graphar's ops itself

@@ -47,7 +47,7 @@ from graphar.config import Config
 
 from .attention import is_attention_output
 from .layout import (
-    Size, all_to_all_received, apply, compose, contiguous, depends_on, divides, flat, is_layout_op,
+    Size, all_to_all_received, apply, compose, contiguous, divides, flat, is_layout_op,
     is_ulysses_relayout, known, same, shape_of, tieable,
 )
 from .qkv_rewrite import Rewriter
@@ -209,13 +209,23 @@ def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive:
 
 
 class _GraphOrder:
-    """Graph positions, for independence checks."""
+    """Graph positions, and which exchanges each node is computed from, for independence checks."""
 
-    def __init__(self, graph: torch.fx.Graph) -> None:
+    def __init__(self, graph: torch.fx.Graph, matches: Sequence[_AllToAllMatch]) -> None:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
+        # One pass in graph order: each node's mask of the waits it is computed from. A graph search per
+        # pair tried grew with the cube of the layers: each DiT output exchange is packable with every
+        # later one, and each of those depends on it through the whole graph between them.
+        self.bit = {m.wait: 1 << i for i, m in enumerate(matches)}
+        self.upstream: dict[torch.fx.Node, int] = {}
+        for node in graph.nodes:
+            mask = self.bit.get(node, 0)
+            for n in node.all_input_nodes:
+                mask |= self.upstream[n]
+            self.upstream[node] = mask
 
     def independent(self, members: Sequence[_AllToAllMatch]) -> bool:
-        return not any(depends_on(a.rewrite_input, b.wait, self.position)
+        return not any(self.upstream[a.rewrite_input] & self.bit[b.wait]
                        for a in members for b in members if a is not b)
 
 
@@ -268,7 +278,7 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     matches = _find_matches(graph, config)
     if not matches:
         return 0
-    order = _GraphOrder(graph)
+    order = _GraphOrder(graph, matches)
     relayouts = [m for m in matches if m.relayout is not None]
     qkv_triplets, unpacked = _form_triplets(relayouts, order, _qkv_packable)
     non_relayouts = [m for m in matches if m.relayout is None]

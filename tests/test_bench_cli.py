@@ -31,7 +31,7 @@ from graphar.benchmarks import allreduce, cli, common, plot, ranks
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
 HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
-            "decode": "# Decode step", "norm": "# Fused all-reduce",
+            "compile": "# Compile time", "decode": "# Decode step", "norm": "# Fused all-reduce",
             "ulysses": "# Ulysses all-to-all"}
 
 
@@ -170,12 +170,37 @@ def test_the_checkout_scripts_run_the_packaged_benchmarks(tmp_path: Path) -> Non
     assert f"written to {tmp_path / 'ulysses-cpu-ws2.md'}" in out.stdout
 
 
+def test_the_compile_benchmark_times_both_backends_and_the_pass_on_the_cpu(tmp_path: Path) -> None:
+    """`bench compile --quick` end to end, in a process of its own (its fake process group, its
+    compiles): every row timed, the pass's share and its rewrites, the machine and commit, a plot."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "compile.md"
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile workers to start
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "compile.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    text = out.read_text()
+    assert text.startswith(HEADINGS["compile"])
+    assert all(f"{key}: " in text for key in ("CPU", "torch", "graphar", "commit"))
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| llama", "| dit"))]
+    assert [(row[0], row[1]) for row in rows] == [("| llama", "2"), ("| llama", "4"), ("| dit", "2")]
+    for row in rows:
+        inductor_s, graphar_s, passes_s = map(float, row[2:5])
+        assert inductor_s > 0 and graphar_s > passes_s > 0
+        assert float(row[5].rstrip("%")) == pytest.approx(100 * passes_s / graphar_s, abs=0.5)
+    assert [row[7] for row in rows] == ["all_reduce 4 |", "all_reduce 8 |",
+                                        "heads_to_seq_all_to_all 2, qkv_all_to_all 2 |"]  # fmt: skip
+    assert_real_png(out.with_suffix(".png"))
+
+
 def test_every_benchmark_times_out_well_before_its_session_limit() -> None:
     """A hang must end at NCCL's timeout, with a traceback, not at gpu_session.sh's kill; and graphar's
     store exchanges give up on a dead peer before NCCL does."""
     script = (REPO / "tools" / "gpu_session.sh").read_text()
     default, longer, limit = re.search(r'limit=(\d+); case "\$name" in ([\w|-]+)\) limit=(\d+)', script).groups()
     for name, module in cli.BENCHMARKS.items():
+        if name in cli.IN_PROCESS:
+            continue  # on the CPU: no NCCL, no session step
         step_limit = int(limit if f"bench-{name}" in longer.split("|") else default)
         assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S <= step_limit - 120, name
 

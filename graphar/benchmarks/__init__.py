@@ -1,4 +1,4 @@
-"""graphar's benchmarks, run as `python -m graphar bench allreduce|attention|decode|norm|ulysses`
+"""graphar's benchmarks, run as `python -m graphar bench allreduce|attention|compile|decode|norm|ulysses`
 (graphar.benchmarks.cli).
 
     common     launch, CUDA-graph capture, timing, the per-unit report and where it goes
@@ -8,6 +8,7 @@
     allreduce  all-reduce latency: NCCL, PyTorch symmetric memory and graphar, graphs and eager
     allreduce_columns   its columns: what each times and how each is set up on every rank
     attention  a Ulysses attention block compiled by Inductor + NCCL and by graphar, against its compute floor
+    compile    cold compile time with backend="graphar" against "inductor" and graphar's passes' share (CPU)
     decode     one decode step of a tensor-parallel Llama-style model: Inductor + NCCL against graphar
     norm       the fused all-reduce + residual add + RMSNorm against the all-reduce alone and unfused
     ulysses    the Ulysses exchanges: three all_to_all_singles against graphar's, over NCCL and IPC

@@ -3,7 +3,8 @@
 Each benchmark spawns one process per visible GPU (run it with plain `python`, not torchrun; it needs
 two GPUs or more), prints progress lines, then a markdown table, written with the GPU, world size,
 versions and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a source
-checkout, else in the current folder (or where --out says). A plot of the same numbers goes beside
+checkout, else in the current folder (or where --out says). `compile` runs in this process on the
+CPU instead (compile-cpu.md). A plot of the same numbers goes beside
 it as a .png when matplotlib is installed (pip install 'graphar[plot]'). `--dry-run` formats fake
 numbers on a machine without GPUs, to check the reporting path. `BENCHMARK --help` lists its options.
 """
@@ -14,9 +15,13 @@ import argparse
 from types import ModuleType
 
 from graphar.benchmarks import allreduce, attention, common, decode, norm, ulysses
+from graphar.benchmarks import compile as compile_time
 
+# Benchmarks that run in this process, on the CPU: no GPU launch, their own main(args, settings).
+IN_PROCESS: dict[str, ModuleType] = {"compile": compile_time}
 BENCHMARKS: dict[str, ModuleType] = {
     "allreduce": allreduce, "attention": attention, "decode": decode, "norm": norm, "ulysses": ulysses,
+    **IN_PROCESS,
 }
 
 
@@ -34,4 +39,6 @@ def run(args: argparse.Namespace) -> int:
     """The `bench` command of `python -m graphar`."""
     module = args.benchmark_module
     settings = module.settings(args, args.benchmark_parser)
+    if module in IN_PROCESS.values():
+        return module.main(args, settings)
     return common.main(args, settings, module.dry_run, module.worker, module.TIMEOUT_S)

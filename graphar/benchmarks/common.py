@@ -1,4 +1,4 @@
-"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|decode|norm|ulysses`).
+"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|compile|decode|norm|ulysses`).
 
     add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
     main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
@@ -17,6 +17,7 @@
     markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
     report(title, info, sections, notes) + write_report(text, path, charts, title)   the file and its plot
     results_path(name, gpu, world_size, out)   where the results file goes (see `results_dir`)
+    results_file(file_name, out)        the same for a file named otherwise (the CPU benchmark's)
 
 Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer unavailable,
 "err" the measurement raised (the reason is printed once by rank 0), "not rewritten" graphar's pass
@@ -83,9 +84,10 @@ def progress(text: str) -> None:
         print(f"[{time.time() - _progress.start:6.1f} s] {text}", flush=True)
 
 
-def add_arguments(p: argparse.ArgumentParser, quick_help: str) -> None:
+def add_arguments(p: argparse.ArgumentParser, quick_help: str,
+                  world_size_help: str = "GPUs to use (default: all visible)") -> None:  # fmt: skip
     """The options every benchmark has; each adds its own after these."""
-    p.add_argument("--world-size", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--world-size", type=int, default=None, help=world_size_help)
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--dry-run", action="store_true", help="format a table (and plot) of fake numbers on CPU")
     p.add_argument("--out", type=Path, default=None,
@@ -364,11 +366,16 @@ def dry_run_dir() -> Path:
 
 
 def results_path(name: str, gpu: str, world_size: int, out: Path | None, default_dir: Path | None = None) -> Path:
-    """`out` when it names a file (it has a suffix and is not a folder), else <name>-<gpu>-ws<N>.md in
-    the folder `out`, `default_dir` or `results_dir()`."""
+    """`results_file` named <name>-<gpu>-ws<N>.md."""
+    return results_file(f"{name}-{gpu_slug(gpu)}-ws{world_size}.md", out, default_dir)
+
+
+def results_file(file_name: str, out: Path | None, default_dir: Path | None = None) -> Path:
+    """`out` when it names a file (it has a suffix and is not a folder), else `file_name` in the folder
+    `out`, `default_dir` or `results_dir()`."""
     if out is not None and out.suffix and not out.is_dir():
         return out
-    return (out or default_dir or results_dir()) / f"{name}-{gpu_slug(gpu)}-ws{world_size}.md"
+    return (out or default_dir or results_dir()) / file_name
 
 
 def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str, final: bool = True) -> None:

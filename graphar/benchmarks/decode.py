@@ -105,13 +105,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def random_weight(fan_in: int, *size: int) -> nn.Parameter:
-    return nn.Parameter(torch.randn(*size, device="cuda", dtype=DTYPE) / math.sqrt(fan_in), requires_grad=False)
+def random_weight(fan_in: int, *size: int, device: str = "cuda") -> nn.Parameter:
+    return nn.Parameter(torch.randn(*size, device=device, dtype=DTYPE) / math.sqrt(fan_in), requires_grad=False)
 
 
-def norm_weight(size: int) -> nn.Parameter:
+def norm_weight(size: int, device: str = "cuda") -> nn.Parameter:
     # Ones, as Llama initialises them: replicated parameters must be equal on every rank.
-    return nn.Parameter(torch.ones(size, device="cuda", dtype=DTYPE), requires_grad=False)
+    return nn.Parameter(torch.ones(size, device=device, dtype=DTYPE), requires_grad=False)
 
 
 class Block(nn.Module):
@@ -121,7 +121,7 @@ class Block(nn.Module):
     with an in-place dist.all_reduce, the pattern real TP models have.
     """
 
-    def __init__(self, shape: Shape, world_size: int, max_batch: int) -> None:
+    def __init__(self, shape: Shape, world_size: int, max_batch: int, device: str = "cuda") -> None:
         super().__init__()
         for what, count in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("intermediate", shape.intermediate)):
             if count % world_size:
@@ -129,14 +129,14 @@ class Block(nn.Module):
         self.heads, self.kv_heads = shape.heads // world_size, shape.kv_heads // world_size
         self.head_dim, self.eps = shape.head_dim, shape.eps
         hidden, inter, d = shape.hidden, shape.intermediate // world_size, shape.head_dim
-        self.attn_norm, self.mlp_norm = norm_weight(hidden), norm_weight(hidden)
-        self.qkv = random_weight(hidden, hidden, (self.heads + 2 * self.kv_heads) * d)
-        self.o = random_weight(shape.heads * d, self.heads * d, hidden)
-        self.gate_up = random_weight(hidden, hidden, 2 * inter)
-        self.down = random_weight(shape.intermediate, inter, hidden)
+        self.attn_norm, self.mlp_norm = norm_weight(hidden, device), norm_weight(hidden, device)
+        self.qkv = random_weight(hidden, hidden, (self.heads + 2 * self.kv_heads) * d, device=device)
+        self.o = random_weight(shape.heads * d, self.heads * d, hidden, device=device)
+        self.gate_up = random_weight(hidden, hidden, 2 * inter, device=device)
+        self.down = random_weight(shape.intermediate, inter, hidden, device=device)
         cache = (max_batch, self.kv_heads, shape.past + 1, d)
-        self.register_buffer("k_cache", torch.randn(cache, device="cuda", dtype=DTYPE))
-        self.register_buffer("v_cache", torch.randn(cache, device="cuda", dtype=DTYPE))
+        self.register_buffer("k_cache", torch.randn(cache, device=device, dtype=DTYPE))
+        self.register_buffer("v_cache", torch.randn(cache, device=device, dtype=DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, d = x.shape[0], self.head_dim
