@@ -143,7 +143,7 @@ def unfused_add_rms_norm(
     """Residual add and RMSNorm as the matched graph computes them, rounding for rounding: the norm
     in float32, then the cast back to the sum's dtype and the weight multiply, in HF LlamaRMSNorm's
     order (cast, then weight) or, with `weight_first`, in `F.rms_norm`'s (weight in float32, then
-    cast). It serves what the fused kernel cannot take (graphar.comm.allreduce.AllReduce.try_all_reduce_norm)."""
+    cast). It serves what the fused kernel cannot take."""
     h = summed if residual is None else summed + residual
     v = h.float()
     normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
