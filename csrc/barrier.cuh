@@ -28,7 +28,7 @@ struct Signal {
   // call's epoch without waiting for another block.
   alignas(128) Flag push_epoch[2][kMaxBlocks];
   // The blocks of this rank's kernels that are running now: (sum of their tags << 16) + their count
-  // (claim_kernel). Only this GPU touches it.
+  // (enter_running). Only this GPU touches it.
   alignas(128) unsigned long long running;
   // Set by this rank's kernel whose spin gave up: the ranks are out of step from then on. Every later
   // kernel reads it at entry and writes poison instead of communicating (see poison_packs).
@@ -84,7 +84,7 @@ struct BarrierParams {
   Signal* self;
   ErrorRecord* error;
   uint64_t timeout_ns;  // 0: spin without bound
-  // This launch's number on this rank (1, 2, ... below 2^48), as claim_kernel tells its blocks from
+  // This launch's number on this rank (1, 2, ... below 2^48), as enter_running tells its blocks from
   // another kernel's. A replay of a graph repeats it, and replays of one graph never overlap.
   uint64_t tag;
   int rank;
@@ -182,16 +182,19 @@ __device__ __forceinline__ void leave_running(const BarrierParams& p) {
                : "memory");
 }
 
-// Every thread of the block learns whether it may go on; thread 0 of a block that lost records why.
-// Before the block touches anything shared.
+// Thread 0 of each block: enter_running, and a block that lost records why (found at `where`).
+__device__ __forceinline__ bool enter_alone(const BarrierParams& p, Where where) {
+  const bool alone = enter_running(p);
+  if (!alone) record_failure(p.self, p.error, where, p.rank, kConcurrent);
+  return alone;
+}
+
+// Every thread of the block learns whether it may go on. Before the block touches anything shared.
 __device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where) {
-  __shared__ int lost;
-  if (threadIdx.x == 0) {
-    lost = !enter_running(p);
-    if (lost) record_failure(p.self, p.error, where, p.rank, kConcurrent);
-  }
+  __shared__ int alone;
+  if (threadIdx.x == 0) alone = enter_alone(p, where);
   __syncthreads();
-  return !lost;
+  return alone != 0;
 }
 
 // The block is done with everything shared (every thread reaches this, the block's losers too).

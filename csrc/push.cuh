@@ -115,9 +115,7 @@ __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& fa
   if (threadIdx.x == 0) {
     epoch = p.self->push_epoch[p.graph][blockIdx.x];
     const bool failed_before = group_failed(p);
-    const bool alone = enter_running(p);
-    if (!alone) record_failure(p.self, p.error, kPushEntry, p.rank, kConcurrent);
-    refused = failed_before || !alone;
+    refused = !enter_alone(p, kPushEntry) || failed_before;
   }
   __syncthreads();
   failed = refused != 0;

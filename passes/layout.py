@@ -27,7 +27,7 @@ one exception is explicit: `tieable` says when two symbols may be guarded equal.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import sympy
 import torch
@@ -257,16 +257,14 @@ def new_node(graph: torch.fx.Graph, target: Callable, *args: object, **kwargs: o
     return node
 
 
-def depends_on(node: torch.fx.Node, ancestor: torch.fx.Node,
-               position: Mapping[torch.fx.Node, int] | None = None) -> bool:
-    """Whether `node` is computed from `ancestor`. Given the graph's positions, the search stops at
-    nodes before `ancestor`: none of them can read it."""
+def depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
+    """Whether `node` is computed from `ancestor`."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n is ancestor:
             return True
-        if n in seen or (position is not None and position[n] < position[ancestor]):
+        if n in seen:
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)
