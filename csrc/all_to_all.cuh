@@ -28,7 +28,18 @@ struct AllToAllParams {
   void* out;
   Placement place;
   int skip;  // the rank whose chunk the pack already placed in the output (this one), or -1
+  int give_back;  // the exchange's last copy: block 0 gives the lease back when it is done
 };
+
+// An exchange's lease. The packs of an exchange write the exchange buffers (this rank's, or pushed,
+// the peers') before any of its copies claims the communicator, so another exchange's copy running
+// beside them on another stream would read half of each. One thread counts the exchange in at
+// Signal::running under the tag its copies will carry (enter_running: the copies' blocks then find
+// only their own tag) before the first pack; the last copy counts it out. A lease taken beside
+// another kernel of the communicator marks the group failed, and every pack reads that flag before
+// it stores (graphar/kernels/pack.py): the loser writes nothing shared, its copies and the kernel it
+// met write poison, and the next host call raises.
+__global__ void exchange_lease(BarrierParams p) { enter_alone(p, kAllToAllLease); }
 
 // Packs per thread per rank in flight: 16 loads per thread at ws 2 and 4, 8 at ws 6 and 8.
 template <int kRanks>
@@ -96,6 +107,8 @@ __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllPar
     fail();
   }
   release_block(bp);
+  // After this block's own count: until the last block is out, the copy's other blocks still hold the tag.
+  if (p.give_back && blockIdx.x == 0 && threadIdx.x == 0) leave_running(bp);
 }
 
 }  // namespace graphar

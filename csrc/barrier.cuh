@@ -59,7 +59,8 @@ enum Where : uint32_t {
   kPushOneShot = 7,
   kPushScatter = 8,
   kPushGather = 9,
-  kPushEntry = 10,  // a push kernel's start (where it found another kernel running)
+  kPushEntry = 10,     // a push kernel's start (where it found another kernel running)
+  kAllToAllLease = 11,  // an exchange's lease, taken before its first pack (all_to_all.cuh)
 };
 
 // Why a kernel gave up on a peer.

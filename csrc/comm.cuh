@@ -290,6 +290,12 @@ int graphar_comm_error_record(void* comm, void** record_out) {
   return 0;
 }
 
+int graphar_comm_failed_flag(void* comm, void** flag_out) {
+  const Comm* c = as_comm(comm);
+  *flag_out = &c->signals.signals[c->rank]->failed;
+  return 0;
+}
+
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot) {
   const Comm* c = as_comm(comm);
   const uint64_t one = static_cast<uint64_t>(c->epoch_packs / c->ranks) * 16;

@@ -35,6 +35,7 @@ enum {
 enum {
   GRAPHAR_A2A_PUSHED = 1,      // rank i pushed its chunk j into rank j's buffer (else packed it into its own)
   GRAPHAR_A2A_OWN_PLACED = 2,  // this rank's pack already wrote its own chunk into the output: skip it
+  GRAPHAR_A2A_LAST = 4,        // the exchange's last copy: it gives the exchange's lease back
 };
 
 const char* graphar_last_error(void);
@@ -62,6 +63,9 @@ int graphar_comm_open(void* comm, const void* handles);
 int graphar_comm_probe(void* comm, int phase, int* bad_peer);
 // Host address of the error record {failed, where, peer, block, cause} (uint32 each).
 int graphar_comm_error_record(void* comm, void** record_out);
+// Device address of this rank's Signal::failed (uint32, nonzero once a kernel of the group gave up):
+// code outside the library that writes what the kernels share (the exchanges' packs) reads it first.
+int graphar_comm_failed_flag(void* comm, void** flag_out);
 // One all-reduce: its arguments in one struct, so that an eager call crosses into the library once.
 typedef struct graphar_all_reduce_args {
   uint64_t input;   // device pointers, 16-byte aligned
@@ -97,9 +101,11 @@ typedef struct graphar_all_reduce_norm_args {
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
 // The largest message of each push kernel (bytes).
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
-// Eager only: make `stream` wait for the communicator's previous eager op when that ran on
-// another stream (before writing the exchange buffer, which that op may still read).
-int graphar_comm_order(void* comm, uint64_t stream);
+// Before an exchange's first pack: takes the exchange's lease on the communicator (a one-thread
+// kernel on `stream`; eager, ordered after the previous eager op like every launch), so that no other
+// kernel of the communicator runs between its packs and its last copy. *lease: the number its copies
+// pass to graphar_comm_all_to_all; the copy with GRAPHAR_A2A_LAST gives it back.
+int graphar_comm_exchange_lease(void* comm, int mode, uint64_t stream, uint64_t* lease);
 // Collective (every rank, same nbytes): waits for the device, frees the exchange buffers (keep_old:
 // retires them, for graphs captured with them) and allocates this rank's new one; its IPC handle
 // goes to the peers, then graphar_comm_exchange_open with every rank's handle (rank order).
@@ -111,10 +117,10 @@ int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles,
 // GRAPHAR_A2A_PUSHED in flags, chunk j was packed at src_offset + j * chunk_bytes of rank i's own
 // buffer (pulled over the link); with it, rank i pushed it to src_offset + i * chunk_bytes of rank
 // j's buffer. blocks: at most this many (1..64). mode: GRAPHAR_EAGER or GRAPHAR_CAPTURED_COPY
-// (inside any capture).
+// (inside any capture). lease: the exchange's (graphar_comm_exchange_lease).
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
                             uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int flags,
-                            int blocks, uint64_t stream);
+                            int blocks, uint64_t lease, uint64_t stream);
 // Fill slots[0..count) after a capture (each in [1, graph_slots); a slot of a destroyed graph may be
 // filled again: the device is synchronized first, and unused mappings closed). Per call i and rank r (index i*ws+r):
 // a 64-byte IPC handle of the allocation base, the offset into it, and whether the rank staged the

@@ -249,22 +249,30 @@ int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args*
   return launch(c, eager, kernel, &p, std::min(c->block_limit, rows), kNormThreads, stream, a.pdl != 0 && c->pdl);
 }
 
-int graphar_comm_order(void* comm, uint64_t stream_handle) {
+int graphar_comm_exchange_lease(void* comm, int mode, uint64_t stream_handle, uint64_t* lease) {
   Comm* c = as_comm(comm);
+  if (c->exchange_bytes == 0) return fail(GRAPHAR_EINVAL, "no exchange buffers are open");
+  if (mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) return fail(GRAPHAR_EINVAL, "unknown path %d", mode);
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  return wait_for_previous(c, reinterpret_cast<cudaStream_t>(stream_handle));
+  BarrierParams p = barrier_params(c, mode == GRAPHAR_EAGER);
+  *lease = p.tag;
+  return launch(c, mode == GRAPHAR_EAGER, reinterpret_cast<const void*>(exchange_lease), &p, 1, 1,
+                reinterpret_cast<cudaStream_t>(stream_handle), false);
 }
 
 int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_offset, uint64_t chunk_bytes,
                             uint64_t row_bytes, uint64_t dst_row_stride, uint64_t dst_chunk_stride, int flags,
-                            int blocks, uint64_t stream_handle) {
+                            int blocks, uint64_t lease, uint64_t stream_handle) {
   Comm* c = as_comm(comm);
   const GatherKernel kernel = gather_kernel_for(c->ranks);
   if (kernel == nullptr || c->exchange_bytes == 0) return fail(GRAPHAR_EINVAL, "no exchange buffers are open");
   if (mode != GRAPHAR_EAGER && mode != GRAPHAR_CAPTURED_COPY) return fail(GRAPHAR_EINVAL, "unknown path %d", mode);
   if (blocks < 1 || blocks > kMaxBlocks) return fail(GRAPHAR_EINVAL, "%d blocks out of [1, %d]", blocks, kMaxBlocks);
-  if ((flags & ~(GRAPHAR_A2A_PUSHED | GRAPHAR_A2A_OWN_PLACED)) != 0) return fail(GRAPHAR_EINVAL, "unknown flags %d", flags);
+  if ((flags & ~(GRAPHAR_A2A_PUSHED | GRAPHAR_A2A_OWN_PLACED | GRAPHAR_A2A_LAST)) != 0) {
+    return fail(GRAPHAR_EINVAL, "unknown flags %d", flags);
+  }
+  if (lease == 0 || lease > c->launches) return fail(GRAPHAR_EINVAL, "lease %llu was never taken", static_cast<unsigned long long>(lease));
   if (chunk_bytes == 0 || row_bytes == 0 || chunk_bytes % row_bytes != 0 || src_offset > c->exchange_bytes ||
       chunk_bytes > (c->exchange_bytes - src_offset) / c->ranks) {
     return fail(GRAPHAR_EINVAL, "%d chunks of %llu bytes in rows of %llu from offset %llu do not fit %llu bytes",
@@ -277,6 +285,8 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   AllToAllParams p{};
   p.barrier = barrier_params(c, mode == GRAPHAR_EAGER);
+  p.barrier.tag = lease;  // the exchange's copies count in beside its lease (exchange_lease)
+  p.give_back = (flags & GRAPHAR_A2A_LAST) != 0;
   p.out = reinterpret_cast<void*>(output);
   const bool pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
   for (int r = 0; r < c->ranks; r++) {  // pushed: slot r of this rank's buffer; pulled: slot `rank` of rank r's

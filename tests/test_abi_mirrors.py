@@ -43,7 +43,8 @@ def test_algorithm_codes() -> None:
 
 def test_all_to_all_flags() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_A2A_")
-    assert codes == {"GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED, "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED}
+    assert codes == {"GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED, "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED,
+                     "GRAPHAR_A2A_LAST": abi.A2A_LAST}
 
 
 def test_launch_modes() -> None:

@@ -79,16 +79,20 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
 @needs_nvcc
 def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
     """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
-    itself in (acquire) before any flag, slot or buffer access, and out (release) at its very end."""
+    itself in (acquire) before any flag, slot or buffer access, and out (release) at its very end; an
+    exchange's last copy then gives the exchange's lease back (all_to_all.cuh exchange_lease)."""
     _, out, _ = build
     ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
     for fragment in ("one_stageI13__nv_bfloat16Li2E", "two_stageIfLi8E", "push_one_shotI13__nv_bfloat16Li2E",
                      "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E", "gather_all_to_allILi4E"):  # fmt: skip
         body = _ptx_function(ptx, fragment)
-        claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.rindex("red.release.gpu.global.add.u64")
+        claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.index("red.release.gpu.global.add.u64")
         shared = [body.find(op) for op in ("st.volatile", "st.release", "ld.volatile.global.v4", "st.global.v4")]
-        assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == 1, fragment
+        releases = 2 if fragment.startswith("gather") else 1  # the block's count, then the lease
+        assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == releases, fragment
         assert all(i < release for i in shared), fragment
+    lease = _ptx_function(ptx, "exchange_lease")
+    assert lease.count("atom.acquire.gpu.global.add.u64") == 1 and "red.release" not in lease
 
 
 @needs_nvcc

@@ -128,6 +128,18 @@ class PackKernelTest(unittest.TestCase):
                     self.assertTrue(self.pack.gather_heads(recv, out))
                     self.assertTrue(torch.equal(out, recv.permute(1, 2, 0, 3, 4).reshape(b, 5, p * 3, 16)))
 
+    def test_a_set_guard_stores_nothing(self) -> None:
+        # An exchange's pack reads its communicator's failed flag: once set, nothing shared is written.
+        xs = [_randn(1, 5, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        for flag in (0, 1):
+            with self.subTest(flag=flag):
+                out = _poisoned(2, 1, 5, 6, 16, dtype=torch.bfloat16)
+                self.assertTrue(self.pack.pack_heads(xs, 2, out, torch.tensor([flag], dtype=torch.int32)))
+                if flag:
+                    self.assertTrue(torch.isnan(out).all(), "a guarded pack stored after the flag was set")
+                else:
+                    self.assertTrue(torch.equal(out, _heads_reference(xs, 2)))
+
     def test_pack_heads_into_shifted_chunks(self) -> None:
         # A push: chunk j lands in "rank j's buffer" (a separate allocation), at this rank's slot, by the
         # shifts between the buffers; the rest of every buffer stays as it was.

@@ -72,7 +72,7 @@ def test_one_kernel_for_every_sequence_and_batch(d: int) -> None:
     for b in (1, 2, 3):
         for s in (8, 16, 24, 17, 1000):
             for name, pairs in _layouts(b, s, d).items():
-                _, args, constants = pack._launch(pairs)
+                _, args, constants = pack._launch(pairs, None)
                 _, specialization, _ = binder(*args, **constants)
                 keys.setdefault(name, set()).add(tuple(map(str, specialization)))
     assert {name: len(k) for name, k in keys.items()} == dict.fromkeys(keys, 1)
@@ -85,8 +85,8 @@ def test_a_pushing_pack_fences_its_stores_before_it_ends() -> None:
     binder = _binder()
     from triton.backends.compiler import GPUTarget
 
-    def ptx(pairs: list[pack.Pair]) -> list[str]:
-        _, args, constants = pack._launch(pairs)
+    def ptx(pairs: list[pack.Pair], guard: torch.Tensor | None = None) -> list[str]:
+        _, args, constants = pack._launch(pairs, guard)
         _, specialization, _ = binder(*args, **constants)
         params = pack._relayout_kernel.params
         source = triton.compiler.ASTSource(
@@ -102,3 +102,9 @@ def test_a_pushing_pack_fences_its_stores_before_it_ends() -> None:
     fences = [i for i, line in enumerate(pushed) if "fence.sc.sys" in line]
     assert stores and fences and min(fences) > max(stores), (stores[-3:], fences)
     assert not any("fence.sc.sys" in line for line in ptx(layouts["pack_heads"]))
+    # An exchange's pack reads its communicator's failed flag before its first store (the lease, csrc/all_to_all.cuh).
+    guarded = ptx(layouts["pack_heads pushed"], torch.zeros(1, dtype=torch.int32))
+    loads = [i for i, line in enumerate(guarded) if "ld.volatile.global" in line]
+    stores = [i for i, line in enumerate(guarded) if "st.global" in line]
+    assert loads and stores and min(loads) < min(stores), (loads[:3], stores[:3])
+    assert not any("ld.volatile" in line for line in pushed)

@@ -298,7 +298,8 @@ class PackedAllToAllSingleTest(TestCase):
                     emulated = EmulatedWorld(world, self.transport)
                     packed = emulated.run(lambda r: torch.ops.graphar.packed_all_to_all_single(xs[r], "g"))
                     self.assertEqual(emulated.calls, 1)
-                    self.assertEqual(emulated.fake.pushes, 0, "a torch.cat pack cannot push: pulled")
+                    # The words of the packed rows go through the pack kernel, which can push them.
+                    self.assertEqual(emulated.fake.pushes > 0, self.transport == "push" and INTERPRETED)
                     separate = EmulatedWorld(world).run(lambda r: [_exchange(x) for x in xs[r]])
                     for j in range(world):
                         for t, shape in enumerate(shapes):

@@ -26,15 +26,17 @@ EAGER, CAPTURED_COPY, ZERO_COPY, STAGED, EAGER_ONLY = 0, 1, 2, 3, 4
 # Return codes besides CUDA's: bad arguments; a GRAPHAR_EAGER_ONLY call on a capturing stream.
 EINVAL, CAPTURING = -1, -2
 # Flags of an all-to-all (GRAPHAR_A2A_PUSHED ...): the chunks were pushed into the receivers' buffers;
-# this rank's pack already placed its own chunk in the output.
-A2A_PUSHED, A2A_OWN_PLACED = 1, 2
+# this rank's pack already placed its own chunk in the output; the exchange's last copy (it gives the
+# lease back).
+A2A_PUSHED, A2A_OWN_PLACED, A2A_LAST = 1, 2, 4
 # kMaxBlocks: one barrier slot per block.
 MAX_BLOCKS = settings.MAX_BLOCKS
 # The barrier a spin loop gave up in (enum Where), as error messages name it.
 WHERE = {1: "all_reduce 1stage entry barrier", 2: "all_reduce 1stage exit barrier",
          3: "all_reduce 2stage entry barrier", 4: "all_reduce 2stage middle barrier",
          5: "all_to_all entry barrier", 6: "all_to_all exit barrier", 7: "all_reduce push-oneshot receive",
-         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather", 10: "all_reduce push entry"}  # fmt: skip
+         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather", 10: "all_reduce push entry",
+         11: "all_to_all lease"}  # fmt: skip
 
 
 # Why a kernel gave up (enum Cause): a peer never arrived; it had given up on the barrier first; another

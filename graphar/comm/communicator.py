@@ -182,16 +182,25 @@ class Communicator:
         """Calls of this group the C++ kernel served (graphar.native_op)."""
         return native_op.calls(self.group_name)
 
-    def order(self, stream: int) -> None:
-        """Eager: make `stream` wait for this communicator's previous op when it ran on another stream."""
-        self._call("all_to_all", "graphar_comm_order", stream)
+    def take_exchange_lease(self, mode: int, stream: int) -> int:
+        """Before an exchange's first pack: its lease, which its copies carry (csrc graphar_comm_exchange_lease);
+        eager, it also orders `stream` after this communicator's previous op."""
+        lease = ctypes.c_uint64()
+        self._call("all_to_all", "graphar_comm_exchange_lease", mode, stream, ctypes.byref(lease))
+        return lease.value
 
     def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
-                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int,
+                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int, lease: int,
                           stream: int) -> None:  # fmt: skip
         """Copy a stage's chunks into the output (csrc graphar_comm_all_to_all; flags: abi.A2A_*)."""
         self._call("all_to_all", "graphar_comm_all_to_all", mode, output, src_offset, chunk_bytes, row_bytes,
-                   dst_row_stride, dst_chunk_stride, flags, blocks, stream)  # fmt: skip
+                   dst_row_stride, dst_chunk_stride, flags, blocks, lease, stream)  # fmt: skip
+
+    def failed_flag(self) -> int:
+        """Device address of this rank's uint32 flag that the group's kernels set when one gives up."""
+        flag = ctypes.c_void_p()
+        self._call("all_to_all", "graphar_comm_failed_flag", ctypes.byref(flag))
+        return flag.value
 
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""

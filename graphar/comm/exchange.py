@@ -16,9 +16,13 @@ an op outside any capture, and every rank calls the op with the same shapes, so 
 the same call. Inside a capture a buffer that is too small cannot grow; the op falls back to NCCL
 (`reserve` before capturing avoids that). A buffer a captured graph used is retired, not freed, when
 it grows: the graph keeps reading and writing it. Like the all-reduce's registered buffer, it is
-shared by every graph and eager call of the communicator, so they must not run concurrently (eager
-calls on different streams are ordered by the communicator; a replay against an eager call on
-another stream is not).
+shared by every graph and eager call of the communicator, so they must not run concurrently: eager
+calls on different streams are ordered by the communicator; a replay beside an eager call or another
+replay on an unordered stream is caught. Each exchange first takes a lease on the communicator (a
+one-thread kernel), which its last copy gives back, and every pack is graphar's kernel, which reads
+the communicator's failed flag before it stores: an exchange that meets another kernel of the
+communicator writes nothing shared, its result and the other's are NaN, and the next call raises
+(csrc/all_to_all.cuh, exchange_lease). A stage the kernel cannot pack uses NCCL.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphar import _cuda, pool, settings
-from graphar.comm.abi import A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
+from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
 from graphar.comm.rendezvous import first_reason
 from graphar.errors import GrapharCommError
 from graphar.kernels import pack
@@ -81,6 +85,7 @@ class Destination:
     rank: int
     addresses: Sequence[int] = ()
     own: torch.Tensor | None = None
+    guard: torch.Tensor | None = None  # the pack kernel's (graphar.kernels.pack.relayout): the failed flag
 
     def chunks(self, shape: Sequence[int], dtype: torch.dtype) -> pack.Dst:
         """The chunks as `shape` `[P, ...]` of `dtype`: a tensor when they lie destination-major in this
@@ -136,11 +141,12 @@ def own_chunk(out: torch.Tensor, stage: Stage, rank: int) -> torch.Tensor | None
 
 
 class _DeviceMemory:
-    """Raw device memory seen by torch through the CUDA array interface (no copy, no ownership)."""
+    """Raw device memory seen by torch through the CUDA array interface (no copy, no ownership):
+    `count` elements of `typestr` (numpy's: bytes by default)."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, ptr: int, count: int, typestr: str = "|u1") -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None, "stream": None,
+            "shape": (count,), "typestr": typestr, "data": (ptr, False), "version": 3, "strides": None, "stream": None,
         }  # fmt: skip
 
 
@@ -155,7 +161,8 @@ class IpcExchange:
         self._buffer: torch.Tensor | None = None
         self._addresses: list[int] = []  # every rank's buffer, as this process maps them (for a push)
         self._captured = False  # a capture used the current buffer: retire it rather than free it
-        self._warned = False
+        self._guard: torch.Tensor | None = None  # the communicator's failed flag, made at the first growth
+        self._told: set[str] = set()  # the reasons for NCCL logged so far
         self._blocks = pull_blocks()
         self._side: torch.cuda.Stream | None = None  # made at the first growth, always outside capture
 
@@ -170,45 +177,54 @@ class IpcExchange:
 
     def run(self, out: torch.Tensor, stages: Sequence[Stage], nbytes: int) -> bool:
         """Exchange every stage (`nbytes` of chunks per rank in all) into `out`, pushed when the setting
-        asks and every stage's pack can push, else pulled; this stream continues after the last copy.
-        False, with nothing done, when the stages cannot run here (a placement the kernel cannot copy,
-        or a capture the buffer is too small for): the caller then uses NCCL. Collective when the
-        buffer grows."""
+        asks, else pulled; this stream continues after the last copy. False, with nothing done, when
+        the stages cannot run here (a placement the kernel cannot copy, a pack that is not graphar's
+        kernel, or a capture the buffer is too small for): the caller then uses NCCL. Collective when
+        the buffer grows."""
         self.comm.check()
         if not all(stage.placement.supported() for stage in stages):
+            return False
+        if not all(stage.kernel_pack for stage in stages):  # dtypes, layouts and Triton: equal on every rank
+            self._tell_once("pack", "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
+                            "take), which alone respects the exchange's lease")
             return False
         capturing = torch.cuda.is_current_stream_capturing()
         if nbytes > self.capacity:
             if capturing:
-                self._warn_once(nbytes)
+                self._tell_once("capacity", f"{nbytes} bytes per rank were captured with exchange buffers of "
+                                f"{self.capacity}: run it once before capturing, or graphar.comm.ulysses.reserve(...)")
                 return False
             self._grow(nbytes)
         if capturing:
             self._captured = True
-        else:  # the communicator's previous op may still read the buffer from another stream
-            self.comm.order(_stream(self.comm.device))
         mode = CAPTURED_COPY if capturing else EAGER
-        push = self.push and all(stage.kernel_pack for stage in stages)  # shapes and dtypes: equal on every rank
-        if len(stages) == 1:
-            self._exchange(out, stages[0], mode, push)
-            return True
         main = torch.cuda.current_stream(self.comm.device)
-        for stage in stages:
-            self._exchange(out, stage, mode, push, side=main)
-        main.wait_stream(self._side)
+        lease = self.comm.take_exchange_lease(mode, _stream(self.comm.device))  # eager: after the previous op
+        try:
+            side = main if len(stages) > 1 else None
+            for i, stage in enumerate(stages):
+                self._exchange(out, stage, mode, lease, last=i == len(stages) - 1, side=side)
+        except BaseException as e:  # the lease is held and the peers wait at this exchange's copies
+            self.comm.mark_broken(f"graphar all_to_all of group {self.comm.group_name!r} stopped halfway on rank "
+                                  f"{self.comm.rank}: {e}")
+            raise
+        if len(stages) > 1:
+            main.wait_stream(self._side)
         return True
 
-    def _exchange(self, out: torch.Tensor, stage: Stage, mode: int, push: bool,
-                  side: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+    def _exchange(self, out: torch.Tensor, stage: Stage, mode: int, lease: int, last: bool,
+                  side: torch.cuda.Stream | None) -> None:  # fmt: skip
         """Pack one stage, then copy it into `out`: on the side stream, forked from `side`, when given.
         The own chunk skips the buffer when the pack kernel can place it in `out` directly (one run of
         bytes there; only this rank reads or writes it, so ranks need not agree on it)."""
         p = stage.placement
         own = own_chunk(out, stage, self.comm.rank)
-        stage.pack(Destination(self._buffer, stage.src_offset, self.comm.rank, self._addresses if push else (), own))
-        flags = (A2A_PUSHED if push else 0) | (A2A_OWN_PLACED if own is not None else 0)
+        addresses = self._addresses if self.push else ()
+        stage.pack(Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard))
+        flags = (A2A_PUSHED if self.push else 0) | (A2A_OWN_PLACED if own is not None else 0)
+        flags |= A2A_LAST if last else 0
         args = (mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes, p.row_bytes,
-                p.dst_row_stride, p.dst_chunk_stride, flags, self._blocks)  # fmt: skip
+                p.dst_row_stride, p.dst_chunk_stride, flags, self._blocks, lease)  # fmt: skip
         if side is None:
             self.comm.launch_all_to_all(*args, _stream(self.comm.device))
             return
@@ -247,17 +263,14 @@ class IpcExchange:
         self._buffer = torch.as_tensor(_DeviceMemory(ptr, capacity), device=device)
         if self._side is None:  # high priority: a pull's blocks go first when the next pack leaves room
             self._side = torch.cuda.Stream(device, priority=-1)
+            self._guard = torch.as_tensor(_DeviceMemory(comm.failed_flag(), 1, "<i4"), device=device)
         self._captured = False
         logger.info("graphar: exchange buffers of group %r grown to %d MiB", comm.group_name, capacity >> 20)
 
-    def _warn_once(self, nbytes: int) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "graphar: an all-to-all of %d bytes per rank was captured on group %r with exchange buffers of %d; "
-                "it uses NCCL. Run it once before capturing, or graphar.comm.ulysses.reserve(...).",
-                nbytes, self.comm.group_name, self.capacity,
-            )  # fmt: skip
+    def _tell_once(self, key: str, why: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            logger.warning("graphar: an all-to-all on group %r uses NCCL: %s", self.comm.group_name, why)
 
 
 def _stream(device: int) -> int:

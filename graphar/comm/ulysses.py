@@ -87,11 +87,11 @@ def _slices(length: int, nbytes: int) -> list[tuple[int, int]]:
 
 def _pack_heads_at(xs: Sequence[torch.Tensor], world_size: int, shape: Sequence[int],
                    dest: exchange.Destination) -> None:
-    pack.pack_heads(xs, world_size, dest.chunks(shape, xs[0].dtype))
+    pack.pack_heads(xs, world_size, dest.chunks(shape, xs[0].dtype), dest.guard)
 
 
 def _relayout_at(src: torch.Tensor, dest: exchange.Destination) -> None:
-    pack.relayout([(dest.chunks(src.shape, src.dtype), src)])
+    pack.relayout([(dest.chunks(src.shape, src.dtype), src)], dest.guard)
 
 
 def _qkv_stages(xs: Sequence[torch.Tensor], p: int, heads: int) -> list[exchange.Stage]:
@@ -262,15 +262,11 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     widths = [x.numel() // p for x in xs]
     total = sum(widths)
     dtype, device = xs[0].dtype, xs[0].device
-    pieces = [x.reshape(p, w) for x, w in zip(xs, widths)]
+    send = pool.staging(_A2A_SEND, (p, total), dtype, device)
+    torch.cat([x.reshape(p, w) for x, w in zip(xs, widths)], dim=1, out=send)
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
     row = total * dtype.itemsize
-    # a torch.cat pack: only pulled, every chunk through the buffer
-    stage = exchange.Stage(lambda dest: torch.cat(pieces, dim=1, out=dest.chunks((p, total), dtype)),
-                           exchange.Placement(row, row, p * row, row), 0, 0)  # fmt: skip
-    if not _ipc(group_name, xs[0], recv, lambda: [stage], p * row):
-        send = pool.staging(_A2A_SEND, (p, total), dtype, device)
-        torch.cat(pieces, dim=1, out=send)
+    if not _ipc(group_name, xs[0], recv, lambda: [_packed_stage(send, row)], p * row):
         _all_to_all(recv, send, group_name, "packed_all_to_all_single")
     outs = []
     offset = 0
@@ -280,6 +276,16 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
         outs.append(out)
         offset += w
     return outs
+
+
+def _packed_stage(send: torch.Tensor, row: int) -> exchange.Stage:
+    """The packed exchange's one stage: row j of `send` (`row` bytes) is chunk j. The pack kernel
+    copies it as 16-byte words (the only pack an IPC exchange takes), whatever the dtype."""
+    p = send.shape[0]
+    words = send.view(torch.uint8).view(torch.int32).view(p, 1, row // 16, 1, 4) if row % 16 == 0 else None
+    return exchange.Stage(lambda dest: pack.relayout([(dest.chunks(words.shape, words.dtype), words)], dest.guard),
+                          exchange.Placement(row, row, p * row, row), 0, 0,
+                          kernel_pack=words is not None and pack.kernel_serves([words]))  # fmt: skip
 
 
 def split_heads(packed: torch.Tensor, head_counts: Sequence[int]) -> tuple[torch.Tensor, ...]:

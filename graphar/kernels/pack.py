@@ -36,8 +36,9 @@ except ImportError:  # graphar works without Triton; the copies then run through
 # Elements a program moves: enough bytes in flight per SM without spilling registers.
 _TILE_ELEMENTS = 4096
 _INT32_MAX = 2**31 - 1
-# The kernel's dtypes; others move through torch (same bits, slower).
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The kernel's dtypes; others move through torch (same bits, slower). int32: the packed exchange's
+# 16-byte words (graphar.comm.ulysses).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 
 _MAX_PEERS = 8  # the chunk shifts the kernel takes
 
@@ -66,7 +67,7 @@ if triton is not None:
 
     @triton.jit
     def _copy_tile(
-        dst, src, heads, row_block, head_block, j, shift,
+        dst, src, heads, row_block, head_block, j, shift, live,
         s_j, s_b, s_s, s_h, d_j, d_b, d_s, d_h,
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
@@ -85,7 +86,7 @@ if triton is not None:
         dst_row = j * d_j + bi * d_b + si * d_s
         if SHIFTED:  # chunk j lives elsewhere (another rank's buffer): `shift` elements from dst
             dst_row = dst_row + shift
-        mask = (r < rows)[:, None, None] & (l < heads)[None, :, None] & (e < D)[None, None, :]
+        mask = (r < rows * live)[:, None, None] & (l < heads)[None, :, None] & (e < D)[None, None, :]
         src_off = src_row[:, None, None] + (l * s_h)[None, :, None] + e[None, None, :]
         dst_off = dst_row[:, None, None] + (l * d_h)[None, :, None] + e[None, None, :]
         tl.store(dst + dst_off, tl.load(src + src_off, mask=mask), mask=mask)
@@ -105,13 +106,16 @@ if triton is not None:
         dst2, src2, heads2, s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
         shift0: tl.int64, shift1: tl.int64, shift2: tl.int64, shift3: tl.int64,
         shift4: tl.int64, shift5: tl.int64, shift6: tl.int64, shift7: tl.int64,
-        rows, seq,
+        guard, rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
-        SHIFTED: tl.constexpr, FENCE: tl.constexpr,
+        SHIFTED: tl.constexpr, FENCE: tl.constexpr, GUARDED: tl.constexpr,
     ):
         row_block = tl.program_id(0)
         j = tl.program_id(1)
         block = tl.program_id(2)
+        live = 1  # 0: no row is copied
+        if GUARDED:  # the communicator's failed flag (graphar.comm.exchange): once set, store nothing
+            live = (tl.load(guard, volatile=True) == 0).to(tl.int32)
         shift = 0
         if SHIFTED:  # shift_j without indexing the arguments by a runtime j
             shift = tl.where(j == 0, shift0, tl.where(j == 1, shift1, tl.where(j == 2, shift2, tl.where(
@@ -119,14 +123,17 @@ if triton is not None:
         blocks0 = tl.cdiv(heads0, BLOCK_H)
         blocks1 = tl.cdiv(heads1, BLOCK_H)
         if block < blocks0:
-            _copy_tile(dst0, src0, heads0, row_block, block, j, shift, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+            _copy_tile(dst0, src0, heads0, row_block, block, j, shift, live,
+                       s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
                        rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
         elif block < blocks0 + blocks1:
-            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, shift, s1_j, s1_b, s1_s, s1_h,
-                       d1_j, d1_b, d1_s, d1_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, shift, live,
+                       s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
         else:
-            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, s2_j, s2_b, s2_s, s2_h,
-                       d2_j, d2_b, d2_s, d2_h, rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, live,
+                       s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
         if FENCE:
             # Stores into a peer's buffer are announced by the next kernel (the all-to-all's entry barrier),
             # whose release orders only what its own thread has seen. fence.sc.sys (membar.sys) holds this
@@ -189,20 +196,23 @@ def _check_pairs(pairs: Sequence[Pair]) -> None:
             raise ValueError("relayout: all pairs must share P, b, s and d")
 
 
-def relayout(pairs: Sequence[Pair]) -> bool:
+def relayout(pairs: Sequence[Pair], guard: torch.Tensor | None = None) -> bool:
     """`dst.copy_(src)` for each (dst, src) pair of 5-D views `[P, b, s, h_c, d]`; one launch on CUDA.
 
     Returns True when the Triton kernel did the copy, False when torch did. A `Shifted` destination
-    needs the kernel (`kernel_serves`): ValueError otherwise.
+    needs the kernel (`kernel_serves`): ValueError otherwise. `guard` (one int32, kernel only): the
+    kernel stores nothing once it is nonzero, read when the kernel runs (an exchange passes its
+    communicator's failed flag: graphar.comm.exchange).
     """
     _check_pairs(pairs)
     if not _use_triton(pairs):
-        if any(isinstance(dst, Shifted) for dst, _ in pairs):
-            raise ValueError("relayout: only the Triton kernel writes shifted chunks (see kernel_serves)")
+        if guard is not None or any(isinstance(dst, Shifted) for dst, _ in pairs):
+            raise ValueError("relayout: only the Triton kernel writes shifted chunks or reads a guard "
+                             "(see kernel_serves)")
         for dst, src in pairs:
             dst.copy_(src)
         return False
-    launch = _launch(pairs)
+    launch = _launch(pairs, guard)
     if launch is None:
         return True
     grid, args, constants = launch
@@ -212,7 +222,8 @@ def relayout(pairs: Sequence[Pair]) -> bool:
     return True
 
 
-def _launch(pairs: Sequence[Pair]) -> tuple[tuple[int, int, int], list[object], dict[str, object]] | None:
+def _launch(pairs: Sequence[Pair],
+            guard: torch.Tensor | None) -> tuple[tuple[int, int, int], list[object], dict[str, object]] | None:
     """The kernel's grid, runtime arguments and constexprs for `pairs`; None when there is nothing to copy."""
     p, b, s, _, d = pairs[0][0].shape
     rows = b * s
@@ -236,8 +247,8 @@ def _launch(pairs: Sequence[Pair]) -> tuple[tuple[int, int, int], list[object], 
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
     # The interpreter runs no PTX: there the kernel runs on one device and needs no fence.
     constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
-                     FENCE=bool(shifts) and not _interpreting())  # fmt: skip
-    return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), rows, s], constants
+                     FENCE=bool(shifts) and not _interpreting(), GUARDED=guard is not None)  # fmt: skip
+    return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), guard, rows, s], constants
 
 
 def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
@@ -252,8 +263,8 @@ def _heads(out: Dst, start: int, stop: int) -> Dst:
     return out[:, :, :, start:stop]
 
 
-def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst) -> bool:
-    """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]`."""
+def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst, guard: torch.Tensor | None = None) -> bool:
+    """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]` (`guard`: relayout's)."""
     offset = 0
     pairs: list[Pair] = []
     for x in xs:
@@ -261,7 +272,7 @@ def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst) -> bool:
         src = x.unflatten(2, (world_size, h_local)).permute(2, 0, 1, 3, 4)
         pairs.append((_heads(out, offset, offset + h_local), src))
         offset += h_local
-    return relayout(pairs)
+    return relayout(pairs, guard)
 
 
 def gather_sequence(recv: torch.Tensor, out: torch.Tensor) -> bool:
