@@ -99,6 +99,17 @@ typedef struct graphar_all_reduce_norm_args {
   int32_t pdl;
 } graphar_all_reduce_norm_args;
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
+// Benchmarks and tests on one GPU: the fused kernel of a world-size-2 communicator of rank 0 that was
+// never opened (no peer), this rank standing in for rank 1 (its pushes land in its own slots for rank
+// 1, so the arrival wait is met at once): the kernel's local work, summing the input twice. max_split:
+// 0 the launch's own grid, n > 0 at most n blocks per row. Writes the grid launched: blocks, threads
+// per block, blocks per row.
+int graphar_comm_norm_loopback(void* comm, const graphar_all_reduce_norm_args* args, int max_split, int* blocks,
+                               int* threads, int* split);
+// The fused kernel's grid for a message of nbytes in rows of row_bytes, at most block_limit blocks and
+// scratch_words scratch words (a host computation; GRAPHAR_EINVAL for shapes the kernel cannot take).
+int graphar_norm_grid(uint64_t nbytes, uint64_t row_bytes, int block_limit, uint64_t scratch_words, int max_split,
+                      int* blocks, int* threads, int* split);
 // The largest message of each push kernel (bytes).
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
 // Before an exchange's first pack: takes the exchange's lease on the communicator (a one-thread

@@ -32,7 +32,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
 HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
             "compile": "# Compile time", "decode": "# Decode step", "norm": "# Fused all-reduce",
-            "ulysses": "# Ulysses all-to-all"}
+            "norm-local": "# Fused norm, local part", "ulysses": "# Ulysses all-to-all"}
 
 
 def assert_real_png(path: Path) -> None:

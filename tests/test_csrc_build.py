@@ -114,6 +114,60 @@ def test_push_ptx_waits_for_the_previous_kernel_first(build) -> None:
 
 
 @needs_nvcc
+def test_fused_norm_ptx_reduces_in_a_fixed_order(build) -> None:
+    """The fused norm's split rows hand their segments' partial sums on through scratch words (a 64-bit
+    volatile store and load each, tag and value together) and sum them in a fixed order: no atomic but
+    the claim and its release, so every rank, and every grid, rounds the mean square alike."""
+    _, out, _ = build
+    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    for fragment in ("push_one_shot_normI13__nv_bfloat16Li2E", "push_one_shot_normIfLi8E"):
+        body = _ptx_function(ptx, fragment)
+        assert "st.volatile.global.u64" in body and "ld.volatile.global.u64" in body, fragment
+        assert "shfl.sync.bfly" in body and "bar.red.or.pred" in body, fragment
+        atomics = re.findall(r"(?<![\w.])(atom|red)\.[\w.]+", body)  # not bar.red, the block's vote
+        assert sorted(atomics) == ["atom", "red"], (fragment, atomics)  # the claim and its release
+
+
+def _norm_grid(lib: ctypes.CDLL, tokens: int, hidden: int, itemsize: int = 2, block_limit: int = 64,
+               scratch_words: int = 1 << 20, max_split: int = 0) -> tuple[int, int, int]:  # fmt: skip
+    blocks, threads, split = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    rc = lib.graphar_norm_grid(tokens * hidden * itemsize, hidden * itemsize, block_limit, scratch_words, max_split,
+                               ctypes.byref(blocks), ctypes.byref(threads), ctypes.byref(split))  # fmt: skip
+    assert rc == 0, lib.graphar_last_error()
+    return blocks.value, threads.value, split.value
+
+
+@needs_nvcc
+def test_the_fused_norm_spreads_a_few_tokens_over_many_blocks(build) -> None:
+    """(blocks, threads per block, blocks per row) of the fused norm's launch: a decode step of a few tokens
+    of bf16 hidden 4096 or 8192 covers 64 blocks (one per SM; the issue asked for 32 at one token), from
+    64 tokens on a block per row; slices are whole segments of 8 packs, no block without any; a split
+    that needs more scratch words than there are is cut down to fit."""
+    lib = ctypes.CDLL(str(build[0]))
+    for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    for hidden in (4096, 8192):
+        for tokens in (1, 2, 4, 8, 16, 32):
+            blocks, threads, split = _norm_grid(lib, tokens, hidden)
+            assert (blocks, split) == (64, 64 // tokens) and threads == max(32, hidden // 8 // split), (hidden, tokens)
+        for tokens in (64, 128, 512):
+            assert _norm_grid(lib, tokens, hidden) == (64, 512, 1)
+    assert _norm_grid(lib, 1, 4096, max_split=1) == (1, 512, 1)  # the grid before rows were split
+    assert _norm_grid(lib, 1, 4096, max_split=16) == (16, 32, 16)
+    assert _norm_grid(lib, 1, 4096, scratch_words=0) == (1, 512, 1)
+    assert _norm_grid(lib, 1, 4096, scratch_words=32 * 64) == (32, 32, 32)  # 64 segments per reader block
+    assert _norm_grid(lib, 1, 5120) == (40, 32, 40)  # 80 segments: 2 per block
+    assert _norm_grid(lib, 3, 4096) == (48, 32, 16)  # 21 blocks a row at most: 64 segments in slices of 4
+    assert _norm_grid(lib, 1, 8) == (1, 32, 1)  # one pack
+    assert _norm_grid(lib, 64, 32768) == (64, 512, 1)  # the longest rows: 8 packs per thread
+    assert _norm_grid(lib, 1, 4096, block_limit=36) == (32, 32, 32)  # before Hopper: 36 blocks, whole segments
+    blocks = ctypes.c_int()
+    assert lib.graphar_norm_grid(72, 24, 64, 0, 0, ctypes.byref(blocks), ctypes.byref(blocks),
+                                 ctypes.byref(blocks)) == -1  # rows of 24 bytes  # fmt: skip
+    assert b"rows of 24" in lib.graphar_last_error()
+
+
+@needs_nvcc
 def test_c_abi_exports_and_returns_errors(build) -> None:
     lib_path, _, _ = build
     lib = ctypes.CDLL(str(lib_path))  # no libcuda dependency: loads on a machine without a driver

@@ -1,5 +1,6 @@
 """The fused all-reduce + residual add + RMSNorm kernel on real GPUs: against the unfused ops (the
-sum and the residual exact, the norm within a stated bound), ranks bitwise equal, three capture modes."""
+sum and the residual exact, the norm within a stated bound), ranks bitwise equal, three capture modes;
+and the kernel's local work alone on one GPU (its loopback launch), whatever its grid."""
 
 from __future__ import annotations
 
@@ -143,3 +144,69 @@ def _capture_modes(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
 def test_fused_norm_in_three_capture_modes(world_size: int) -> None:
     run_workers(_capture_modes, world_size)
+
+
+def test_fused_norm_kernel_alone_on_one_gpu() -> None:
+    """The kernel's own work on one GPU, in this process (no peers): the loopback launch, a rank that is
+    its own peer and sums its input twice (graphar.benchmarks.norm_local). Every dtype; rows split
+    between up to 64 blocks, between a few, or one block per row; rows whose last segment is short;
+    residual and weight or none. The sum + residual exact, the normed rows within the bound; the same
+    bits whatever the split and however many rows share the call (the mean square's tree depends on
+    the row's size alone); a captured launch replays to the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from graphar.benchmarks.norm_local import Loopback
+
+    loop = Loopback(8 << 20)
+    try:
+        cases = itertools.product((torch.float32, torch.float16, torch.bfloat16), (8, 4096, 4104, 8192, 16384),
+                                  (1, 2, 7, 64, 100), (True, False), (True, False))  # fmt: skip
+        for dtype, hidden, rows, with_residual, with_weight in cases:
+            if hidden * dtype.itemsize > 65536 or rows * hidden * dtype.itemsize > 4 << 20:
+                continue
+            x = integer_valued(rows * hidden, dtype, -3, 3).view(rows, hidden)
+            residual = integer_valued(rows * hidden, dtype).view(rows, hidden) if with_residual else None
+            weight = (torch.rand(hidden, device="cuda") + 0.5).to(dtype) if with_weight else None
+            weight_first = with_weight and rows % 2 == 1
+            what = f"{dtype} {rows}x{hidden} residual={with_residual} weight={with_weight} first={weight_first}"
+            outs, grids = [], []
+            for max_split in (0, 3, 1):
+                normed, summed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+                grids.append(loop(x, residual, weight, normed, summed, pdl=True, max_split=max_split,
+                                  eps=EPS, weight_first=weight_first))  # fmt: skip
+                outs.append((normed, summed))
+            torch.cuda.synchronize()
+            loop.check()
+            want_normed, want_summed = unfused_add_rms_norm(x + x, residual, weight, EPS, weight_first)
+            assert torch.equal(outs[0][1], want_summed), f"{what}: sum + residual differs"
+            _assert_close_to(outs[0][0], want_normed, what)
+            for (normed, summed), grid in zip(outs[1:], grids[1:]):
+                assert _same_bits(normed, outs[0][0]) and torch.equal(summed, outs[0][1]), f"{what}: grid {grid}"
+            last = torch.full_like(x[-1:], float("nan")), torch.full_like(x[-1:], float("nan"))
+            loop(x[-1:], None if residual is None else residual[-1:], weight, *last, pdl=False, eps=EPS,
+                 weight_first=weight_first)  # fmt: skip
+            torch.cuda.synchronize()
+            assert _same_bits(last[0], outs[0][0][-1:]), f"{what}: the last row alone differs"
+        if torch.cuda.get_device_capability()[0] >= 9:  # a large split: at least 32 blocks for one token
+            x = integer_valued(4096, torch.bfloat16).view(1, 4096)
+            assert loop(x, None, None, torch.empty_like(x), torch.empty_like(x), pdl=False)[0] >= 32
+        x = integer_valued(4 * 4096, torch.bfloat16).view(4, 4096)
+        normed, summed = torch.empty_like(x), torch.empty_like(x)
+        loop(x, x, x[0], normed, summed, pdl=True)
+        want = normed.clone(), summed.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(3):
+                loop(x, x, x[0], normed, summed, pdl=True)
+        for _ in range(3):
+            normed.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert _same_bits(normed, want[0]) and torch.equal(summed, want[1]), "a replay differs"
+        loop.check()
+    finally:
+        loop.close()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
