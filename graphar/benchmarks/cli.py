@@ -2,9 +2,10 @@
 
 Each benchmark spawns one process per visible GPU (run it with plain `python`, not torchrun; it needs
 two GPUs or more), prints progress lines, then a markdown table, written with the GPU, world size,
-versions and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a source
-checkout, else in the current folder (or where --out says). `compile` runs in this process on the
-CPU instead (compile-cpu.md). A plot of the same numbers goes beside
+versions, commit and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a
+source checkout, else in the current folder (or where --out says). `chunking` and `pack` run in this
+process on one GPU instead (BENCHMARK-<gpu>.md), `compile` in this process on the CPU
+(compile-cpu.md). A plot of the same numbers goes beside
 it as a .png when matplotlib is installed (pip install 'graphar[plot]'). `--dry-run` formats fake
 numbers on a machine without GPUs, to check the reporting path. `BENCHMARK --help` lists its options.
 """
@@ -14,11 +15,11 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from graphar.benchmarks import allreduce, attention, common, decode, norm, ulysses
+from graphar.benchmarks import allreduce, attention, chunking, common, decode, norm, pack, ulysses
 from graphar.benchmarks import compile as compile_time
 
-# Benchmarks that run in this process, on the CPU: no GPU launch, their own main(args, settings).
-IN_PROCESS: dict[str, ModuleType] = {"compile": compile_time}
+# Benchmarks that run in this process (on one GPU, or on the CPU): no launch, their own main(args, settings).
+IN_PROCESS: dict[str, ModuleType] = {"chunking": chunking, "compile": compile_time, "pack": pack}
 BENCHMARKS: dict[str, ModuleType] = {
     "allreduce": allreduce, "attention": attention, "decode": decode, "norm": norm, "ulysses": ulysses,
     **IN_PROCESS,
