@@ -34,7 +34,7 @@ from graphar.benchmarks import allreduce, cli, common, plot, ranks
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
 HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
-            "chunking": "# Chunking tax", "compile": "# Compile time",
+            "capture": "# Capture cost of BatchGraphs", "chunking": "# Chunking tax", "compile": "# Compile time",
             "decode": "# Decode step", "norm": "# Fused all-reduce", "pack": "# Ulysses pack kernel",
             "ulysses": "# Ulysses all-to-all"}
 
@@ -300,6 +300,14 @@ def test_the_one_gpu_benchmarks_need_a_gpu_but_not_for_a_dry_run(monkeypatch: py
     for name in ("chunking", "pack"):
         with pytest.raises(SystemExit, match="needs a GPU"):
             main(["bench", name, "--quick"])
+
+
+def test_the_capture_benchmark_builds_a_serving_loop_s_sizes() -> None:
+    from graphar.benchmarks import capture
+
+    sizes, quick = capture.SERVING_BATCHES, capture.QUICK_BATCHES
+    assert len(sizes) == len(set(sizes)) == 64 and (min(sizes), max(sizes)) == (1, 512)
+    assert quick == sorted(quick) and set(quick) <= set(sizes)
 
 
 def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> None:

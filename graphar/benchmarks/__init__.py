@@ -7,6 +7,7 @@
     allreduce  all-reduce latency: NCCL, PyTorch symmetric memory and graphar, graphs and eager
     allreduce_columns   its columns: what each times and how each is set up on every rank
     attention  a Ulysses attention block compiled by Inductor + NCCL and by graphar, against its compute floor
+    capture    BatchGraphs over a serving loop's 64 batch sizes: graphar's capture time and memory against local copies
     chunking   the pipelined Ulysses attention's chunking tax, on one GPU: chunked against unchunked, per backend
     compile    cold compile time with backend="graphar" against "inductor" and graphar's passes' share (CPU)
     decode     one decode step of a tensor-parallel Llama-style model: Inductor + NCCL against graphar

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from graphar.benchmarks import allreduce, attention, chunking, common, decode, norm, pack, ulysses
+from graphar.benchmarks import allreduce, attention, capture, chunking, common, decode, norm, pack, ulysses
 from graphar.benchmarks import compile as compile_time
 
 # Benchmarks that run in this process (on one GPU, or on the CPU): no launch, their own main(args, settings).
 IN_PROCESS: dict[str, ModuleType] = {"chunking": chunking, "compile": compile_time, "pack": pack}
 BENCHMARKS: dict[str, ModuleType] = {
-    "allreduce": allreduce, "attention": attention, "decode": decode, "norm": norm, "ulysses": ulysses,
+    "allreduce": allreduce, "attention": attention, "capture": capture, "decode": decode, "norm": norm,
+    "ulysses": ulysses,
     **IN_PROCESS,
 }
 
