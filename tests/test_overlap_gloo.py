@@ -1,7 +1,8 @@
 """Two gloo processes on the CPU: the pipelined Ulysses attention (graphar.comm.overlap) equals the
 unchunked path bit for bit (separate all-to-alls as yunchang writes them, attention, the output
-all-to-all), for GQA, causal and not, one to four chunks and the automatic count, batch 1 and 2; and a Ulysses block compiled
-with `attention_chunks` gets the op and matches eager (the projections' rounding aside)."""
+all-to-all), for GQA, causal and not, one to four chunks and the automatic count, batch 1 and 2;
+and a Ulysses block compiled with `attention_chunks` gets the op and matches eager (the
+projections' rounding aside)."""
 
 from __future__ import annotations
 
