@@ -286,10 +286,12 @@ def test_alone_the_helpers_serve_a_world_of_one(tmp_path: Path) -> None:
 
 
 def test_reports_name_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert re.fullmatch(r"[0-9a-f]{7,}( \+ uncommitted changes)?|n/a", common.header("m", 2)["commit"])
-    monkeypatch.setenv(common.COMMIT_ENV, "abc1234 (carried)")  # a copy without .git is told
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
     common.git_commit.cache_clear()
     try:
+        assert re.fullmatch(r"[0-9a-f]{7,}( \+ uncommitted changes)?|n/a", common.header("m", 2)["commit"])
+        monkeypatch.setenv(common.COMMIT_ENV, "abc1234 (carried)")  # a copy without .git is told
+        common.git_commit.cache_clear()
         assert common.header("m", 2)["commit"] == "abc1234 (carried)"
     finally:
         common.git_commit.cache_clear()
