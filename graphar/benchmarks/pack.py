@@ -269,7 +269,7 @@ def tables(cells: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, str]
     main_rows, sweep_rows = [], []
     for shape, op in rows_of(cells, s):
         kernel, copy = bandwidth(cells, shape, op, KERNEL), bandwidth(cells, shape, op, COPY)
-        share = common.derived(kernel, copy, "{:.0%}")
+        share = common.derived(kernel, copy, "{:.1%}")
         met = "-" if share == "-" else "yes" if kernel / copy >= TARGET else "NO"
         tile, best = best_tile(cells, s, shape, op)
         nbytes = cells[(shape, op, "bytes")]
@@ -284,7 +284,7 @@ def tables(cells: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, str]
          f">= {TARGET:.0%}", "strided copy_ GB/s", "best swept T:W", "its / copy_"], main_rows)  # fmt: skip
     sections = [("Pack kernel against copy_, GB/s (read + write)", main)]
     if s.tiles:
-        sweep = common.markdown_table(["shape", "layout", "kernel (4096:4)", *(t.removeprefix("tiles ")
+        sweep = common.markdown_table(["shape", "layout", "kernel (graphar's launch)", *(t.removeprefix("tiles ")
                                                                               for t in map(tile_label, s.tiles))],
                                       sweep_rows)  # fmt: skip
         sections.append(("Tile sweep, % of copy_ (T:W = _TILE_ELEMENTS:num_warps)", sweep))
@@ -299,7 +299,8 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         "GB/s: 2 x the bytes moved (read + write) over the time. kernel: graphar.kernels.pack's function as graphar "
         "calls it; copy_: torch.Tensor.copy_ of as many contiguous bytes; strided copy_: copy_ of the same views.",
         "tile (R x H x D): BLOCK_R rows x BLOCK_H heads x D_PAD elements, the tile graphar's launch moves per "
-        "program (4096 elements, 4 warps). The sweep launches the same kernel with _TILE_ELEMENTS:num_warps.",
+        f"program (_TILE_ELEMENTS = {kernels._TILE_ELEMENTS}, 4 warps). The sweep launches the same kernel with "
+        "_TILE_ELEMENTS:num_warps.",
         f"Target: the kernel at {TARGET:.0%} of copy_ or more at every shape. Every result is checked bit for bit "
         "against the strided copy_ first (WRONG otherwise; fallback: graphar's function let torch copy).",
         "gather_sequence runs only for b > 1 (at b == 1 the received chunks are the result: no row).",
