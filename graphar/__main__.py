@@ -17,8 +17,8 @@ COMMANDS = (
                    "show each rewrite and its transport, check the outputs against eager"),
     ("doctor", doctor, "say whether graphar's custom all-reduce and IPC all-to-all are on here, and if not, "
                        "why: versions, CUDA library, GPUs, peer access, NVLink, allocator"),
-    ("bench", bench, "time graphar against NCCL: allreduce, attention, decode, norm or ulysses; compile: its "
-                     "compile time (CPU); a table and a plot"),
+    ("bench", bench, "time graphar against NCCL: allreduce, attention, capture, decode, norm or ulysses; on one "
+                     "GPU: chunking, pack; compile: its compile time (CPU); a table and a plot"),
 )  # fmt: skip
 
 

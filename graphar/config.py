@@ -18,6 +18,8 @@ from graphar.settings import SettingError
 
 # torch.compile's modes, for `options={"mode": ...}` (torch refuses mode= together with options=).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# attention_chunks="auto": graphar.comm.overlap.auto_chunks picks the chunks per shape at run time.
+AUTO = "auto"
 
 
 def _group_names(groups: Any) -> tuple[str, ...]:
@@ -45,8 +47,10 @@ class Config:
     # Off until the fused kernel is measured on 2 GPUs.
     fuse_norm: bool = False
     # Pipeline each Ulysses attention (exchange, attention, exchange) over up to this many chunks of
-    # heads (graphar::ulysses_attention); 0 or 1: off. Off until measured on 2 GPUs.
-    attention_chunks: int = 0
+    # heads (graphar::ulysses_attention); 0 or 1: off; "auto": as many as the rule measured on one GPU
+    # picks per shape (graphar.comm.overlap.auto_chunks; 1 where chunking would cost more than it can
+    # hide). Off until measured on 2 GPUs.
+    attention_chunks: int | str = 0
     # Largest all-reduce (bytes) the pass rewrites; larger ones stay on their collective.
     max_all_reduce_bytes: int = field(default_factory=settings.MAX_ALLREDUCE_BYTES.get)
     # Group names the pass must leave on their original collective (groups are turned into names).
@@ -59,14 +63,19 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(f"option {name}={getattr(self, name)!r}: expected True or False")
         chunks = self.attention_chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
-            raise SettingError(f"option attention_chunks={chunks!r}: expected an int >= 0 (0 or 1: off)")
+        if chunks != AUTO and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
+            raise SettingError(f"option attention_chunks={chunks!r}: expected an int >= 0 (0 or 1: off) or {AUTO!r}")
         limit = self.max_all_reduce_bytes
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0 or limit % 16:
             raise SettingError(
                 f"option max_all_reduce_bytes={limit!r}: expected a positive multiple of 16 (bytes, an int)"
             )
         object.__setattr__(self, "exclude_groups", _group_names(self.exclude_groups))
+
+    @property
+    def pipelines_attention(self) -> bool:
+        """Whether the pass rewrites Ulysses attentions into graphar::ulysses_attention."""
+        return self.attention_chunks == AUTO or self.attention_chunks > 1
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Config":

@@ -13,7 +13,8 @@ becomes
 
     out = graphar.ulysses_attention(q, k, v, group, c, s, chunks)
 
-where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
+(chunks: the option attention_chunks, or graphar.comm.overlap.AUTO_CHUNKS for "auto", which lets the
+op pick per shape), where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
 efficient, cudnn, the CPU flash). Heads are independent in attention, so the result is the same bits.
 K and V may reach the kernel repeated for GQA as HF's repeat_kv writes it (the op then attends with
 fewer K/V heads, which reads the same values), and any input as a contiguous copy (diffusers' cuDNN
@@ -32,8 +33,8 @@ from typing import Any
 
 import torch
 
-from graphar.comm.overlap import chunk_count
-from graphar.config import Config
+from graphar.comm.overlap import AUTO_CHUNKS, AUTO_MAX_CHUNKS, chunk_count
+from graphar.config import AUTO, Config
 
 from .layout import HEADS_SWAP, same
 
@@ -193,21 +194,24 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
 
 def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
     """Rewrite every Ulysses attention that graphar can pipeline; returns how many were rewritten."""
-    if config.attention_chunks < 2:
+    if not config.pipelines_attention:
         return 0
+    auto = config.attention_chunks == AUTO
+    # "auto": the op picks per shape at run time, up to AUTO_MAX_CHUNKS; a match must split that far
+    # into two chunks at least.
+    most, chunks = (AUTO_MAX_CHUNKS, AUTO_CHUNKS) if auto else (config.attention_chunks, config.attention_chunks)
     from graphar.comm.ulysses import world_size
 
     graph.eliminate_dead_code()  # the Q/K/V rewrite leaves its old relayouts for this: users that are gone
     count = 0
     for output in list(graph.find_nodes(op="call_function", target=graphar_ops.heads_to_seq_all_to_all.default)):
         match = _match(output)
-        reason = match if isinstance(match, str) else _reason_to_skip(match, world_size(output.args[1]),
-                                                                     config.attention_chunks)  # fmt: skip
+        reason = match if isinstance(match, str) else _reason_to_skip(match, world_size(output.args[1]), most)
         if reason is not None:
             log.info("graphar: attention before %s left unpipelined: %s", output.name, reason)
             continue
-        log.info("graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %d chunks)",
+        log.info("graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %s chunks)",
                  match.exchange.name, match.sdpa.name, output.name, match.group_name, config.attention_chunks)
-        match.replace_with_graphar(config.attention_chunks)
+        match.replace_with_graphar(chunks)
         count += 1
     return count

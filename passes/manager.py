@@ -75,7 +75,7 @@ class GrapharPass(CustomGraphPass):
                 self.passes.append(fuse_all_reduce_norms)
         if self.config.qkv_all_to_all:
             self.passes.append(rewrite_qkv_triplets)
-            if self.config.attention_chunks > 1:  # it pipelines the exchanges the rewrite above makes
+            if self.config.pipelines_attention:  # it pipelines the exchanges the rewrite above makes
                 self.passes.append(rewrite_ulysses_attention)
         self.counts: Counter[str] = Counter()
 

@@ -285,7 +285,7 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     packed_triplets, _ = _form_triplets(non_relayouts, order, lambda a, b: a.packing_key() == b.packing_key())
     # Scattering dim 2 (heads at dim 1), heads_to_seq_all_to_all reads X transposed: one copy more,
     # worth it only for an attention's output that passes/attention.py then folds into the pipelined op.
-    overlap = config.attention_chunks > 1
+    overlap = config.pipelines_attention
     outputs = [m for m in unpacked
                if 1 in m.relayouts or (overlap and 2 in m.relayouts and is_attention_output(m.relayouts[2].source))]
     for match in unpacked:

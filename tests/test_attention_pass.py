@@ -166,6 +166,12 @@ class <lambda>(torch.nn.Module):
         self.assertEqual(after.count("graphar.heads_to_seq_all_to_all.default("), 1)
         self.assertIn("left alone: alone, an exchange scattering dim 2 gains nothing", "\n".join(logs.output))
 
+    def test_auto_lets_the_op_pick_the_chunks(self) -> None:
+        # attention_chunks="auto": the op gets AUTO_CHUNKS and applies the measured rule at run time.
+        _, after, counts = post_grad_graphs(_attention, *_qkv(), config=Config(attention_chunks="auto"))
+        self.assertEqual(counts, {"ulysses_attention": 1})
+        self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, -1, 'flash')", after)
+
     def test_off_by_default(self) -> None:
         _, after, counts = post_grad_graphs(_attention, *_qkv())
         self.assertNotIn("ulysses_attention", counts)

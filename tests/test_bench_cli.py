@@ -4,8 +4,10 @@ With matplotlib (CI installs it through the `test` extra) every benchmark writes
 it (simulated by hiding the module) the table is written all the same and a line says how to get the
 plot. Also: where results go by default, the charts built from a benchmark's own results, progress
 lines, the `python bench/NAME.py` entry points of a checkout, partial reports, the ranks' agreement
-on what to measure (two gloo processes), and each benchmark's NCCL timeout against its time limit
-in tools/gpu_session.sh.
+on what to measure (two gloo processes) and a world of one without a process group (the one-GPU
+benchmarks), each benchmark's NCCL timeout against its time limit in tools/gpu_session.sh, and what
+the one-GPU benchmarks run, on the CPU: the chunking benchmark's emulated exchanges around graphar's
+own pipelined attention, the pack benchmark's swept launches under the Triton interpreter.
 """
 
 import dataclasses
@@ -23,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from graphar._launch import end_worker, free_port
 from graphar.__main__ import main
@@ -31,8 +34,10 @@ from graphar.benchmarks import allreduce, cli, common, plot, ranks
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
 HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
-            "compile": "# Compile time", "decode": "# Decode step", "norm": "# Fused all-reduce",
-            "norm-local": "# Fused norm, local part", "ulysses": "# Ulysses all-to-all"}
+            "capture": "# Capture cost of BatchGraphs", "chunking": "# Chunking tax", "compile": "# Compile time",
+            "decode": "# Decode step", "norm": "# Fused all-reduce", "norm-local": "# Fused norm, local part",
+            "pack": "# Ulysses pack kernel",
+            "ulysses": "# Ulysses all-to-all"}
 
 
 def assert_real_png(path: Path) -> None:
@@ -200,7 +205,7 @@ def test_every_benchmark_times_out_well_before_its_session_limit() -> None:
     default, longer, limit = re.search(r'limit=(\d+); case "\$name" in ([\w|-]+)\) limit=(\d+)', script).groups()
     for name, module in cli.BENCHMARKS.items():
         if name in cli.IN_PROCESS:
-            continue  # on the CPU: no NCCL, no session step
+            continue  # in this process, one GPU or the CPU: no NCCL
         step_limit = int(limit if f"bench-{name}" in longer.split("|") else default)
         assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S <= step_limit - 120, name
 
@@ -258,3 +263,119 @@ def _agreement_worker(rank: int, port: int) -> None:
 
 def test_the_ranks_agree_on_what_to_measure() -> None:
     mp.spawn(_agreement_worker, args=(free_port(),), nprocs=2, join=True)
+
+
+def test_alone_the_helpers_serve_a_world_of_one(tmp_path: Path) -> None:
+    """Without a process group (the one-GPU benchmarks) every decision is this process's own, the
+    report is written after each unit, and its file is named for the GPU alone."""
+    assert not dist.is_initialized() and ranks.alone()
+    reasons: dict[str, str] = {}
+
+    def fails() -> None:
+        raise RuntimeError("capture failed")
+
+    assert ranks.measured(fails, lambda graph: 1.0, "capture", reasons, "col") == "err"
+    assert reasons == {"col": "capture raised on rank 0: RuntimeError: capture failed"}
+    assert ranks.verdict(lambda: "WRONG", "check", reasons, "c") == "WRONG"
+    written: list[tuple] = []
+    report = common.reporter("t", _Units([1, 2]), "units", lambda cells, *rest: written.append((dict(cells), *rest)),
+                             reasons, tmp_path)  # fmt: skip
+    common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit)}, report)
+    path = tmp_path / f"t-{common.gpu_slug(common.gpu_name())}.md"
+    assert [(w[0], w[1], w[2], w[5], w[6]) for w in written] == [
+        ({(1, "t"): 1.0}, _Units([1]), 1, path, False), ({(1, "t"): 1.0, (2, "t"): 2.0}, _Units([1, 2]), 1, path, True)]
+
+
+def test_reports_name_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
+    common.git_commit.cache_clear()
+    try:
+        assert re.fullmatch(r"[0-9a-f]{7,}( \+ uncommitted changes)?|n/a", common.header("m", 2)["commit"])
+        monkeypatch.setenv(common.COMMIT_ENV, "abc1234 (carried)")  # a copy without .git is told
+        common.git_commit.cache_clear()
+        assert common.header("m", 2)["commit"] == "abc1234 (carried)"
+    finally:
+        common.git_commit.cache_clear()
+
+
+def test_the_one_gpu_benchmarks_need_a_gpu_but_not_for_a_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("chunking", "pack"):
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            main(["bench", name, "--quick"])
+
+
+def test_the_capture_benchmark_builds_a_serving_loop_s_sizes() -> None:
+    from graphar.benchmarks import capture
+
+    sizes, quick = capture.SERVING_BATCHES, capture.QUICK_BATCHES
+    assert len(sizes) == len(set(sizes)) == 64 and (min(sizes), max(sizes)) == (1, 512)
+    assert quick == sorted(quick) and set(quick) <= set(sizes)
+
+
+def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> None:
+    """Its emulated exchanges feed graphar.comm.overlap.ulysses_attention (CPU: no streams): every
+    chunk count the plan keeps attends as the unchunked call does, in both modes, and the op's
+    output is written where the output exchange would write it (copy mode)."""
+    from graphar.benchmarks import chunking
+    from graphar.benchmarks.shapes import Shape
+
+    for shape in (Shape(1, 64, 8, 16, causal=True), Shape(2, 32, 8, 16, kv_heads=4)):
+        emu = chunking.Emulated(shape, 2, device="cpu", dtype=torch.float32)
+        q, k, v = (x.transpose(1, 2) for x in emu.qkv)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.kv != shape.heads)
+        with emu.patched():
+            whole = emu.attended(1)
+            torch.testing.assert_close(whole, want.transpose(1, 2))
+            for n in (2, 4) if shape.kv == shape.heads else (2,):
+                assert torch.equal(emu.attended(n), whole), (shape, n)
+                emu.prepare(n)
+                out = emu.call(n, chunking.COPY)
+                # Copy mode: the output exchange's bytes, tokens j*S.. of every head to rank j (here: this rank's).
+                p, s_local = 2, shape.s // 2
+                expected = whole.unflatten(1, (p, s_local)).permute(0, 2, 1, 3, 4)  # [b, S, P, h_rank, d]
+                got = out.unflatten(2, (n, p, shape.heads // (p * n))).permute(0, 1, 3, 2, 4, 5).flatten(3, 4)
+                assert torch.equal(got, expected), (shape, n)
+                assert emu.call(n, chunking.NONE).shape == emu.q_in.shape
+            with pytest.raises(RuntimeError, match="not into 3"):  # a count the plan does not keep is refused
+                emu.prepare(3)
+                emu.call(3, chunking.NONE)
+    from graphar.comm import ulysses
+
+    assert getattr(ulysses.world_size, "__self__", None) is None  # the patches end with the block
+
+
+_PACK_CHECK = """
+import torch
+from graphar.benchmarks import pack
+from graphar.benchmarks.shapes import Shape
+
+for shape in (Shape(2, 10, 4, 16, kv_heads=2), Shape(1, 6, 4, 8)):
+    for op in pack.OPS:
+        lay = pack.layout(op, shape, 2, lambda nbytes: 2, device="cpu")
+        if lay is None:
+            assert op == "gather_sequence" and shape.b == 1
+            continue
+        pairs = pack.recorded(lambda: lay.run(1))
+        for dst, src in pairs:
+            dst.copy_(src)
+        reference = lay.out(1).clone()
+        runs = {"kernel": lambda: lay.run(1), **{t: pack.tiled(pairs, t) for t in ((2048, 4), (64, 1))}}
+        for name, run in runs.items():
+            lay.out(1).fill_(float("nan"))
+            run()
+            assert torch.equal(lay.out(1), reference), (shape, op, name)
+        lay.out(0).fill_(float("nan"))  # nothing written: the check says so
+        assert pack.wrong(lambda i: None, lay, lay.out(1), "tiles") == "WRONG"
+        assert "x" in pack.launch_tiles(pairs)
+print("ok")
+"""
+
+
+def test_the_pack_benchmark_s_launches_move_graphar_s_bytes() -> None:
+    """Under the Triton interpreter (chosen at import, so in a process of its own): the kernel as
+    graphar calls it and as the sweep launches it with other tiles write what torch's copy_ writes."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _PACK_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-3000:] + run.stderr[-3000:]

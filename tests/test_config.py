@@ -24,6 +24,7 @@ from graphar.settings import SettingError
         ({"attention_chunks": -1}, "attention_chunks=-1: expected an int >= 0"),
         ({"attention_chunks": 2.0}, "attention_chunks=2.0"),
         ({"attention_chunks": True}, "attention_chunks=True"),
+        ({"attention_chunks": "Auto"}, "attention_chunks='Auto': expected an int >= 0 \\(0 or 1: off\\) or 'auto'"),
         ({"exclude_groups": [3]}, "exclude_groups: 3 is neither a process group nor a group name"),
         ({"exclude_groups": 3}, "exclude_groups=3"),
         ({"max_all_reduce_byte": 4096}, r"options \['max_all_reduce_byte'\] are neither graphar's"),
@@ -32,6 +33,10 @@ from graphar.settings import SettingError
 def test_bad_options_are_named(options, message) -> None:
     with pytest.raises(SettingError, match=message):
         Config.from_options(options)
+
+
+def test_attention_chunks_takes_a_count_or_auto() -> None:
+    assert [Config(attention_chunks=c).pipelines_attention for c in (0, 1, 2, "auto")] == [False, False, True, True]
 
 
 def test_options_split_between_graphar_and_inductor() -> None:

@@ -1,7 +1,8 @@
 """Two gloo processes on the CPU: the pipelined Ulysses attention (graphar.comm.overlap) equals the
 unchunked path bit for bit (separate all-to-alls as yunchang writes them, attention, the output
-all-to-all), for GQA, causal and not, one to four chunks, batch 1 and 2; and a Ulysses block compiled
-with `attention_chunks` gets the op and matches eager (the projections' rounding aside)."""
+all-to-all), for GQA, causal and not, one to four chunks and the automatic count, batch 1 and 2;
+and a Ulysses block compiled with `attention_chunks` gets the op and matches eager (the
+projections' rounding aside)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
         name = dist.group.WORLD.group_name
-        for b, (hq, hk), is_causal, chunks in itertools.product((1, 2), ((8, 8), (8, 4)), (False, True), (1, 2, 4)):
+        for b, (hq, hk), is_causal, chunks in itertools.product((1, 2), ((8, 8), (8, 4)), (False, True),
+                                                              (1, 2, 4, overlap.AUTO_CHUNKS)):
             gen = torch.Generator().manual_seed(100 * rank + b)
             q = torch.randn(b, 6, hq, 16, generator=gen)
             k, v = (torch.randn(b, 6, hk, 16, generator=gen) for _ in range(2))
@@ -112,6 +114,30 @@ def test_flash_pipelines_only_what_it_attends_whole() -> None:
     assert _flash_chunks(2, 2, 8, 512) == 1  # 64 query blocks in all
     assert _flash_chunks(2, 1, 12, 4096) == 2  # DiT-like: 192 blocks a chunk
     assert _flash_chunks(4, 1, 8, 8192) == 3  # 4 would leave 128 a chunk
+
+
+def test_the_automatic_rule_chunks_only_large_problems(monkeypatch) -> None:
+    """attention_chunks="auto": the most chunks, up to the limit, that keep each chunk its kernel's
+    rows (twice as many when causal); 1 below that, and for a kernel the rule has no threshold for."""
+    from graphar.comm import overlap
+
+    monkeypatch.setattr(overlap, "AUTO_MIN_ROWS", {"flash": 1000, "cudnn": 4000, None: 1000})
+    monkeypatch.setattr(overlap, "AUTO_MAX_CHUNKS", 4)
+    monkeypatch.setattr(overlap, "AUTO_CAUSAL_FACTOR", 2)
+    assert overlap.auto_chunks(1, 10, 100, "flash", False) == 1  # 1000 rows: one chunk's worth
+    assert overlap.auto_chunks(1, 10, 299, "flash", False) == 2
+    assert overlap.auto_chunks(2, 10, 300, "flash", False) == 4  # 6000 rows, but at most 4
+    assert overlap.auto_chunks(2, 10, 300, "flash", True) == 3  # causal: 2000 rows a chunk
+    assert overlap.auto_chunks(2, 10, 300, "cudnn", False) == 1
+    assert overlap.auto_chunks(1, 1000, 1000, "math", False) == 1  # no threshold: never chunked
+    # planned_chunks: the pick rounded down to a count that splits every rank's heads evenly, and
+    # capped for flash on a GPU (each chunk keeps 160 query blocks: 3 here, not 4).
+    assert overlap.planned_chunks(1, 40, 40, 10_000, 2, overlap.AUTO_CHUNKS, "cudnn", False, True) == 4
+    assert overlap.planned_chunks(1, 24, 24, 10_000, 2, overlap.AUTO_CHUNKS, "cudnn", False, True) == 4
+    assert overlap.planned_chunks(1, 20, 20, 10_000, 2, overlap.AUTO_CHUNKS, "cudnn", False, True) == 2
+    assert overlap.planned_chunks(1, 16, 16, 8192 * 8, 2, overlap.AUTO_CHUNKS, "flash", False, True) == 4
+    assert overlap.planned_chunks(1, 16, 16, 8192, 2, 4, "flash", False, True) == 2  # 3 blocks-wise, 2 evenly
+    assert overlap.planned_chunks(1, 16, 16, 8192, 2, 4, "flash", False, False) == 4  # the CPU's flash
 
 
 def test_attention_feeds_gqa_as_the_graph_s_kernel_was_fed() -> None:

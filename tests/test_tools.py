@@ -33,7 +33,7 @@ def test_the_smoke_run_imports_and_names_the_benchmarks() -> None:
     out = subprocess.run([sys.executable, str(TOOLS / "one_gpu_bench.py"), "--help"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "{allreduce,decode,norm,ulysses,attention}" in out.stdout
+    assert "{allreduce,decode,norm,ulysses,attention,capture}" in out.stdout
 
 
 def test_the_clients_run_imports_and_needs_a_gpu() -> None:

@@ -5,7 +5,8 @@
 # Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
 #        [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]]
 #        [eager-breakdown]
-# NAME: allreduce, decode, norm, attention or ulysses; ARGS go to the benchmark, e.g.
+# NAME: allreduce, decode, norm, attention, ulysses, capture, or the one-GPU chunking and pack (they run
+# in one process on one GPU); ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
 # builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
 # one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
@@ -71,7 +72,7 @@ for stage in "$@"; do
     bench-*)
       name=${stage%%=*}; args=""; [ "$name" != "$stage" ] && args=${stage#*=}
       # Each benchmark's NCCL timeout (its TIMEOUT_S) is well below its limit: a hang ends with a traceback.
-      limit=300; case "$name" in bench-decode|bench-attention) limit=540 ;; esac  # they compile per variant
+      limit=300; case "$name" in bench-decode|bench-attention|bench-capture) limit=540 ;; esac  # they compile per variant
       step "$name" "$limit" python "bench/${name#bench-}.py" $args ;;
   esac
 done

@@ -10,7 +10,7 @@ Inductor + NCCL steps) may come out "err" or "n/a"; graphar's cells must come ou
 
     PYTHONPATH=. python tools/one_gpu_bench.py NAME [--world N] [ARGS...]
 
-NAME: allreduce, decode, norm, ulysses or attention; ARGS go to the benchmark. The report goes to
+NAME: allreduce, decode, norm, ulysses, attention or capture; ARGS go to the benchmark. The report goes to
 a temporary folder (or --out in ARGS), never to bench/results/.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from one_gpu_common import relax_set_up
 
-BENCHMARKS = ("allreduce", "decode", "norm", "ulysses", "attention")
+BENCHMARKS = ("allreduce", "decode", "norm", "ulysses", "attention", "capture")
 # Cells a graphar column shows when it did not run as itself (see graphar.benchmarks.common).
 FAILED_CELLS = ("err", "WRONG", "fallback", "not rewritten", "NO")
 

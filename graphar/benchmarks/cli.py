@@ -2,12 +2,12 @@
 
 Each benchmark spawns one process per visible GPU (run it with plain `python`, not torchrun; it needs
 two GPUs or more), prints progress lines, then a markdown table, written with the GPU, world size,
-versions and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a source
-checkout, else in the current folder (or where --out says). `compile` runs in this process on the
-CPU instead (compile-cpu.md), `norm-local` in this process on one GPU (norm-local-<gpu>.md). A plot
-of the same numbers goes beside it as a .png when matplotlib is installed (pip install
-'graphar[plot]'). `--dry-run` formats fake numbers on a machine without GPUs, to check the reporting
-path. `BENCHMARK --help` lists its options.
+versions, commit and date to BENCHMARK-<gpu>-ws<N>.md: under bench/results/ when graphar runs from a
+source checkout, else in the current folder (or where --out says). `chunking`, `norm-local` and `pack`
+run in this process on one GPU instead (BENCHMARK-<gpu>.md), `compile` in this process on the CPU
+(compile-cpu.md). A plot of the same numbers goes beside it as a .png when matplotlib is installed
+(pip install 'graphar[plot]'). `--dry-run` formats fake numbers on a machine without GPUs, to check
+the reporting path. `BENCHMARK --help` lists its options.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from graphar.benchmarks import allreduce, attention, common, decode, norm, norm_local, ulysses
+from graphar.benchmarks import allreduce, attention, capture, chunking, common, decode, norm, norm_local, pack, ulysses
 from graphar.benchmarks import compile as compile_time
 
-# Benchmarks that run in this process, with no peers and no process group (compile on the CPU,
-# norm-local on one GPU): their own main(args, settings).
-IN_PROCESS: dict[str, ModuleType] = {"compile": compile_time, "norm-local": norm_local}
+# Benchmarks that run in this process (on one GPU, or on the CPU): no launch, their own main(args, settings).
+IN_PROCESS: dict[str, ModuleType] = {"chunking": chunking, "compile": compile_time, "norm-local": norm_local,
+                                     "pack": pack}
 BENCHMARKS: dict[str, ModuleType] = {
-    "allreduce": allreduce, "attention": attention, "decode": decode, "norm": norm, "ulysses": ulysses,
+    "allreduce": allreduce, "attention": attention, "capture": capture, "decode": decode, "norm": norm,
+    "ulysses": ulysses,
     **IN_PROCESS,
 }
 

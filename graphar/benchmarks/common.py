@@ -1,7 +1,8 @@
-"""Shared helpers of graphar's benchmarks (`python -m graphar bench allreduce|attention|compile|decode|norm|ulysses`).
+"""Shared helpers of graphar's benchmarks (`python -m graphar bench NAME`, graphar.benchmarks.cli).
 
     add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
     main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
+    main_one_gpu(args, settings, dry_run, worker)      a one-GPU benchmark's: --dry-run, or worker here
     launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
                                         with torch.cuda.set_device(rank) and an NCCL default group ready
     progress(text)                      a progress line (rank 0, the launcher): seconds since the start
@@ -13,7 +14,8 @@
     reporter(name, s, field, write, ...) run_units' `write` for a benchmark's report file
     overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
     derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
-    header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, date, mode
+    header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, commit, date, mode
+    git_commit()                        the checkout's commit (GRAPHAR_BENCH_COMMIT where there is no .git)
     markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
     report(title, info, sections, notes) + write_report(text, path, charts, title)   the file and its plot
     results_path(name, gpu, world_size, out)   where the results file goes (see `results_dir`)
@@ -24,7 +26,9 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 did not make the rewrite the variant is about (so it is not timed under graphar's name).
 
 Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
-timeout: a decision taken before a collective goes through graphar.benchmarks.ranks first.
+timeout: a decision taken before a collective goes through graphar.benchmarks.ranks first. The
+one-GPU benchmarks (chunking, pack) run in the calling process without a process group: there the
+same helpers serve a world of one (graphar.benchmarks.ranks.alone).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 import dataclasses
+import functools
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,7 +56,7 @@ import torch.multiprocessing as mp
 
 from graphar._launch import free_port
 from graphar.benchmarks import plot
-from graphar.benchmarks.ranks import Cell, attempt, max_over_ranks
+from graphar.benchmarks.ranks import Cell, alone, attempt, max_over_ranks, rank
 
 U = TypeVar("U")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
@@ -66,6 +72,8 @@ _ALIGN_SLEEP_CYCLES = 100_000
 # whose capture failed never arrives, and its peer must give up well within NCCL's timeout. Not less:
 # decode's ranks can finish compiling tens of seconds apart.
 EXCHANGE_TIMEOUT_S = "120"
+# The commit a report names where the code runs from a copy without .git (a lent machine's copy).
+COMMIT_ENV = "GRAPHAR_BENCH_COMMIT"
 
 
 @dataclass
@@ -137,6 +145,7 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
         raise SystemExit(f"needs {world_size} GPUs, {available} visible")
     for name, value in {**MULTICAST_OFF, "GRAPHAR_EXCHANGE_TIMEOUT_S": EXCHANGE_TIMEOUT_S}.items():
         os.environ.setdefault(name, value)
+    os.environ.setdefault(COMMIT_ENV, git_commit())  # read once, before the ranks start: what runs
     progress(f"starting {world_size} processes, one per GPU...")
     args = (worker, world_size, free_port(), timeout_s, _progress.start, args)
     mp.spawn(_entry, args=args, nprocs=world_size, join=True)
@@ -160,10 +169,27 @@ def main(
     return 0
 
 
+def main_one_gpu(args: argparse.Namespace, settings: Any, dry_run: Callable[[Any, Path | None], None],
+                 worker: Callable[[Any, Path | None], None]) -> int:  # fmt: skip
+    """A one-GPU benchmark's entry point: `--dry-run` formats fake numbers on the CPU, else
+    worker(settings, out) runs here, on the current GPU, with no process group (a world of one)."""
+    if args.dry_run:
+        dry_run(settings, args.out)
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU (--dry-run formats fake numbers without one)")
+    os.environ.setdefault(COMMIT_ENV, git_commit())  # read as the run starts: what runs
+    _raise_recompile_limit()
+    worker(settings, args.out)
+    return 0
+
+
 def align_ranks() -> None:
-    """Queue a GPU sleep and a tiny all-reduce so that every rank's next kernel starts together."""
+    """Queue a GPU sleep and a tiny all-reduce so that every rank's next kernel starts together (alone:
+    the sleep only, so that the host has enqueued the timed work before it starts)."""
     torch.cuda._sleep(_ALIGN_SLEEP_CYCLES)
-    dist.all_reduce(torch.zeros(1, device="cuda"))
+    if not alone():
+        dist.all_reduce(torch.zeros(1, device="cuda"))
 
 
 def capture(
@@ -236,7 +262,8 @@ def time_host(run: Callable[[int], object], *, iters: int, repeats: int = 3, war
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        dist.barrier()
+        if not alone():
+            dist.barrier()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(iters):
@@ -255,7 +282,7 @@ def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], 
     results: dict[Any, Cell] = {}
     for i, unit in enumerate(units, 1):
         results.update(max_over_ranks(run(unit)))
-        if dist.get_rank() == 0:
+        if rank() == 0:
             write(results, list(units[:i]), i == len(units))
         progress(f"done {label(unit)} ({i}/{len(units)})")
 
@@ -266,9 +293,11 @@ Writer = Callable[..., None]  # a benchmark's write(cells, s, world_size, reason
 def reporter(name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
              ) -> Callable[[dict[Any, Cell], list, bool], None]:  # fmt: skip
     """`run_units`' write for the benchmark `name`: its report so far, settings `s` with only the units
-    done in `s.<field>`, to its results file for this GPU and world size (`results_path`)."""
-    gpu, world_size = gpu_name(), dist.get_world_size()
-    path = results_path(name, gpu, world_size, out)
+    done in `s.<field>`, to its results file for this GPU and world size (`results_path`; alone: for
+    this GPU, and `write` gets world size 1)."""
+    gpu = gpu_name()
+    world_size = 1 if alone() else dist.get_world_size()
+    path = results_path(name, gpu, None if alone() else world_size, out)
 
     def report_so_far(cells: dict[Any, Cell], done: list, final: bool) -> None:
         write(cells, dataclasses.replace(s, **{field: done}), world_size, reasons, gpu, path, final)
@@ -321,14 +350,34 @@ def gpu_slug(name: str) -> str:
     return "-".join(words[:2]) or "gpu"
 
 
-def header(mode: str, world_size: int, gpu: str | None = None) -> dict[str, str]:
+def header(mode: str, world_size: int | str, gpu: str | None = None) -> dict[str, str]:
     return {
         "GPU": gpu or gpu_name(),
         "world size": str(world_size),
         **versions(),
+        "commit": git_commit(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "mode": mode,
     }
+
+
+@functools.cache  # read once per process; the launcher hands its reading to the ranks (COMMIT_ENV)
+def git_commit() -> str:
+    """The checkout's commit, "+ uncommitted changes" where its code differs; GRAPHAR_BENCH_COMMIT
+    where set (a copy of the checkout without .git can be told what it is), else "n/a" outside a checkout."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    checkout = PACKAGE_DIR.parent
+    if not (checkout / ".git").exists():
+        return "n/a"
+    git = ["git", "-C", str(checkout)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        changes = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!bench/results"], capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "n/a"
+    return head.stdout.strip() + (" + uncommitted changes" if changes.stdout.strip() else "")
 
 
 def format_cell(cell: Cell) -> str:
@@ -365,9 +414,11 @@ def dry_run_dir() -> Path:
     return Path(tempfile.gettempdir()) / "graphar-bench-dry-run"
 
 
-def results_path(name: str, gpu: str, world_size: int, out: Path | None, default_dir: Path | None = None) -> Path:
-    """`results_file` named <name>-<gpu>-ws<N>.md."""
-    return results_file(f"{name}-{gpu_slug(gpu)}-ws{world_size}.md", out, default_dir)
+def results_path(name: str, gpu: str, world_size: int | None, out: Path | None, default_dir: Path | None = None
+                 ) -> Path:  # fmt: skip
+    """`results_file` named <name>-<gpu>-ws<N>.md, or <name>-<gpu>.md for a one-GPU benchmark (world_size None)."""
+    suffix = "" if world_size is None else f"-ws{world_size}"
+    return results_file(f"{name}-{gpu_slug(gpu)}{suffix}.md", out, default_dir)
 
 
 def results_file(file_name: str, out: Path | None, default_dir: Path | None = None) -> Path:

@@ -27,10 +27,8 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,7 +171,7 @@ def main(args: argparse.Namespace, s: Settings) -> int:
     import graphar  # noqa: F401  (graphar's ops, and the backend where its entry point is not installed)
 
     path = common.results_file(FILE_NAME, args.out)
-    git_commit()
+    common.git_commit()  # read as the run starts: edits made while it runs are not what ran
     cells: dict[tuple, common.Cell] = {}
     reasons: dict[str, str] = {}
     with (fake_world(s.world_size), fresh_cache_if(not s.cold),
@@ -205,22 +203,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
-
-
-@functools.cache  # read once, as the run starts: edits made while it runs are not what ran
-def git_commit() -> str:
-    """The checkout's commit, "+ uncommitted changes" where its code differs; "n/a" outside a checkout."""
-    checkout = common.PACKAGE_DIR.parent
-    if not (checkout / ".git").exists():
-        return "n/a"
-    git = ["git", "-C", str(checkout)]
-    try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        changes = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!bench/results"], capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "n/a"
-    return head.stdout.strip() + (" + uncommitted changes" if changes.stdout.strip() else "")
 
 
 def _seconds(cell: common.Cell, fmt: str) -> str:
@@ -256,7 +238,7 @@ def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.LineChart:
 def write(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str], path: Path,
           final: bool = True) -> None:  # fmt: skip
     versions = {k: v for k, v in common.versions().items() if k != "NCCL"}
-    info = {"CPU": f"{cpu_name()}, {os.cpu_count()} cores", **versions, "commit": git_commit(),
+    info = {"CPU": f"{cpu_name()}, {os.cpu_count()} cores", **versions, "commit": common.git_commit(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "mode": f"cold compile, fake process group of {s.world_size} ranks"}  # fmt: skip
     caches = ("every cache cold, after a warm-up" if s.cold else "kernels compiled once per run, no warm-up "

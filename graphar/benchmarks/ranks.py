@@ -1,5 +1,6 @@
 """Decisions every rank of a benchmark takes alike (graphar.benchmarks.common uses them too).
 
+    alone(), rank()                     no process group (a one-GPU benchmark), and this process's rank
     all_ranks(flag)                     True on every rank iff flag is True on every rank
     max_over_ranks(cells)               {key: float | str} -> the same keys, max over ranks (a str wins)
     agree(problem)                      None on every rank iff every rank passes None, else the lowest rank's problem
@@ -12,6 +13,9 @@
 Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
 timeout: a decision taken before a collective (eligible? did the capture work? did the check pass?)
 is agreed first, which is what `attempt`, `verdict` and `measured` do.
+
+Without a process group (the one-GPU benchmarks, which run in the calling process) this process is
+the only rank: every decision is its own, and nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ Cell = float | str  # microseconds, or why there is no time ("-", "n/a", "err", 
 T = TypeVar("T")
 
 
+def alone() -> bool:
+    """No process group: this process is rank 0 of a world of one."""
+    return not dist.is_initialized()
+
+
+def rank() -> int:
+    return 0 if alone() else dist.get_rank()
+
+
 def combine(values: Iterable[Cell]) -> Cell:
     """The max of floats; the first string if any rank reported one (n/a, err, ...)."""
     values = list(values)
@@ -38,6 +51,8 @@ def combine(values: Iterable[Cell]) -> Cell:
 
 def max_over_ranks(cells: Mapping[Any, Cell]) -> dict[Any, Cell]:
     """Collective: every rank passes its cells (same keys); each key gets the max over ranks."""
+    if alone():
+        return dict(cells)
     gathered: list[Mapping[Any, Cell]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, dict(cells))
     return {key: combine(rank_cells[key] for rank_cells in gathered) for key in cells}
@@ -45,6 +60,8 @@ def max_over_ranks(cells: Mapping[Any, Cell]) -> dict[Any, Cell]:
 
 def all_ranks(flag: bool) -> bool:
     """Collective: a decision every rank must take the same way (a split decision would hang)."""
+    if alone():
+        return flag
     t = torch.tensor([1 if flag else 0], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
@@ -52,8 +69,8 @@ def all_ranks(flag: bool) -> bool:
 
 def agree(problem: str | None) -> str | None:
     """Collective: None on every rank when every rank passes None, else the lowest rank's problem."""
-    if all_ranks(problem is None):
-        return None
+    if all_ranks(problem is None) or alone():
+        return problem
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return next(p for p in problems if p is not None)
@@ -67,7 +84,7 @@ def attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
     except Exception as e:
         traceback.print_exc()  # the whole story to the log; the report's notes get its first line
         first_line = str(e).partition("\n")[0]
-        value, problem = None, f"{what} raised on rank {dist.get_rank()}: {type(e).__name__}: {first_line}"
+        value, problem = None, f"{what} raised on rank {rank()}: {type(e).__name__}: {first_line}"
     problem = agree(problem)
     return (value, None) if problem is None else (None, problem)
 

@@ -15,6 +15,10 @@ attends which head differs (chunk c's heads spread over every rank), which chang
 output. Flash can round a head by how many heads share the call (it splits a small problem's keys
 over thread blocks): with it (or SDPA's own pick, which may be flash), chunks stay large enough
 that flash never splits them, and a small problem is not chunked.
+
+How many chunks: `chunks` asks for at most that many; `AUTO_CHUNKS` (the option
+attention_chunks="auto") lets `auto_chunks` pick per shape from the measured chunking tax.
+`planned_chunks` is the whole decision, from shapes alone, so every rank takes it alike.
 """
 
 from __future__ import annotations
@@ -37,21 +41,64 @@ def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> in
                and kv_heads % (c * world_size) == 0)  # fmt: skip
 
 
+# ---- how many chunks: attention_chunks="auto" -------------------------------------------------------
+# The automatic rule (the op's chunks=AUTO_CHUNKS): the most chunks, up to AUTO_MAX_CHUNKS, that leave
+# each chunk at least AUTO_MIN_ROWS[kernel] query rows (batch x the rank's heads x the whole sequence),
+# AUTO_CAUSAL_FACTOR times that for causal attention (a causal row attends half the keys on average:
+# half the work per row against the same fixed costs per call). Chunking pays per chunk (a launch, a
+# tail wave, the pipeline's ramp), so it can only win where chunks stay large. The constants are read
+# from the chunking tax that `python -m graphar bench chunking` measures, bench/results/chunking-<gpu>.md
+# (its notes suggest each kernel's threshold: the smallest chunk at or above which every measured shape
+# keeps the tax within the target). Until the first H200 run fills them in they are conservative: 128K
+# rows is 1024 query blocks of 128 rows per chunk, eight waves over an H200's 132 SMs, so one chunk's
+# tail wave is a small part of it. A kernel without a threshold (math) is never chunked automatically.
+AUTO_CHUNKS = -1
+AUTO_MAX_CHUNKS = 4
+AUTO_MIN_ROWS: dict[str | None, int] = {"flash": 1 << 17, "cudnn": 1 << 17, "efficient": 1 << 17, None: 1 << 17}
+AUTO_CAUSAL_FACTOR = 2
+
+
+def auto_chunks(batch: int, q_heads: int, seq: int, kernel: str | None, is_causal: bool) -> int:
+    """The chunks the measured rule wants for attention of `batch` x `q_heads` heads (one rank's share)
+    over `seq` tokens (the whole sequence, every rank's) on SDPA's `kernel` ("flash", "cudnn",
+    "efficient"; None: SDPA's own pick): the most, up to AUTO_MAX_CHUNKS, that keep each chunk at
+    least AUTO_MIN_ROWS[kernel] query rows (AUTO_CAUSAL_FACTOR times more when causal); 1 (unchunked)
+    where no count does, and for a kernel without a threshold. `planned_chunks` then rounds it down to
+    a count that splits the heads evenly."""
+    least = AUTO_MIN_ROWS.get(kernel)
+    if least is None:
+        return 1
+    least *= AUTO_CAUSAL_FACTOR if is_causal else 1
+    return max(1, min(AUTO_MAX_CHUNKS, batch * q_heads * seq // least))
+
+
+def planned_chunks(batch: int, q_heads: int, kv_heads: int, seq: int, world_size: int, wanted: int,
+                   kernel: str | None, is_causal: bool, on_gpu: bool) -> int:  # fmt: skip
+    """The chunks `ulysses_attention` runs when asked for at most `wanted` (AUTO_CHUNKS: `auto_chunks`'
+    pick) for `q_heads` and `kv_heads` heads (all ranks') over `seq` tokens (the whole sequence) on
+    `world_size` ranks: shapes alone decide, so every rank decides alike."""
+    local = q_heads // world_size
+    if wanted == AUTO_CHUNKS:
+        wanted = auto_chunks(batch, local, seq, kernel, is_causal)
+    # On a GPU, flash (or SDPA's own pick, which may be flash) attends whole chunks only; the CPU's
+    # flash attends each head alike, whatever shares the call.
+    if kernel in ("flash", None) and on_gpu:
+        wanted = _flash_chunks(wanted, batch, local, seq)
+    return chunk_count(q_heads, kv_heads, world_size, wanted)
+
+
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
     scale: float | None = None, chunks: int = 2, kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V over the whole sequence, for `[b, S, h, d]` local-sequence Q, K, V
-    (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory. `kernel`
-    ("flash", "efficient", "cudnn", "math"): the SDPA backend to attend with where it takes the
-    chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
+    (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory. `chunks`:
+    at most this many chunks of heads (AUTO_CHUNKS: as many as the measured rule picks; see
+    `planned_chunks`). `kernel` ("flash", "efficient", "cudnn", "math"): the SDPA backend to attend
+    with where it takes the chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
     p = ulysses.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
-    # On a GPU, flash (or SDPA's own pick, which may be flash) attends whole chunks only; the CPU's
-    # flash attends each head alike, whatever shares the call.
-    if kernel in ("flash", None) and q.is_cuda:
-        chunks = _flash_chunks(chunks, q.shape[0], hq // p, q.shape[1] * p)
-    n = chunk_count(hq, hk, p, chunks)
+    n = planned_chunks(q.shape[0], hq, hk, q.shape[1] * p, p, chunks, kernel, is_causal, q.is_cuda)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
     backends = _preferring(kernel)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
