@@ -147,13 +147,13 @@ def tiled(pairs: list[kernels.Pair], tile: Tile) -> Callable[[], None]:
     """The relayout kernel on `pairs`, launched with `tile` instead of graphar's own choice (its grid
     and constexprs from graphar.kernels.pack._launch with _TILE_ELEMENTS = tile[0])."""
     with common.overriding(kernels, "_TILE_ELEMENTS", tile[0]):
-        grid, args, constants = kernels._launch(pairs)
+        grid, args, constants = kernels._launch(pairs, None)
     return lambda: kernels._relayout_kernel[grid](*args, **constants, num_warps=tile[1])
 
 
 def launch_tiles(pairs: list[kernels.Pair]) -> str:
     """BLOCK_R x BLOCK_H x D_PAD: the tile graphar's own launch moves per program."""
-    constants = kernels._launch(pairs)[2]
+    constants = kernels._launch(pairs, None)[2]
     return f"{constants['BLOCK_R']}x{constants['BLOCK_H']}x{constants['D_PAD']}"
 
 
