@@ -153,3 +153,14 @@ def test_attention_feeds_gqa_as_the_graph_s_kernel_was_fed() -> None:
     for kernel in (None, "flash", "efficient", "cudnn", "math"):  # the CPU runs its own kernel for each
         got = _attention(q, k, v, True, None, kernel, _preferring(kernel))
         torch.testing.assert_close(got, want, msg=str(kernel))
+
+
+def test_the_measured_rule_picks_what_the_h200_table_allows() -> None:
+    """The committed constants against bench/results/chunking-h200.md: only Wan-sized attention chunks,
+    at a count whose measured tax was within 3 %; cuDNN, which met no count, never chunks."""
+    from graphar.comm import overlap
+
+    wan, flux, llama_16k = (1, 20, 32760, False), (1, 12, 4608, False), (1, 16, 16384, True)
+    assert [overlap.auto_chunks(*wan[:3], k, wan[3]) for k in ("flash", "efficient", "cudnn", None)] == [2, 4, 1, 2]
+    for shape in (flux, llama_16k):
+        assert {overlap.auto_chunks(*shape[:3], k, shape[3]) for k in ("flash", "efficient", "cudnn", None)} == {1}

@@ -47,14 +47,15 @@ def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> in
 # AUTO_CAUSAL_FACTOR times that for causal attention (a causal row attends half the keys on average:
 # half the work per row against the same fixed costs per call). Chunking pays per chunk (a launch, a
 # tail wave, the pipeline's ramp), so it can only win where chunks stay large. The constants are read
-# from the chunking tax that `python -m graphar bench chunking` measures, bench/results/chunking-<gpu>.md
+# from the chunking tax that `python -m graphar bench chunking` measures, bench/results/chunking-h200.md
 # (its notes suggest each kernel's threshold: the smallest chunk at or above which every measured shape
-# keeps the tax within the target). Until the first H200 run fills them in they are conservative: 128K
-# rows is 1024 query blocks of 128 rows per chunk, eight waves over an H200's 132 SMs, so one chunk's
-# tail wave is a small part of it. A kernel without a threshold (math) is never chunked automatically.
+# keeps the tax within 3 %). On one H200 only Wan-sized attention (655K query rows a rank) chunked
+# within it: flash at 2 chunks (+1.2 %), efficient at up to 5 (+1.7 % at 4); cuDNN met it at no count
+# that the table trusts, so it has no threshold. SDPA's own pick (None) takes flash's, the stricter of
+# the two that have one. A kernel without a threshold (cudnn, math) is never chunked automatically.
 AUTO_CHUNKS = -1
 AUTO_MAX_CHUNKS = 4
-AUTO_MIN_ROWS: dict[str | None, int] = {"flash": 1 << 17, "cudnn": 1 << 17, "efficient": 1 << 17, None: 1 << 17}
+AUTO_MIN_ROWS: dict[str | None, int] = {"flash": 327_600, "efficient": 131_040, None: 327_600}
 AUTO_CAUSAL_FACTOR = 2
 
 
