@@ -7,7 +7,8 @@ loop runs with mode="reduce-overhead" (its graphs hold graphar's ops only), and 
 captured by graphar.graph; transformers' tp_plan="auto", diffusers' Ulysses and torchtitan's DTensor
 TP in the default mode: each keeps an all-gather on the group's collective, gloo here, which a CUDA
 graph cannot capture (NCCL's can). It says nothing about speed. Usage, from the checkout after
-`pip install -e ".[clients]"`: python tools/one_gpu_clients.py (exit code 0: every client ran)
+`pip install -e ".[clients]"`: python tools/one_gpu_clients.py [CLIENT ...] (the test modules' names,
+e.g. test_gpt_fast; default all; exit code 0: every client ran)
 """
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
-    names = [name for name in CLIENTS if _client(name) is not None]
+    asked = sys.argv[1:] or list(CLIENTS)
+    unknown = set(asked) - set(CLIENTS)
+    if unknown:
+        print(f"unknown clients {sorted(unknown)}: choose from {list(CLIENTS)}")
+        return 2
+    names = [name for name in asked if _client(name) is not None]
     with tempfile.TemporaryDirectory() as checkpoints:
         if "test_transformers_tp" in names:
             _client("test_transformers_tp").save_checkpoints(Path(checkpoints))
