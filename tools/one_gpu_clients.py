@@ -43,6 +43,34 @@ def _setup(rank: int) -> None:
     os.environ["LOCAL_RANK"] = "0"  # every rank on cuda:0 (transformers binds the device LOCAL_RANK names)
     torch.cuda.set_device(0)
     _init_relaxed()
+    _gathers_through_the_cpu()
+
+
+_kept: list[torch.library.Library] = []  # a Library's registrations last as long as the object
+
+
+def _gathers_through_the_cpu() -> None:
+    """gloo's functional all-gather of CUDA tensors crashes (SIGSEGV in wait_tensor, torch 2.11 on one
+    H200: transformers' and torchtitan's DTensor and diffusers' unshard all hit it), a fault of this
+    harness's gloo group, not of the clients: on GPUs NCCL serves these collectives, which graphar leaves
+    to the group anyway. Here CUDA all-gathers and reduce-scatters go through the CPU: the same numbers."""
+    ops = torch.ops._c10d_functional
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    _kept.append(lib)
+
+    def all_gather(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+        return ops.wait_tensor(ops.all_gather_into_tensor(x.cpu(), group_size, group_name)).to(x.device)
+
+    def all_gather_out(x: torch.Tensor, group_size: int, group_name: str, *, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(all_gather(x, group_size, group_name))
+
+    def reduce_scatter(x: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+        cpu = ops.reduce_scatter_tensor(x.float().cpu(), reduce_op, group_size, group_name)
+        return ops.wait_tensor(cpu).to(x.device, x.dtype)
+
+    lib.impl("all_gather_into_tensor", all_gather, "CUDA")
+    lib.impl("all_gather_into_tensor_out", all_gather_out, "CUDA")
+    lib.impl("reduce_scatter_tensor", reduce_scatter, "CUDA")
 
 
 def _captured_decode(rank: int) -> str:
