@@ -240,3 +240,10 @@ def test_the_soak_launcher_ends_a_hang_and_a_crash_and_goes_on(monkeypatch: pyte
     assert got["c-crash"].crashed and "rank 1 died (exit code 3)" in got["c-crash"].error
     assert time.monotonic() - start < 60
 
+
+def test_the_session_has_a_soak_stage() -> None:
+    script = (TOOLS / "gpu_session.sh").read_text()
+    stage = re.search(r"^\s*soak\|soak=\*\).*?;;", script, re.M | re.S)
+    assert stage and "python tools/soak.py" in stage.group(0), "no soak stage in tools/gpu_session.sh"
+    limit = int(re.search(r"step soak (\d+)", stage.group(0)).group(1))
+    assert sum(c.limit_s for c in _soak().plan(quick=True)) + 60 < limit <= 590
