@@ -126,6 +126,16 @@ def test_the_soak_patterns_stay_normal_numbers_and_differ_call_to_call() -> None
         assert torch.isfinite(x).all() and (x.abs() >= torch.finfo(torch.bfloat16).tiny).all(), hex(mask)
 
 
+def test_the_soak_spin_compiles_to_a_loop_on_the_global_timer() -> None:
+    """The replays' spin kernel, compiled for an H100/H200 without one (Triton's own ptxas)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=_soak()._spin, signature={"ns_ptr": "*i64"}, constexprs={})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert ptx.count("%globaltimer") == 2  # the start, and again in the loop
+
 def test_the_soak_counts_wrong_rows_and_nan_rows_bitwise() -> None:
     soak = _soak()
     expected = torch.tensor([[1.0, 2.0]] * 5, dtype=torch.bfloat16)

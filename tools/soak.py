@@ -80,7 +80,6 @@ from graphar.comm.communicator import Communicator
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import globaltimer
 except ImportError:  # --list and --dry-run run without it; the replays need it
     triton = None
 
@@ -318,13 +317,18 @@ def pattern(call: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _now():
+        """%globaltimer in ns, as triton.language.extra.cuda.globaltimer reads it (not in every Triton)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
     def _spin(ns_ptr):
         """Spin for the nanoseconds at ns_ptr, read when the kernel runs (a replay reads the refill)."""
         ns = tl.load(ns_ptr)
-        start = globaltimer()
+        start = _now()
         now = start
         while now - start < ns:
-            now = globaltimer()
+            now = _now()
 
 
 class _Clock:
