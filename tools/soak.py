@@ -71,7 +71,7 @@ import torch.multiprocessing as mp
 from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, reference_sum, relax_set_up
 
 import graphar
-from graphar import settings
+from graphar import _cuda, settings
 from graphar._launch import end_worker, free_port
 from graphar.benchmarks import common
 from graphar.comm import policy, ulysses
@@ -370,10 +370,12 @@ def _tally(result: Result, counts: torch.Tensor, calls: int, differ: int = 0) ->
 
 
 class _Rounds(Protocol):
-    """A clean case's work: `round()` enqueues calls without a host sync; `tally(result)` counts them."""
+    """A clean case's work: `round()` enqueues calls without a host sync; `tally(result)` counts them;
+    `note()` says what the report should know of how they ran."""
 
     def round(self) -> None: ...
     def tally(self, result: Result) -> None: ...
+    def note(self) -> str: ...
 
 
 class _Replays:
@@ -407,9 +409,11 @@ class _Replays:
         self._refill()
         self._body()  # eagerly: compiles the spin, warms every call up; its checks count too
         torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept to count its PDL edges
         with torch.cuda.graph(self.graph):
             self.samples = self._body()
+        self.graph.instantiate()
+        self.pdl_edges = _cuda.graph_edges(self.graph)[1]  # 0 would mean PDL was off after all
 
     def _body(self) -> list[torch.Tensor]:
         """Every call, then every check; returns the last output of each size (compared across ranks)."""
@@ -437,6 +441,9 @@ class _Replays:
     def tally(self, result: Result) -> None:
         self.differ += sum(map(ranks_differ, self.samples))
         _tally(result, self.counts, (1 + self.replays) * len(self.sizes), self.differ)
+
+    def note(self) -> str:
+        return f"{self.pdl_edges} PDL edges in the graph of {len(self.sizes)} calls"
 
 
 def _delay_table(n: int, rank: int) -> torch.Tensor:
@@ -489,19 +496,22 @@ class _Exchanges:
     def tally(self, result: Result) -> None:
         _tally(result, self.counts, self.calls)
 
+    def note(self) -> str:
+        return f"{STAGES} stages of {stage_bytes(WORLD) >> 10} KB per exchange"
 
-def _failed(comm: Communicator, result: Result) -> bool:
-    """Whether the communicator failed (host read, no sync): a timeout counted, another error kept."""
+
+def _failure(comm: Communicator, result: Result) -> str | None:
+    """How the communicator failed, if it did (host read, no sync): a timeout is counted, another
+    failure is the case's error."""
     try:
         comm.check()
     except graphar.GrapharTimeoutError as e:
         result.timeouts += 1
-        result.note = str(e)
+        return str(e)
     except graphar.GrapharCommError as e:
         result.error = str(e)
-    else:
-        return False
-    return True
+        return str(e)
+    return None
 
 
 def _clean_case(case: Case, make: Callable[[Communicator], _Rounds], max_bytes: int) -> Result:
@@ -513,13 +523,16 @@ def _clean_case(case: Case, make: Callable[[Communicator], _Rounds], max_bytes: 
         while True:
             rounds.round()
             rounds.tally(result)  # syncs
-            failed, time_up = _on_any_rank(_failed(comm, result), clock.up())
+            failure = _failure(comm, result)
+            failed, time_up = _on_any_rank(failure is not None, clock.up())
             if failed or time_up or result.calls >= case.calls:
                 break
-        if time_up and result.calls < case.calls:
-            result.note = result.note or f"stopped at the time limit ({case.limit_s:.0f} s)"
     finally:
         comm.close()
+    notes = [rounds.note(), *([failure] if failure and not result.error else [])]
+    if time_up and result.calls < case.calls:
+        notes.append(f"stopped at the time limit ({case.limit_s:.0f} s)")
+    result.note = "; ".join(notes)
     return result
 
 
