@@ -256,4 +256,9 @@ def test_the_session_has_a_soak_stage() -> None:
     stage = re.search(r"^\s*soak\|soak=\*\).*?;;", script, re.M | re.S)
     assert stage and "python tools/soak.py" in stage.group(0), "no soak stage in tools/gpu_session.sh"
     limit = int(re.search(r"step soak (\d+)", stage.group(0)).group(1))
-    assert sum(c.limit_s for c in _soak().plan(quick=True)) + 60 < limit <= 590
+    soak = _soak()
+    assert sum(c.limit_s for c in soak.plan(quick=True)) + 60 < limit <= 590
+    # The full soak in two steps (the docstring's commands): the replays, then the rest, each bounded.
+    full = soak.plan(quick=False)
+    for part in ("replay", "exchange,two-streams"):
+        assert sum(c.limit_s for c in soak.select(full, part)) + 30 < limit, part

@@ -40,8 +40,10 @@ that raised or died, a communicator that failed other than by a timeout; on two 
 timeout or a hang, but in a two-streams case only a NaN without an error or a hang); 2 too few GPUs,
 or --cases names none. Usage, from the checkout:
 
-    python tools/soak.py                     # the full soak on 2 GPUs
-    python tools/soak.py --shared --quick    # the CI-sized smoke run on one GPU
+    python tools/soak.py                     # the full soak on 2 GPUs (about 10 minutes)
+    python tools/soak.py --cases replay      # ... or in two parts, each under 9 minutes
+    python tools/soak.py --cases exchange,two-streams
+    python tools/soak.py --shared --quick    # the CI-sized smoke run on one GPU (1-2 minutes)
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class Sizing:
     max_fresh: int  # two-streams: fresh communicators after detections, at most
 
 
+# The limits let the replays, then the rest, each fit one 560 s step of tools/gpu_session.sh.
 FULL = Sizing(calls={REPLAY: 10**6, EXCHANGE: 10**5, TWO_STREAMS: 10**5},
-              limit_s={REPLAY: 150.0, EXCHANGE: 90.0, TWO_STREAMS: 90.0},
+              limit_s={REPLAY: 130.0, EXCHANGE: 50.0, TWO_STREAMS: 55.0},
               calls_per_graph=500, replays_per_round=20, exchanges_per_round=500, max_fresh=50)  # fmt: skip
 # Ranks sharing a GPU take turns at every hand-off (milliseconds each): a hundredth of the calls or
 # fewer, and limits that keep the whole smoke run under about three minutes even where each case
