@@ -12,7 +12,7 @@
 # numbers), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 # soak runs tools/soak.py (issue 33): the full soak on 2 GPUs, its report under bench/results/; ARGS go to it,
-# e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, about a minute) or
+# e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, 1-2 minutes) or
 # "soak=--cases replay" then "soak=--cases exchange,two-streams" (the full run in two calls of the device tool).
 # one-gpu-clients runs tests/clients' libraries with two ranks on one GPU (tools/one_gpu_clients.py); the
 # machine reaches no registry, so carry the clients extra in .whl/ too (pip download -d .whl
