@@ -4,7 +4,7 @@
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
 # Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
 #        [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]]
-#        [eager-breakdown]
+#        [eager-breakdown] [soak[=ARGS]]
 # NAME: allreduce, decode, norm, attention, ulysses, capture, or the one-GPU chunking and pack (they run
 # in one process on one GPU); ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
@@ -12,6 +12,9 @@
 # one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
 # numbers), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
+# soak runs tools/soak.py (issue 33): the full soak on 2 GPUs, its report under bench/results/; ARGS go to it,
+# e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, 1-2 minutes) or
+# "soak=--cases replay" then "soak=--cases exchange,two-streams" (the full run in two calls of the device tool).
 # one-gpu-clients runs tests/clients' libraries with two ranks on one GPU (tools/one_gpu_clients.py); the
 # machine reaches no registry, so carry the clients extra in .whl/ too (pip download -d .whl
 # transformers==5.23.0 accelerate==1.15.0 diffusers==0.42.1, then delete the torch, triton and nvidia-*
@@ -66,6 +69,9 @@ for stage in "$@"; do
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
+    soak|soak=*)  # each case bounds itself (tools/soak.py); a run cut here keeps the report of the cases done
+      args=""; [ "$stage" != soak ] && args=${stage#soak=}
+      step soak 560 python tools/soak.py $args ;;
     one-gpu-bench-*)
       name=${stage%%=*}; args=""; [ "$name" != "$stage" ] && args=${stage#*=}
       step "$name" 560 python tools/one_gpu_bench.py "${name#one-gpu-bench-}" --out bench/results/one-gpu $args ;;

@@ -1,6 +1,7 @@
-"""What the one-GPU tools share (tools/one_gpu_check.py, tools/one_gpu_bench.py): graphar's set-up
-relaxed for ranks on one GPU, integer-valued inputs, gloo references, the group's size, a bitwise
-comparison across ranks."""
+"""What the one-GPU tools share (tools/one_gpu_check.py, tools/one_gpu_bench.py, and tools/soak.py, which
+runs on two GPUs too): graphar's set-up relaxed for ranks on one GPU, integer-valued inputs, references
+by the world group's own backend (gloo on the CPU for ranks sharing a GPU, NCCL on two GPUs), the
+group's size, a bitwise comparison across ranks."""
 
 from __future__ import annotations
 
@@ -28,23 +29,34 @@ def integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-8, 9, (numel,), generator=gen).to(dtype).cuda()
 
 
+def reference_device() -> torch.device:
+    """Where the world group's collectives take tensors: this rank's GPU for NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def reference_sum(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the world group by gloo, on the CPU in fp32."""
-    ref = x.float().cpu()
-    dist.all_reduce(ref)  # gloo, on the CPU
-    return ref.to(x.dtype).cuda()
+    """The sum over the world group in fp32, by its own backend (gloo on the CPU, or NCCL)."""
+    ref = x.float().to(reference_device(), copy=True)
+    dist.all_reduce(ref)
+    return ref.to(x.dtype).to(x.device)
 
 
 def world_size() -> int:
     return dist.get_world_size()
 
 
+def ranks_differ(mine: torch.Tensor) -> bool:
+    """Whether some rank's `mine` differs bitwise from rank 0's, NaN payloads included (gathered as bytes,
+    which every backend takes)."""
+    bits = mine.contiguous().view(torch.uint8).to(reference_device())
+    everyone = [torch.empty_like(bits) for _ in range(world_size())]
+    dist.all_gather(everyone, bits)
+    return not all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
 def assert_ranks_equal(mine: torch.Tensor, what: str) -> None:
-    """Every rank's `mine` is bitwise rank 0's, NaN payloads included (a 16- or 32-bit float)."""
-    everyone = [torch.empty_like(mine) for _ in range(world_size())]
-    dist.all_gather(everyone, mine)
-    bits = {2: torch.int16, 4: torch.int32}[mine.element_size()]
-    assert all(torch.equal(everyone[0].view(bits), other.view(bits)) for other in everyone[1:]), f"{what}: ranks differ"
+    """Every rank's `mine` is bitwise rank 0's, NaN payloads included."""
+    assert not ranks_differ(mine), f"{what}: ranks differ"
 
 
 def new_pair() -> dist.ProcessGroup:
