@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from graphar import settings
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 # torch.compile's modes, for `options={"mode": ...}` (torch refuses mode= together with options=).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -4,17 +4,21 @@ A variable is checked where it enters: `import graphar` validates every one that
 value fails at once with an error naming the variable, the value and what is allowed, not deep in
 a kernel launch or in Inductor. `describe()` renders the table the README carries.
 
-This module imports nothing from graphar (nor torch): setup.py and `graphar._cuda` load it by path
-while the package itself cannot be imported yet.
+This module imports nothing from graphar but `graphar.errors` (nor torch): setup.py and
+`graphar._cuda` load it by path while the package itself cannot be imported yet, and it loads the
+errors by path then.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -22,8 +26,19 @@ MB = 1 << 20
 MAX_BLOCKS = 64  # kMaxBlocks of csrc/barrier.cuh: one barrier slot per block
 
 
-class SettingError(ValueError):
-    """A GRAPHAR_* variable or a graphar option has a value graphar cannot use."""
+def _errors_module() -> ModuleType:
+    """graphar.errors: imported, or loaded by path where this module was (setup.py, through graphar._cuda)."""
+    if __package__ == "graphar":
+        from graphar import errors
+
+        return errors
+    spec = importlib.util.spec_from_file_location("_graphar_errors", Path(__file__).with_name("errors.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+errors = _errors_module()
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,7 @@ class Setting(Generic[T]):
         try:
             return self.parse(raw)
         except ValueError:
-            raise SettingError(f"{self.name}={raw!r} is not valid: expected {self.allowed}") from None
+            raise errors.SettingError(f"{self.name}={raw!r} is not valid: expected {self.allowed}") from None
 
 
 def _int_in(low: int, high: float = math.inf, multiple: int = 1) -> Callable[[str], int]:
@@ -177,7 +192,7 @@ ALL: tuple[Setting[Any], ...] = (
 
 
 def check_all() -> None:
-    """Validate every variable that is set; raise SettingError for the first bad one."""
+    """Validate every variable that is set; raise graphar.errors.SettingError for the first bad one."""
     for setting in ALL:
         setting.get()
 

@@ -22,7 +22,7 @@ from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
 from graphar.comm import policy, set_up
 from graphar.comm.rendezvous import StoreExchange
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -414,7 +414,7 @@ def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch, ca
 
     def publish(name: str, state: Any) -> None:
         if refuse[0] and state is not None:
-            raise cm._cuda.GrapharCudaError("graphar op library, group 'g': no process group of that name")
+            raise GrapharCudaError("graphar op library, group 'g': no process group of that name")
         published.append((name, state))
 
     monkeypatch.setattr(cm.native_op, "library", lambda: object())

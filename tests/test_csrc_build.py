@@ -14,6 +14,7 @@ import torch
 
 from graphar import _cuda, native_op
 from graphar.comm import abi
+from graphar.errors import GrapharUnavailable
 
 MB = 1 << 20
 needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
@@ -198,14 +199,14 @@ def test_nvcc_command_targets(monkeypatch) -> None:
 
 def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(_cuda, "find_nvcc", lambda: None)
-    with pytest.raises(_cuda.GrapharUnavailable, match="nvcc"):
+    with pytest.raises(GrapharUnavailable, match="nvcc"):
         _cuda.build_library(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_library_without_gpu() -> None:
     assert _cuda.available() is False
-    with pytest.raises(_cuda.GrapharUnavailable, match="CUDA device"):
+    with pytest.raises(GrapharUnavailable, match="CUDA device"):
         _cuda.library()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from graphar import settings
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 # variable: (good values and what they read as, bad values)
 CASES = {

@@ -23,7 +23,7 @@ from graphar.comm import abi, policy
 from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce
 from graphar.comm.exchange import IpcExchange
 from graphar.comm.rendezvous import StoreExchange
-from graphar.errors import GrapharCommError, GrapharTimeoutError
+from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
 
 logger = logging.getLogger("graphar")
 
@@ -169,7 +169,7 @@ class Communicator:
         )  # fmt: skip
         try:
             native_op.publish(self.group_name, state)
-        except _cuda.GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
+        except GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
             logger.warning("graphar: group %r's eager all-reduces run the Python kernel: %s", self.group_name, e)
             self._withdraw()
 
@@ -262,7 +262,7 @@ class Communicator:
             self._raise(op)
 
     def _raise(self, op: str) -> None:
-        raise _cuda.GrapharCudaError(
+        raise GrapharCudaError(
             f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
         )
 

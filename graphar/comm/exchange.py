@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphar import _cuda, pool, settings
+from graphar import pool, settings
 from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
 from graphar.comm.rendezvous import first_reason
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError
 from graphar.kernels import pack
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ class IpcExchange:
         ptr, handle, error = 0, b"", None
         try:
             ptr, handle = comm.alloc_exchange(capacity, self._captured, what)
-        except _cuda.GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
+        except GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
             error = str(e)
         gathered = comm.all_gather((handle, error), what)
         failed = first_reason([e for _, e in gathered])

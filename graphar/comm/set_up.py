@@ -25,7 +25,7 @@ from graphar.comm import policy
 from graphar.comm.allreduce import block_limit
 from graphar.comm.communicator import Communicator, _communicators
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError, GrapharUnavailable
 from graphar.kernels import pack
 
 logger = logging.getLogger("graphar")
@@ -262,7 +262,7 @@ def _local_facts(device: int, launch: dict[str, Any]) -> dict[str, Any]:
     try:
         facts["bus"] = _cuda.pci_bus_id(device)
         facts["launch"] = {**launch, BUILD: _cuda.build_id()}
-    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+    except (GrapharCudaError, GrapharUnavailable) as e:
         facts["error"] = str(e)
     return facts
 
@@ -284,7 +284,7 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
 def _nvlink_reason(buses: Sequence[str], rank: int) -> str | None:
     try:
         missing = [r for r, bus in enumerate(buses) if r != rank and not _cuda.nvlink_between(buses[rank], bus)]
-    except _cuda.GrapharUnavailable as e:
+    except GrapharUnavailable as e:
         return f"cannot confirm NVLink ({e})"
     return f"no NVLink to ranks {missing}" if missing else None
 
@@ -322,7 +322,7 @@ def _set_up(
                             forced_algo=launch[settings.ALLREDUCE_ALGO.name], capability_major=capability_major,
                             store=exchange)  # fmt: skip
         handles = comm._ipc_handles()
-    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+    except (GrapharCudaError, GrapharUnavailable) as e:
         local = str(e)
     gathered = exchange.all_gather((handles, local), what)
     reason = first_reason([error for _, error in gathered])
