@@ -22,7 +22,7 @@ from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
 from graphar.comm import policy, set_up
 from graphar.comm.rendezvous import StoreExchange
-from graphar.errors import GrapharCommError, GrapharCudaError
+from graphar.errors import GrapharCommError, GrapharCudaError, SettingError
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -154,8 +154,11 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
         warnings = [r for r in caplog.records if "custom all-reduce off" in r.getMessage()]
         assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
         assert cm.communicator(dist.group.WORLD.group_name) is None
-        with pytest.raises(ValueError, match="max_bytes"):
-            set_up.init(max_bytes=24)
+        # Held to the rules of GRAPHAR_MAX_ALLREDUCE_BYTES and GRAPHAR_TIMEOUT_S (graphar.settings).
+        for bad, match in (({"max_bytes": 24}, "max_bytes=24"), ({"max_bytes": 4096.0}, "max_bytes=4096.0"),
+                           ({"timeout_s": -1}, "timeout_s=-1"), ({"timeout_s": float("inf")}, "timeout_s=inf")):
+            with pytest.raises(SettingError, match=match):
+                set_up.init(**bad)
     finally:
         dist.destroy_process_group()
 

@@ -119,7 +119,8 @@ def init(
     logs why, once) when the group cannot use it; raises GrapharCommError on every rank when the
     ranks differ in a setting they must share (`MUST_AGREE`). `max_bytes` (default
     GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the all-reduce's IPC buffers and bounds eligible calls;
-    `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer.
+    `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer; each
+    is held to its variable's rule (SettingError).
     """
     if not dist.is_initialized():
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
@@ -136,12 +137,9 @@ def init(
                            "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
                            comm.timeout_s, differ)  # fmt: skip
         return comm
-    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
-    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
-    if max_bytes <= 0 or max_bytes % 16 != 0:
-        raise ValueError(f"max_bytes must be a positive multiple of 16, got {max_bytes}")
-    if timeout_s < 0:
-        raise ValueError(f"timeout_s must be >= 0 (0 = unbounded), got {timeout_s}")
+    # Checked by the rules their variables' values meet (graphar.settings).
+    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else settings.byte_limit(max_bytes, "max_bytes")
+    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else settings.seconds(timeout_s, "timeout_s")
     _settled[name] = group
     reason = _uniform_reason(group)
     if reason is None and not torch.cuda.is_available():
