@@ -57,7 +57,7 @@ _import_passes_from_checkout()
 from graphar import settings
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar.backend import graphar_backend, install, register as _register_backend, uninstall
-from graphar.comm.communicator import shutdown
+from graphar.comm.registry import shutdown
 from graphar.comm.set_up import init
 from graphar.config import Config
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharError, GrapharTimeoutError, SettingError

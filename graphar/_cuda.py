@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
@@ -226,12 +226,17 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(_locate()))
             except OSError as e:
                 raise GrapharUnavailable(f"cannot load {LIB_NAME}: {e}") from e
-            for name, (restype, argtypes) in PROTOTYPES.items():
-                fn = getattr(lib, name)
-                fn.restype = restype
-                fn.argtypes = argtypes
-            _library = lib
+            _library = bind(lib, PROTOTYPES)
     return _library
+
+
+def bind(lib: ctypes.CDLL, prototypes: Mapping[str, tuple[object, list[object]]]) -> ctypes.CDLL:
+    """`lib`, each function of `prototypes` given its C types: callers then call them as attributes of
+    it (`lib.graphar_comm_open(...)`), each converted and checked by ctypes as its C declaration says."""
+    for name, (restype, argtypes) in prototypes.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def available() -> bool:

@@ -108,9 +108,7 @@ def _load() -> ctypes.CDLL | None:
     import graphar.ops  # noqa: F401  (the C++ kernel registers for the op defined there)
 
     try:
-        lib = ctypes.CDLL(str(_build()))
-        for name, (restype, argtypes) in PROTOTYPES.items():
-            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+        lib = _cuda.bind(ctypes.CDLL(str(_build())), PROTOTYPES)
         if lib.graphar_op_install() != 0:
             raise GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
     except (OSError, GrapharUnavailable) as e:

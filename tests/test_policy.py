@@ -17,9 +17,8 @@ import torch
 from graphar import graphs, ops
 from graphar.benchmarks import allreduce as allreduce_bench
 from graphar.benchmarks import winners
-from graphar.comm import abi, policy, set_up
+from graphar.comm import abi, policy, registry, set_up
 from graphar.comm import allreduce as ar
-from graphar.comm import communicator as cm
 
 KB, MB = 1 << 10, 1 << 20
 LIMITS = policy.Limits(max_bytes=8 * MB, push_one_shot=2 * MB)
@@ -168,7 +167,7 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
 
 def test_the_op_copies_misaligned_inputs_and_says_once_why_it_falls_back(cpu_all_reduce, monkeypatch, caplog) -> None:
     allreduce, comm = cpu_all_reduce
-    monkeypatch.setitem(cm._communicators, "g", types.SimpleNamespace(allreduce=allreduce))
+    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", allreduce=allreduce))
     monkeypatch.setattr(set_up, "_live", lambda group: True)  # the fake communicator's group is never destroyed
     monkeypatch.setattr(ops, "functional_all_reduce", lambda x, group_name: "collective")
     x = torch.randn(1025)[1:]  # contiguous, 4 bytes past an aligned start

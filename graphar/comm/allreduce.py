@@ -67,13 +67,14 @@ def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | Non
 
 
 class CommCalls(Protocol):
-    """What the all-reduce needs of its communicator."""
+    """What the all-reduce needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
 
     group_name: str
-    world_size: int
     device: int
     max_bytes: int
 
+    @property
+    def usable(self) -> bool: ...  # open and healthy: a host read, no sync
     def check(self) -> None: ...
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
-from graphar.comm import policy
+from graphar.comm import policy, registry
 from graphar.comm.allreduce import block_limit
-from graphar.comm.communicator import Communicator, _communicators
+from graphar.comm.communicator import Communicator
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharUnavailable
 from graphar.kernels import pack
@@ -46,13 +46,13 @@ def _live(group: dist.ProcessGroup | None) -> bool:
     return group is not None and group in dist.distributed_c10d._world.pg_map
 
 
-def _close_destroyed(group_name: str) -> None:
-    """Close the communicator registered under `group_name`, set up for a group torch has destroyed
-    since: torch gives the name to the next group it makes, whose ranks may differ (the C++ kernel
-    stops serving such a name by itself, graphar.native_op)."""
+def _close_destroyed(comm: Communicator) -> None:
+    """Close a registered communicator set up for a group torch has destroyed since: torch gives the
+    name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a name
+    by itself, graphar.native_op)."""
     logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
-                   "(call graphar.shutdown() before destroy_process_group)", group_name)  # fmt: skip
-    _communicators[group_name].close()
+                   "(call graphar.shutdown() before destroy_process_group)", comm.group_name)  # fmt: skip
+    comm.close()
 
 
 def serving(group_name: str, device: torch.device) -> Communicator | None:
@@ -63,13 +63,13 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
     the next eager call sets up. A communicator whose group torch destroyed is closed first, and the
     group that now has its name sets up anew. Cheap once settled: a few dict lookups."""
-    comm = _communicators.get(group_name)
+    comm = registry.communicator(group_name)
     if _live(_settled.get(group_name)):
         return comm  # settled: its communicator, or None where it has none
     if comm is not None:  # set up for a group torch has destroyed since
         if torch.cuda.is_current_stream_capturing():
             return None  # closing waits for the device, which a capture forbids: the next eager call closes it
-        _close_destroyed(group_name)
+        _close_destroyed(comm)
     if device.type != "cuda":
         return None
     group = dist.distributed_c10d._resolve_process_group(group_name)
@@ -126,10 +126,11 @@ def init(
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
-    if name in _communicators and not _live(_settled.get(name)):
-        _close_destroyed(name)
-    if name in _communicators:
-        comm = _communicators[name]
+    comm = registry.communicator(name)
+    if comm is not None and not _live(_settled.get(name)):
+        _close_destroyed(comm)
+        comm = None
+    if comm is not None:
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
         differ = {k: v for k, v in asked.items() if v is not None and float(v) != float(getattr(comm, k))}
         if differ:  # set up already (by an earlier init or at the group's first collective)
@@ -150,7 +151,7 @@ def init(
     if comm is None:
         _disabled(name, str(dist.get_backend(group)), reason or "unknown")
         return None
-    _communicators[name] = comm
+    registry.register(comm)
     comm.allreduce.publish()
     return comm
 
@@ -319,15 +320,15 @@ def _set_up(
                             timeout_s=timeout_s, blocks=launch[BLOCKS],
                             forced_algo=launch[settings.ALLREDUCE_ALGO.name], capability_major=capability_major,
                             store=exchange)  # fmt: skip
-        handles = comm._ipc_handles()
+        handles = comm.ipc_handles()
     except (GrapharCudaError, GrapharUnavailable) as e:
         local = str(e)
     gathered = exchange.all_gather((handles, local), what)
     reason = first_reason([error for _, error in gathered])
     if reason is None:
-        reason = agree(exchange, what, lambda: comm._open_peers([h for h, _ in gathered]) or comm._probe(0))
+        reason = agree(exchange, what, lambda: comm.open_peers([h for h, _ in gathered]) or comm.probe(0))
     if reason is None:  # every rank has stored into every peer: load it all back
-        reason = agree(exchange, what, lambda: comm._probe(1))
+        reason = agree(exchange, what, lambda: comm.probe(1))
     if reason is not None:
         if comm is not None:
             comm.close()
