@@ -101,8 +101,8 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     assert comm.ipc_handles() == b"h" * 2 * _cuda.IPC_HANDLE_BYTES
     comm.open_peers([b"a" * 128, b"b" * 128])
     assert comm.probe(0) is None
-    assert comm.take_exchange_lease(abi.EAGER, 5) == 7
-    comm.launch_all_to_all(abi.CAPTURED_COPY, 1, 2, 3, 4, 5, 6, abi.A2A_LAST, 64, 7, 8)
+    assert comm.take_exchange_lease(abi.PATH_EAGER, 5) == 7
+    comm.launch_all_to_all(abi.PATH_CAPTURED_COPY, 1, 2, 3, 4, 5, 6, abi.A2A_LAST, 64, 7, 8)
     assert comm.failed_flag() == FLAG
     assert comm.alloc_exchange(4 * MB, True, "grow") == (BUFFER, b"x" * _cuda.IPC_HANDLE_BYTES)
     assert comm.open_exchange(4 * MB, [b"p" * 64, b"q" * 64], "grow") == [BUFFER, BUFFER + 4 * MB]
@@ -126,8 +126,8 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
 
 def test_the_communicator_calls_only_what_the_library_exports() -> None:
     """It names each function as an attribute of the loaded library, bound with its prototype at load."""
-    used = {n.attr for n in ast.walk(ast.parse(COMM.read_text()))
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "_lib"}  # fmt: skip
+    nodes = [n for n in ast.walk(ast.parse(COMM.read_text())) if isinstance(n, ast.Attribute)]
+    used = {n.attr for n in nodes if isinstance(n.value, ast.Attribute) and n.value.attr == "_lib"}
     assert used and used <= set(_cuda.PROTOTYPES)
 
 
@@ -135,7 +135,7 @@ def test_a_failed_call_names_the_op_the_group_and_the_rank(library: _Library) ->
     comm = _communicator()
     library.failing.add("graphar_comm_exchange_lease")
     with pytest.raises(GrapharCudaError, match=r"graphar all_to_all on group 'g' \(rank 0\): the stand-in says no"):
-        comm.take_exchange_lease(abi.EAGER, 0)
+        comm.take_exchange_lease(abi.PATH_EAGER, 0)
 
 
 def test_a_failed_step_of_making_it_frees_what_it_made(library: _Library) -> None:

@@ -161,7 +161,7 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
     assert out is not None and out.shape == x.shape and out.is_contiguous() and out.data_ptr() != x.data_ptr()
     assert comm.launched == [dict(input=x.data_ptr(), output=out.data_ptr(), nbytes=x.nbytes, stream=1234,
                                   dtype=abi.DTYPE_CODES[torch.bfloat16], algo=abi.ALGO_CODES["push-oneshot"],
-                                  path=abi.EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
+                                  path=abi.PATH_EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
     assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
 
 
@@ -187,7 +187,7 @@ def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) ->
     allreduce.try_all_reduce(small)
     allreduce.try_all_reduce(large)
     assert [c["algo"] for c in comm.launched] == [abi.ALGO_CODES["push-oneshot"], abi.ALGO_CODES["1stage"]]
-    assert [c["path"] for c in comm.launched] == [abi.EAGER, abi.ZERO_COPY]
+    assert [c["path"] for c in comm.launched] == [abi.PATH_EAGER, abi.PATH_ZERO_COPY]
     assert [c.tensor for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
 
 

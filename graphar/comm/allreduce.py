@@ -28,7 +28,7 @@ import torch
 from graphar import _cuda, graphs, settings
 from graphar.comm import policy
 from graphar.comm.abi import (
-    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, NORM_ARGS, PUSH_ALGOS, STAGED, ZERO_COPY,
+    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
 )  # fmt: skip
 from graphar.errors import GrapharCommError
 
@@ -257,7 +257,7 @@ class AllReduce:
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
-        path, slot = EAGER, 0  # the library asks the stream whether it is capturing
+        path, slot = PATH_EAGER, 0  # the library asks the stream whether it is capturing
         if capture is not None and chosen not in PUSH_ALGOS:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
@@ -323,7 +323,7 @@ class AllReduce:
         call = GraphCall(slot, x, base, not capable, signature)
         self._recorded += 1
         capture.record(self, call)
-        return (STAGED if call.staged else ZERO_COPY), call.slot
+        return (PATH_STAGED if call.staged else PATH_ZERO_COPY), call.slot
 
     def register_graph(self, calls: Sequence[GraphCall]) -> int:
         """Collective after a capture: share the recorded inputs and fill their slots; returns the

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from graphar import pool, settings
-from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
+from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, PATH_CAPTURED_COPY, PATH_EAGER
 from graphar.comm.rendezvous import first_reason
 from graphar.errors import GrapharCommError, GrapharCudaError
 from graphar.kernels import pack
@@ -215,7 +215,7 @@ class IpcExchange:
             self._grow(nbytes)
         if capturing:
             self._captured = True
-        mode = CAPTURED_COPY if capturing else EAGER
+        mode = PATH_CAPTURED_COPY if capturing else PATH_EAGER
         main = torch.cuda.current_stream(self.comm.device)
         lease = self.comm.take_exchange_lease(mode, _stream(self.comm.device))  # eager: after the previous op
         try:
