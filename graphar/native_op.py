@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from graphar import _cuda, settings
-from graphar.comm import abi, policy
+from graphar.comm import abi
 from graphar.errors import GrapharCudaError, GrapharUnavailable
 
 logger = logging.getLogger("graphar")
@@ -105,8 +105,8 @@ def _load() -> ctypes.CDLL | None:
     if not settings.NATIVE_OP.get():
         logger.info("graphar: GRAPHAR_NATIVE_OP=0: eager all-reduces run graphar::all_reduce's Python kernel")
         return None
-    import graphar.ops  # noqa: F401  (the C++ kernel registers for the op defined there)
-
+    # The C++ kernel registers for graphar::all_reduce, which `import graphar` (run before any of its
+    # modules) defined: graphar.ops.
     try:
         lib = _cuda.bind(ctypes.CDLL(str(_build())), PROTOTYPES)
         if lib.graphar_op_install() != 0:
@@ -119,7 +119,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def group_state(
-    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: policy.Segments,
+    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: abi.Segments,
     fused_norm_max: int, pdl: bool,
 ) -> abi.OpGroup:
     """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of

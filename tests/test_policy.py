@@ -114,10 +114,10 @@ class _CpuComm:
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
-        self.published: list[tuple[policy.Segments, int, bool]] = []
+        self.published: list[tuple[abi.Segments, int, bool]] = []
         self.native = 0  # calls the C++ kernel served
 
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
         self.published.append((segments, fused_norm_max, pdl))
 
     def native_calls(self) -> int:

@@ -69,6 +69,9 @@ NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))
 # The op library's (csrc/torch_ops/graphar_op.h): the rows of a published eager kernel choice. The
 # all-reduce benchmark times 13 sizes, so a table from it has at most 13 rows, plus the one-shot's split.
 OP_MAX_ROWS = 16
+# Such rows, as graphar.comm.policy makes them: (largest bytes, kernel or None: no kernel takes those
+# sizes), ascending; struct graphar_op_group carries them as its bounds and algos.
+Segments = tuple[tuple[int, str | None], ...]
 
 
 class OpGroup(ctypes.Structure):

@@ -29,6 +29,7 @@ from graphar import _cuda, graphs, settings
 from graphar.comm import policy
 from graphar.comm.abi import (
     ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
+    Segments,
 )  # fmt: skip
 from graphar.errors import GrapharCommError
 
@@ -80,7 +81,7 @@ class CommCalls(Protocol):
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
+    def publish_eager(self, segments: Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...

@@ -181,7 +181,7 @@ class Communicator:
         if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
             self._raise("all_reduce_add_rms_norm")
 
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
         """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
         on first use; when they cannot be, the Python kernels serve every call). Only the group's
         registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
