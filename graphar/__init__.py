@@ -13,9 +13,11 @@ Public API:
     install(...)           add graphar's pass to backend="inductor" until uninstall()
     uninstall()            remove it
     Config                 what the pass rewrites, and its limits
+    GrapharError           the base of every error graphar raises of its own (graphar.errors)
     GrapharCommError       a communicator cannot serve the call (closed, broken, misuse, timed out)
     GrapharTimeoutError    a GrapharCommError: a peer never arrived within GRAPHAR_TIMEOUT_S
-    SettingError           a bad option or GRAPHAR_* variable (a ValueError)
+    GrapharCudaError       a GrapharCommError: a call into the CUDA library failed
+    SettingError           a bad option, argument or GRAPHAR_* variable (a ValueError)
 
 `import graphar` validates every GRAPHAR_* variable that is set (graphar.settings).
 """
@@ -55,13 +57,12 @@ _import_passes_from_checkout()
 from graphar import settings
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar.backend import graphar_backend, install, register as _register_backend, uninstall
-from graphar.comm.communicator import shutdown
+from graphar.comm.registry import shutdown
 from graphar.comm.set_up import init
 from graphar.config import Config
-from graphar.errors import GrapharCommError, GrapharTimeoutError
+from graphar.errors import GrapharCommError, GrapharCudaError, GrapharError, GrapharTimeoutError, SettingError
 from graphar.graphs import BatchGraphs, graph
 from graphar.passes.manager import watch_compiles as _watch_compiles
-from graphar.settings import SettingError
 
 settings.check_all()
 torch._logging._internal.register_log("graphar", "graphar")
@@ -72,6 +73,8 @@ __all__ = [
     "BatchGraphs",
     "Config",
     "GrapharCommError",
+    "GrapharCudaError",
+    "GrapharError",
     "GrapharTimeoutError",
     "SettingError",
     "graph",

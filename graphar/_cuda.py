@@ -5,7 +5,7 @@ the sources at hand; otherwise it is built once into ~/.cache/graphar/<hash of s
 archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises.
 
 setup.py loads this module by path, without the package (torch may not be installed yet), so it
-imports nothing from graphar but `graphar.settings`, which imports nothing either.
+imports nothing from graphar but `graphar.settings` and `graphar.errors`, which import nothing else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
@@ -41,6 +41,8 @@ def _settings_module():
 
 
 settings = _settings_module()
+# graphar.errors as graphar.settings has it (loaded by path too where this module was).
+GrapharCudaError, GrapharUnavailable = settings.errors.GrapharCudaError, settings.errors.GrapharUnavailable
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
 # name -> (restype, argtypes); the exports of csrc/graphar_cuda.h
@@ -86,14 +88,6 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
 IPC_HANDLE_BYTES = 64
 # kNormThreads * kNormPacksPerThread * 16 of csrc/push_norm.cuh: the fused norm kernel's longest row.
 NORM_MAX_ROW_BYTES = 512 * 8 * 16
-
-
-class GrapharUnavailable(RuntimeError):
-    """The CUDA library cannot be used here: no GPU, no nvcc, or the build failed."""
-
-
-class GrapharCudaError(RuntimeError):
-    """A call into the CUDA library failed; the message names the group and the op."""
 
 
 def source_dir() -> Path | None:
@@ -232,12 +226,17 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(_locate()))
             except OSError as e:
                 raise GrapharUnavailable(f"cannot load {LIB_NAME}: {e}") from e
-            for name, (restype, argtypes) in PROTOTYPES.items():
-                fn = getattr(lib, name)
-                fn.restype = restype
-                fn.argtypes = argtypes
-            _library = lib
+            _library = bind(lib, PROTOTYPES)
     return _library
+
+
+def bind(lib: ctypes.CDLL, prototypes: Mapping[str, tuple[object, list[object]]]) -> ctypes.CDLL:
+    """`lib`, each function of `prototypes` given its C types: callers then call them as attributes of
+    it (`lib.graphar_comm_open(...)`), each converted and checked by ctypes as its C declaration says."""
+    for name, (restype, argtypes) in prototypes.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def available() -> bool:

@@ -10,7 +10,7 @@ from torch._inductor import config as inductor_config
 from graphar.config import MODES, Config
 from graphar.passes import GrapharPass
 from graphar.passes.manager import watch_compiles
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 BACKEND_NAME = "graphar"
 

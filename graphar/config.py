@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from graphar import settings
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 # torch.compile's modes, for `options={"mode": ...}` (torch refuses mode= together with options=).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -65,11 +65,8 @@ class Config:
         chunks = self.attention_chunks
         if chunks != AUTO and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
             raise SettingError(f"option attention_chunks={chunks!r}: expected an int >= 0 (0 or 1: off) or {AUTO!r}")
-        limit = self.max_all_reduce_bytes
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0 or limit % 16:
-            raise SettingError(
-                f"option max_all_reduce_bytes={limit!r}: expected a positive multiple of 16 (bytes, an int)"
-            )
+        limit = settings.byte_limit(self.max_all_reduce_bytes, "option max_all_reduce_bytes")
+        object.__setattr__(self, "max_all_reduce_bytes", limit)
         object.__setattr__(self, "exclude_groups", _group_names(self.exclude_groups))
 
     @property

@@ -41,6 +41,7 @@ import graphar
 from graphar import _cuda, settings
 from graphar.comm import policy
 from graphar.doctor_probe import PLAN_SIZES, probe
+from graphar.errors import GrapharUnavailable
 
 EXIT_ON, EXIT_NO_GPU, EXIT_NO_LIBRARY, EXIT_OFF, EXIT_FAILED = 0, 3, 4, 5, 6
 KB, MB = 1 << 10, 1 << 20
@@ -74,7 +75,7 @@ def _triton_version() -> str:
 def _driver_version() -> str:
     try:
         nvml = _cuda._nvml_library()
-    except _cuda.GrapharUnavailable as e:
+    except GrapharUnavailable as e:
         return f"unknown ({e})"
     buf, cuda = ctypes.create_string_buffer(96), ctypes.c_int()
     if nvml.nvmlSystemGetDriverVersion(buf, len(buf)) != 0:
@@ -153,7 +154,7 @@ def _loaded_library() -> tuple[Path | None, str]:
     _progress("loading graphar's CUDA library (nvcc builds it on first use: a minute or two)...")
     try:
         return Path(_cuda.library()._name), "yes"
-    except _cuda.GrapharUnavailable as e:
+    except GrapharUnavailable as e:
         return None, f"no: {e}"
 
 
@@ -204,7 +205,7 @@ def link(a: int, b: int, found: list[dict[str, str]]) -> str:
         return "no P2P"
     try:
         return "NVLink" if _cuda.nvlink_between(found[a]["bus"], found[b]["bus"]) else "P2P/PCIe"
-    except _cuda.GrapharUnavailable:
+    except GrapharUnavailable:
         return "P2P"  # no NVML: the link is unknown
 
 

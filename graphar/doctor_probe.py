@@ -20,7 +20,7 @@ import graphar
 from graphar import native_op
 from graphar._launch import end_worker, free_port
 from graphar.comm import policy
-from graphar.comm.communicator import communicator
+from graphar.comm.registry import communicator
 
 KB, MB = 1 << 10, 1 << 20
 PLAN_SIZES = (16 * KB, 64 * KB, 256 * KB, 512 * KB, 1 * MB, 2 * MB, 8 * MB, 16 * MB)

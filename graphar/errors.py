@@ -1,9 +1,32 @@
-"""The errors graphar's collectives raise; the all-reduce and the IPC all-to-all raise the same ones."""
+"""Every error graphar raises of its own, under one base: catch `GrapharError` for all of them.
+
+    GrapharError
+        SettingError            a bad option, argument or GRAPHAR_* variable (also a ValueError)
+        GrapharUnavailable      the CUDA library cannot be had here (also a RuntimeError)
+        GrapharCommError        a communicator cannot serve the call (also a RuntimeError)
+            GrapharTimeoutError     a peer never arrived
+            GrapharCudaError        a call into the CUDA library failed
+
+This module imports nothing: setup.py loads it by path (through graphar.settings and graphar._cuda)
+before the package can be imported.
+"""
 
 from __future__ import annotations
 
 
-class GrapharCommError(RuntimeError):
+class GrapharError(Exception):
+    """The base of every error graphar raises of its own."""
+
+
+class SettingError(GrapharError, ValueError):
+    """A GRAPHAR_* variable, a graphar option or an argument has a value graphar cannot use."""
+
+
+class GrapharUnavailable(GrapharError, RuntimeError):
+    """The CUDA library cannot be used here: no GPU, no nvcc, or the build failed."""
+
+
+class GrapharCommError(GrapharError, RuntimeError):
     """A communicator cannot serve the call: ranks disagreed, a set-up exchange failed, it was closed,
     or an earlier call timed out (then every later call raises `GrapharTimeoutError`, a subclass)."""
 
@@ -13,3 +36,7 @@ class GrapharTimeoutError(GrapharCommError):
 
     The communicator stays unusable afterwards: its peers may be gone or out of step, so every
     later call on it raises this error again (catch `GrapharCommError` to handle both)."""
+
+
+class GrapharCudaError(GrapharCommError):
+    """A call into the CUDA library failed; the message names the group and the op."""

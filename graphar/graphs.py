@@ -26,13 +26,15 @@ _state = _State()
 
 
 class Capture:
-    """The all-reduces recorded during one `graph(...)` capture, per communicator."""
+    """The all-reduces recorded during one `graph(...)` capture, per communicator's all-reduce (a
+    graphar.comm.allreduce.AllReduce, which registers its calls when the capture ends)."""
 
     def __init__(self) -> None:
         self.calls: dict[Any, list[Any]] = {}
 
-    def record(self, comm: Any, call: Any) -> None:
-        self.calls.setdefault(comm, []).append(call)
+    def record(self, allreduce: Any, call: Any) -> None:
+        """One call (a graphar.comm.allreduce.GraphCall) that `allreduce` captured zero-copy."""
+        self.calls.setdefault(allreduce, []).append(call)
 
 
 def current_capture() -> Capture | None:
@@ -83,32 +85,33 @@ def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     cuda_graph._graphar_release = None
     registered: list[tuple[Any, int, list[int], tuple[torch.Tensor, ...]]] = []
     # Group names are equal on every rank, so every rank registers its groups in the same order.
-    owners = sorted(capture.calls, key=lambda c: c.group_name)
+    allreduces = sorted(capture.calls, key=lambda c: c.group_name)
     try:
-        for owner in owners:
-            calls = capture.calls[owner]
-            number = owner.register_graph(calls)
-            registered.append((owner, number, [c.slot for c in calls], tuple(c.tensor for c in calls)))
+        for allreduce in allreduces:
+            calls = capture.calls[allreduce]
+            number = allreduce.register_graph(calls)
+            registered.append((allreduce, number, [c.slot for c in calls], tuple(c.tensor for c in calls)))
     except BaseException:  # the failed group is broken; every slot goes back
         _release_graphs(registered)
-        _release([(owner, [c.slot for c in capture.calls[owner]]) for owner in owners[len(registered) :]])
+        unregistered = allreduces[len(registered) :]
+        _release([(allreduce, [c.slot for c in capture.calls[allreduce]]) for allreduce in unregistered])
         raise
     if registered:  # the finalizer holds the inputs (and not the graph): alive as long as the graph, and then
         cuda_graph._graphar_release = weakref.finalize(cuda_graph, _release_graphs, registered)
 
 
 def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:
-    return [(owner, [call.slot for call in calls]) for owner, calls in capture.calls.items()]
+    return [(allreduce, [call.slot for call in calls]) for allreduce, calls in capture.calls.items()]
 
 
 def _release(slots: list[tuple[Any, list[int]]]) -> None:
-    for owner, numbers in slots:
-        owner.release_slots(numbers)
+    for allreduce, numbers in slots:
+        allreduce.release_slots(numbers)
 
 
 def _release_graphs(registered: list[tuple[Any, int, list[int], tuple[torch.Tensor, ...]]]) -> None:
-    for owner, number, slots, inputs in registered:
-        owner.release_graph(number, slots, inputs)
+    for allreduce, number, slots, inputs in registered:
+        allreduce.release_graph(number, slots, inputs)
 
 
 class BatchGraphs:

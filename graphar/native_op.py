@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from graphar import _cuda, settings
-from graphar.comm import abi, policy
+from graphar.comm import abi
+from graphar.errors import GrapharCudaError, GrapharUnavailable
 
 logger = logging.getLogger("graphar")
 
@@ -70,11 +71,11 @@ def build_command(cxx: str, src: Path, out: Path, cuda_headers: Path) -> list[st
 def _build() -> Path:
     src, cxx, headers = source_dir(), compiler(), cuda_include()
     if src is None or not (src / SOURCE).is_file():
-        raise _cuda.GrapharUnavailable("its source (csrc/torch_ops) is not there")
+        raise GrapharUnavailable("its source (csrc/torch_ops) is not there")
     if cxx is None:
-        raise _cuda.GrapharUnavailable("no host compiler ($CXX, c++, g++)")
+        raise GrapharUnavailable("no host compiler ($CXX, c++, g++)")
     if headers is None:
-        raise _cuda.GrapharUnavailable("the CUDA toolkit's headers were not found (CUDA_HOME, nvcc)")
+        raise GrapharUnavailable("the CUDA toolkit's headers were not found (CUDA_HOME, nvcc)")
     # Its own sources, and the CUDA library's header it includes (the argument structs).
     sources = f"{_cuda.source_hash(src, ('.cpp', '.h'))}|{_cuda.source_hash(src.parent, ('.h',))}"
     key = f"op|{sources}|{torch.__version__}|{torch.version.git_version}|{_cuda.compiler_version(cxx)}|{headers}"
@@ -104,15 +105,13 @@ def _load() -> ctypes.CDLL | None:
     if not settings.NATIVE_OP.get():
         logger.info("graphar: GRAPHAR_NATIVE_OP=0: eager all-reduces run graphar::all_reduce's Python kernel")
         return None
-    import graphar.ops  # noqa: F401  (the C++ kernel registers for the op defined there)
-
+    # The C++ kernel registers for graphar::all_reduce, which `import graphar` (run before any of its
+    # modules) defined: graphar.ops.
     try:
-        lib = ctypes.CDLL(str(_build()))
-        for name, (restype, argtypes) in PROTOTYPES.items():
-            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+        lib = _cuda.bind(ctypes.CDLL(str(_build())), PROTOTYPES)
         if lib.graphar_op_install() != 0:
-            raise _cuda.GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
-    except (OSError, _cuda.GrapharUnavailable) as e:
+            raise GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
+    except (OSError, GrapharUnavailable) as e:
         logger.warning("graphar: eager all-reduces run graphar::all_reduce's Python kernel (more host time per "
                        "call): its C++ kernel cannot be had: %s", e)  # fmt: skip
         return None
@@ -120,7 +119,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def group_state(
-    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: policy.Segments,
+    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: abi.Segments,
     fused_norm_max: int, pdl: bool,
 ) -> abi.OpGroup:
     """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of
@@ -148,7 +147,7 @@ def publish(group_name: str, state: abi.OpGroup | None) -> None:
     if lib is None:
         return
     if lib.graphar_op_publish(group_name.encode(), None if state is None else ctypes.byref(state)) != 0:
-        raise _cuda.GrapharCudaError(f"graphar op library, group {group_name!r}: {lib.graphar_op_last_error().decode()}")
+        raise GrapharCudaError(f"graphar op library, group {group_name!r}: {lib.graphar_op_last_error().decode()}")
 
 
 def calls(group_name: str) -> int:

@@ -4,17 +4,22 @@ A variable is checked where it enters: `import graphar` validates every one that
 value fails at once with an error naming the variable, the value and what is allowed, not deep in
 a kernel launch or in Inductor. `describe()` renders the table the README carries.
 
-This module imports nothing from graphar (nor torch): setup.py and `graphar._cuda` load it by path
-while the package itself cannot be imported yet.
+This module imports nothing from graphar but `graphar.errors` (nor torch): setup.py and
+`graphar._cuda` load it by path while the package itself cannot be imported yet, and it loads the
+errors by path then.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -22,8 +27,19 @@ MB = 1 << 20
 MAX_BLOCKS = 64  # kMaxBlocks of csrc/barrier.cuh: one barrier slot per block
 
 
-class SettingError(ValueError):
-    """A GRAPHAR_* variable or a graphar option has a value graphar cannot use."""
+def _errors_module() -> ModuleType:
+    """graphar.errors: imported, or loaded by path where this module was (setup.py, through graphar._cuda)."""
+    if __package__ == "graphar":
+        from graphar import errors
+
+        return errors
+    spec = importlib.util.spec_from_file_location("_graphar_errors", Path(__file__).with_name("errors.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+errors = _errors_module()
 
 
 @dataclass(frozen=True)
@@ -44,27 +60,41 @@ class Setting(Generic[T]):
         try:
             return self.parse(raw)
         except ValueError:
-            raise SettingError(f"{self.name}={raw!r} is not valid: expected {self.allowed}") from None
+            raise errors.SettingError(f"{self.name}={raw!r} is not valid: expected {self.allowed}") from None
 
 
-def _int_in(low: int, high: float = math.inf, multiple: int = 1) -> Callable[[str], int]:
+def _int_in(low: int, high: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         value = int(raw)
-        if not low <= value <= high or value % multiple:
+        if not low <= value <= high:
             raise ValueError(raw)
         return value
 
     return parse
 
 
-def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        value = float(raw)
-        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0):
-            raise ValueError(raw)
-        return value
+# The two settings a caller can also give in code (an option, an argument of graphar.init): each has
+# one rule, which the variable's parser applies to its text and the code to what it is given.
 
-    return parse
+
+def byte_limit(value: Any, what: str) -> int:
+    """The all-reduce's largest message in bytes as `what` gives it (GRAPHAR_MAX_ALLREDUCE_BYTES, the
+    option max_all_reduce_bytes, graphar.init(max_bytes=)): an integer, a positive multiple of 16 (the
+    kernels move 16-byte packs); SettingError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 or value % 16:
+        raise errors.SettingError(f"{what}={value!r}: expected a positive multiple of 16 (bytes, an int)")
+    return int(value)
+
+
+def seconds(value: Any, what: str, zero_unbounded: bool = True) -> float:
+    """A bound on a wait in seconds as `what` gives it (GRAPHAR_TIMEOUT_S, graphar.init(timeout_s=),
+    GRAPHAR_EXCHANGE_TIMEOUT_S): a finite number >= 0, 0 meaning unbounded, or > 0 where zero is not
+    allowed (`zero_unbounded` False); SettingError naming `what` otherwise."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+            or (value == 0 and not zero_unbounded)):  # fmt: skip
+        least = ">= 0" if zero_unbounded else "> 0"
+        raise errors.SettingError(f"{what}={value!r}: expected a number of seconds {least}")
+    return float(value)
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -92,7 +122,8 @@ def _flag(raw: str) -> bool:
 
 
 MAX_ALLREDUCE_BYTES = Setting(
-    "GRAPHAR_MAX_ALLREDUCE_BYTES", 8 * MB, _int_in(16, multiple=16), "a positive multiple of 16 (bytes)",
+    "GRAPHAR_MAX_ALLREDUCE_BYTES", 8 * MB, lambda raw: byte_limit(int(raw), "GRAPHAR_MAX_ALLREDUCE_BYTES"),
+    "a positive multiple of 16 (bytes)",
     "default of the `max_all_reduce_bytes` option and of `graphar.init(max_bytes=)`: the largest "
     "all-reduce the custom kernels serve, and the size of their IPC buffers",
 )  # fmt: skip
@@ -147,12 +178,13 @@ PULL_BLOCKS = _blocks("GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
 TIMEOUT_S = Setting(
-    "GRAPHAR_TIMEOUT_S", 60.0, _seconds(minimum_exclusive=False), "a number of seconds >= 0",
+    "GRAPHAR_TIMEOUT_S", 60.0, lambda raw: seconds(float(raw), "GRAPHAR_TIMEOUT_S"), "a number of seconds >= 0",
     "bound on every spin-wait for a peer in graphar's kernels; 0 = unbounded. A peer that never "
     "arrives raises GrapharTimeoutError naming the group, the barrier and the peer",
 )  # fmt: skip
 EXCHANGE_TIMEOUT_S = Setting(
-    "GRAPHAR_EXCHANGE_TIMEOUT_S", 300.0, _seconds(minimum_exclusive=True), "a number of seconds > 0",
+    "GRAPHAR_EXCHANGE_TIMEOUT_S", 300.0,
+    lambda raw: seconds(float(raw), "GRAPHAR_EXCHANGE_TIMEOUT_S", zero_unbounded=False), "a number of seconds > 0",
     "bound on each set-up exchange over the group's store (`graphar.init`, graph registration, "
     "exchange-buffer growth)",
 )  # fmt: skip
@@ -177,7 +209,7 @@ ALL: tuple[Setting[Any], ...] = (
 
 
 def check_all() -> None:
-    """Validate every variable that is set; raise SettingError for the first bad one."""
+    """Validate every variable that is set; raise graphar.errors.SettingError for the first bad one."""
     for setting in ALL:
         setting.get()
 

@@ -17,7 +17,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphar import settings
-from graphar.comm.communicator import communicator
+from graphar.comm.registry import communicator
 from graphar.comm.set_up import sets_up_later
 from graphar.config import Config
 

@@ -47,10 +47,11 @@ def test_all_to_all_flags() -> None:
                      "GRAPHAR_A2A_LAST": abi.A2A_LAST}
 
 
-def test_launch_modes() -> None:
+def test_launch_paths() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    python = {"GRAPHAR_EAGER": abi.EAGER, "GRAPHAR_CAPTURED_COPY": abi.CAPTURED_COPY,
-              "GRAPHAR_ZERO_COPY": abi.ZERO_COPY, "GRAPHAR_STAGED": abi.STAGED, "GRAPHAR_EAGER_ONLY": abi.EAGER_ONLY}  # fmt: skip
+    python = {"GRAPHAR_EAGER": abi.PATH_EAGER, "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
+              "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY, "GRAPHAR_STAGED": abi.PATH_STAGED,
+              "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY}  # fmt: skip
     assert {name: codes[name] for name in python} == python
 
 

@@ -20,7 +20,7 @@ import graphar
 from graphar.backend import graphar_backend
 from graphar.config import Config
 from graphar.passes import GrapharPass, manager
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 
 @pytest.fixture

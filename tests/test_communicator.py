@@ -20,9 +20,9 @@ from graphar import graphs
 from graphar.comm import abi
 from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
-from graphar.comm import policy, set_up
+from graphar.comm import policy, registry, set_up
 from graphar.comm.rendezvous import StoreExchange
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError, SettingError
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -153,9 +153,12 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
             assert set_up.init() is None
         warnings = [r for r in caplog.records if "custom all-reduce off" in r.getMessage()]
         assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
-        assert cm.communicator(dist.group.WORLD.group_name) is None
-        with pytest.raises(ValueError, match="max_bytes"):
-            set_up.init(max_bytes=24)
+        assert registry.communicator(dist.group.WORLD.group_name) is None
+        # Held to the rules of GRAPHAR_MAX_ALLREDUCE_BYTES and GRAPHAR_TIMEOUT_S (graphar.settings).
+        for bad, match in (({"max_bytes": 24}, "max_bytes=24"), ({"max_bytes": 4096.0}, "max_bytes=4096.0"),
+                           ({"timeout_s": -1}, "timeout_s=-1"), ({"timeout_s": float("inf")}, "timeout_s=inf")):
+            with pytest.raises(SettingError, match=match):
+                set_up.init(**bad)
     finally:
         dist.destroy_process_group()
 
@@ -164,7 +167,7 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         existing = types.SimpleNamespace(max_bytes=MB, timeout_s=60.0)
-        monkeypatch.setitem(cm._communicators, dist.group.WORLD.group_name, existing)
+        monkeypatch.setitem(registry._communicators, dist.group.WORLD.group_name, existing)
         monkeypatch.setitem(set_up._settled, dist.group.WORLD.group_name, dist.group.WORLD)
         with caplog.at_level(logging.WARNING, logger="graphar"):
             assert set_up.init() is existing and set_up.init(max_bytes=MB, timeout_s=60) is existing
@@ -181,7 +184,7 @@ def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry,
     close the old communicator (its ranks may differ) and settle the new group afresh, except inside
     a capture, which cannot wait for the device: there NCCL serves, and the next eager call closes."""
     closed = []
-    stale = types.SimpleNamespace(close=lambda: closed.append(True) or cm._communicators.pop(name))
+    stale = types.SimpleNamespace(group_name=None, close=lambda: closed.append(True) or registry.discard(stale))
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     call = {"init": set_up.init, "serving": lambda: set_up.serving(name, torch.device("cuda", 0))}[entry]
@@ -190,7 +193,8 @@ def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry,
         try:
             name = dist.group.WORLD.group_name
             if generation == 0:
-                monkeypatch.setitem(cm._communicators, name, stale)
+                stale.group_name = name
+                monkeypatch.setitem(registry._communicators, name, stale)
                 monkeypatch.setitem(set_up._settled, name, dist.group.WORLD)
                 assert call() is stale and not closed
             else:
@@ -414,20 +418,20 @@ def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch, ca
 
     def publish(name: str, state: Any) -> None:
         if refuse[0] and state is not None:
-            raise cm._cuda.GrapharCudaError("graphar op library, group 'g': no process group of that name")
+            raise GrapharCudaError("graphar op library, group 'g': no process group of that name")
         published.append((name, state))
 
     monkeypatch.setattr(cm.native_op, "library", lambda: object())
     monkeypatch.setattr(cm.native_op, "publish", publish)
     monkeypatch.setattr(cm.native_op, "group_state", lambda **kwargs: "state")
     comm = cm.Communicator.__new__(cm.Communicator)  # no library: only the fields publish_eager reads
-    comm.group_name, comm._handle, comm._broken, comm._lib = "g", 1, None, None
+    comm.group_name, comm._handle, comm._state, comm._lib = "g", 1, cm.State(cm.Life.OPEN), None
     comm._record = abi.ErrorRecord()
     comm.max_bytes, comm.device, comm.rank = 1 << 20, 0, 0
     monkeypatch.setattr(cm.ctypes, "addressof", lambda record: 0)
     segments = ((policy.OPEN, "1stage"),)
     comm.publish_eager(segments, 0, True)  # not registered (another communicator, or none, holds the name)
-    monkeypatch.setitem(cm._communicators, "g", comm)
+    monkeypatch.setitem(registry._communicators, "g", comm)
     comm.publish_eager(segments, 0, True)
     too_long = tuple((16 * (i + 1), "1stage") for i in range(abi.OP_MAX_ROWS)) + segments
     comm.publish_eager(too_long, 0, True)  # more rows than the C struct holds: withdrawn, said, no error

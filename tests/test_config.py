@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from graphar.config import Config
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import torch
 
 from graphar import _cuda, native_op
 from graphar.comm import abi
+from graphar.errors import GrapharUnavailable
 
 MB = 1 << 20
 needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
@@ -143,9 +144,7 @@ def test_the_fused_norm_spreads_a_few_tokens_over_many_blocks(build) -> None:
     of bf16 hidden 4096 or 8192 covers 64 blocks (one per SM; the issue asked for 32 at one token), from
     64 tokens on a block per row; slices are whole segments of 8 packs, no block without any; a split
     that needs more scratch words than there are is cut down to fit."""
-    lib = ctypes.CDLL(str(build[0]))
-    for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
-        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    lib = _cuda.bind(ctypes.CDLL(str(build[0])), _cuda.PROTOTYPES)
     for hidden in (4096, 8192):
         for tokens in (1, 2, 4, 8, 16, 32):
             blocks, threads, split = _norm_grid(lib, tokens, hidden)
@@ -170,9 +169,8 @@ def test_the_fused_norm_spreads_a_few_tokens_over_many_blocks(build) -> None:
 @needs_nvcc
 def test_c_abi_exports_and_returns_errors(build) -> None:
     lib_path, _, _ = build
-    lib = ctypes.CDLL(str(lib_path))  # no libcuda dependency: loads on a machine without a driver
-    for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
-        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    # No libcuda dependency: loads on a machine without a driver. Every prototype binds (is exported).
+    lib = _cuda.bind(ctypes.CDLL(str(lib_path)), _cuda.PROTOTYPES)
     assert lib.graphar_build_id().decode() == _cuda.source_hash(_cuda.source_dir())
     handle = ctypes.c_void_p()
     assert lib.graphar_comm_create(0, 3, MB, 36, 0, 16, ctypes.byref(handle)) == -1
@@ -198,14 +196,14 @@ def test_nvcc_command_targets(monkeypatch) -> None:
 
 def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(_cuda, "find_nvcc", lambda: None)
-    with pytest.raises(_cuda.GrapharUnavailable, match="nvcc"):
+    with pytest.raises(GrapharUnavailable, match="nvcc"):
         _cuda.build_library(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_library_without_gpu() -> None:
     assert _cuda.available() is False
-    with pytest.raises(_cuda.GrapharUnavailable, match="CUDA device"):
+    with pytest.raises(GrapharUnavailable, match="CUDA device"):
         _cuda.library()
 
 

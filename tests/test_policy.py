@@ -17,9 +17,8 @@ import torch
 from graphar import graphs, ops
 from graphar.benchmarks import allreduce as allreduce_bench
 from graphar.benchmarks import winners
-from graphar.comm import abi, policy, set_up
+from graphar.comm import abi, policy, registry, set_up
 from graphar.comm import allreduce as ar
-from graphar.comm import communicator as cm
 
 KB, MB = 1 << 10, 1 << 20
 LIMITS = policy.Limits(max_bytes=8 * MB, push_one_shot=2 * MB)
@@ -115,10 +114,10 @@ class _CpuComm:
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
-        self.published: list[tuple[policy.Segments, int, bool]] = []
+        self.published: list[tuple[abi.Segments, int, bool]] = []
         self.native = 0  # calls the C++ kernel served
 
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
         self.published.append((segments, fused_norm_max, pdl))
 
     def native_calls(self) -> int:
@@ -162,13 +161,13 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
     assert out is not None and out.shape == x.shape and out.is_contiguous() and out.data_ptr() != x.data_ptr()
     assert comm.launched == [dict(input=x.data_ptr(), output=out.data_ptr(), nbytes=x.nbytes, stream=1234,
                                   dtype=abi.DTYPE_CODES[torch.bfloat16], algo=abi.ALGO_CODES["push-oneshot"],
-                                  path=abi.EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
+                                  path=abi.PATH_EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
     assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
 
 
 def test_the_op_copies_misaligned_inputs_and_says_once_why_it_falls_back(cpu_all_reduce, monkeypatch, caplog) -> None:
     allreduce, comm = cpu_all_reduce
-    monkeypatch.setitem(cm._communicators, "g", types.SimpleNamespace(allreduce=allreduce))
+    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", allreduce=allreduce))
     monkeypatch.setattr(set_up, "_live", lambda group: True)  # the fake communicator's group is never destroyed
     monkeypatch.setattr(ops, "functional_all_reduce", lambda x, group_name: "collective")
     x = torch.randn(1025)[1:]  # contiguous, 4 bytes past an aligned start
@@ -188,7 +187,7 @@ def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) ->
     allreduce.try_all_reduce(small)
     allreduce.try_all_reduce(large)
     assert [c["algo"] for c in comm.launched] == [abi.ALGO_CODES["push-oneshot"], abi.ALGO_CODES["1stage"]]
-    assert [c["path"] for c in comm.launched] == [abi.EAGER, abi.ZERO_COPY]
+    assert [c["path"] for c in comm.launched] == [abi.PATH_EAGER, abi.PATH_ZERO_COPY]
     assert [c.tensor for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
 
 

@@ -23,9 +23,10 @@ def _fake_gpus(rank: int) -> contextlib.ExitStack:
     """What `init` asks of a GPU, answered as on a pair of H200s; gloo stands in for NCCL."""
     from graphar import _cuda
     from graphar.comm import set_up
+    from graphar.errors import GrapharUnavailable
 
     def no_library(**kwargs):
-        raise _cuda.GrapharUnavailable("no CUDA library on the CPU")
+        raise GrapharUnavailable("no CUDA library on the CPU")
 
     stack = contextlib.ExitStack()
     for target, name, fake in [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from graphar import settings
-from graphar.settings import SettingError
+from graphar.errors import SettingError
 
 # variable: (good values and what they read as, bad values)
 CASES = {
@@ -61,3 +61,24 @@ def test_import_rejects_a_bad_variable_even_where_it_is_never_read() -> None:
 def test_readme_documents_every_variable() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert settings.describe() in readme, "README's table of variables is stale: paste settings.describe()"
+
+
+@pytest.mark.parametrize("value", [16, 8 << 20, 24, 0, -16, 8.5, 4096.0, True])
+def test_one_rule_for_the_byte_limit_wherever_it_is_given(value, monkeypatch) -> None:
+    """GRAPHAR_MAX_ALLREDUCE_BYTES (its text), the option max_all_reduce_bytes and graphar.init(max_bytes=)
+    (the values given in code) are held to one rule: the same values pass."""
+    from graphar.config import Config
+
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % 16 == 0
+    if ok:
+        assert settings.byte_limit(value, "max_bytes") == Config(max_all_reduce_bytes=value).max_all_reduce_bytes
+        monkeypatch.setenv("GRAPHAR_MAX_ALLREDUCE_BYTES", str(value))
+        assert settings.MAX_ALLREDUCE_BYTES.get() == value
+        return
+    with pytest.raises(SettingError, match="max_bytes"):
+        settings.byte_limit(value, "max_bytes")
+    with pytest.raises(SettingError, match="max_all_reduce_bytes"):
+        Config(max_all_reduce_bytes=value)
+    monkeypatch.setenv("GRAPHAR_MAX_ALLREDUCE_BYTES", str(value))
+    with pytest.raises(SettingError, match="GRAPHAR_MAX_ALLREDUCE_BYTES"):
+        settings.MAX_ALLREDUCE_BYTES.get()

@@ -60,7 +60,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
     stream = torch._C._cuda_getCurrentRawStream(comm.device)
     args = abi.ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
-                                    abi.ALGO_CODES[kernel], abi.EAGER, 0, ar.pdl, 0)  # fmt: skip
+                                    abi.ALGO_CODES[kernel], abi.PATH_EAGER, 0, ar.pdl, 0)  # fmt: skip
     return {
         "comm.check()": comm.check,
         "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":

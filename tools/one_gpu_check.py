@@ -287,13 +287,12 @@ def check_pairs(comm, rank: int) -> None:
     have, never given graphar.init: each pair's first all-reduce (or, in a second set of pairs, its
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
     world's calls."""
-    from graphar.comm import communicator as cm
-    from graphar.comm import ulysses
+    from graphar.comm import registry, ulysses
 
     pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce
     try:
-        assert cm.communicator(pair.group_name) is None and cm.communicator(other.group_name) is None
+        assert registry.communicator(pair.group_name) is None and registry.communicator(other.group_name) is None
         for i, nbytes in enumerate((16, 64 * KB + 16, MB)):
             x = integers(nbytes // 2, torch.bfloat16, seed=rank * 31 + i)
             pair_sum, world_sum = op(x, pair.group_name), op(x, dist.group.WORLD.group_name)
@@ -301,16 +300,16 @@ def check_pairs(comm, rank: int) -> None:
             dist.all_reduce(ref, group=pair)
             assert torch.equal(pair_sum, ref.to(x.dtype).cuda()), f"pair all-reduce {nbytes} B"
             assert torch.equal(world_sum, reference_sum(x)), f"world all-reduce beside the pairs, {nbytes} B"
-        assert cm.communicator(pair.group_name) is not None, "the pair's first all-reduce did not set it up"
+        assert registry.communicator(pair.group_name) is not None, "the pair's first all-reduce did not set it up"
         q, k, v = (integers(64 * 4 * 32, torch.bfloat16, seed=rank + i).view(1, 64, 4, 32) for i in range(3))
         got = ulysses.seq_to_heads(q, k, v, other.group_name)
         want = [ulysses.seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
         assert all(map(torch.equal, got, want)), "the pair's first Q/K/V exchange"
-        assert cm.communicator(other.group_name).exchange.capacity > 0, "that exchange did not go over IPC"
+        assert registry.communicator(other.group_name).exchange.capacity > 0, "that exchange did not go over IPC"
     finally:
         for group in (pair, other):
-            if cm.communicator(group.group_name) is not None:
-                cm.communicator(group.group_name).close()
+            if registry.communicator(group.group_name) is not None:
+                registry.communicator(group.group_name).close()
 
 
 def _worker(rank: int, port: int, world: int) -> None:

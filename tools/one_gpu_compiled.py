@@ -102,7 +102,7 @@ def check_compiled_attention(comm, rank: int) -> None:
 def check_compiled_on_fresh_pairs(comm, rank: int) -> None:
     """mode="reduce-overhead" on groups that never had graphar.init: the warm-up call (eager) sets
     each pair up, and the recorded graph's all-reduce is graphar's."""
-    from graphar.comm import communicator as cm
+    from graphar.comm import registry
 
     pair = new_pair()
     w = integers(256 * 256, torch.float32, seed=rank).view(256, 256)
@@ -121,10 +121,10 @@ def check_compiled_on_fresh_pairs(comm, rank: int) -> None:
             ref = (x @ w).cpu()
             dist.all_reduce(ref, group=pair)
             assert torch.equal(compiled(x), ref.cuda() + 1), f"compiled on a fresh pair, call {i}"
-            served = cm.communicator(pair.group_name)
+            served = registry.communicator(pair.group_name)
             calls.append(served.allreduce.calls if served is not None else 0)
         assert calls[0] >= 1 and calls[1] > calls[0], f"the recorded graph's all-reduce is not graphar's: {calls}"
     finally:
         torch._dynamo.reset()
-        if cm.communicator(pair.group_name) is not None:
-            cm.communicator(pair.group_name).close()
+        if registry.communicator(pair.group_name) is not None:
+            registry.communicator(pair.group_name).close()

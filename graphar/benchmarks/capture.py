@@ -171,7 +171,7 @@ def build(step: decode.Step, s: Settings) -> tuple[object | None, str | None, fl
 
 def graphar_counts() -> tuple[int, int]:
     """(calls graphar's kernels served, zero-copy calls captured) of the world group's communicator."""
-    from graphar.comm.communicator import communicator
+    from graphar.comm.registry import communicator
 
     allreduce = communicator(dist.group.WORLD.group_name).allreduce
     return allreduce.calls, allreduce.graph_calls

@@ -222,7 +222,7 @@ def build_variants(steps: dict[str, Step], s: Settings, reasons: dict[str, str])
 
 def forced_kernel(algo: str | None) -> contextlib.AbstractContextManager[None]:
     """Every all-reduce of the world group's communicator on `algo` (None: the policy's picks)."""
-    from graphar.comm.communicator import communicator
+    from graphar.comm.registry import communicator
 
     allreduce = communicator(dist.group.WORLD.group_name).allreduce
     return common.overriding(allreduce, "policy", allreduce.policy.forcing(algo or allreduce.policy.forced))

@@ -111,7 +111,7 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
               reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
     from graphar.comm import ulysses
-    from graphar.comm.communicator import communicator
+    from graphar.comm.registry import communicator
     from graphar.kernels import pack
 
     ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport

@@ -19,10 +19,13 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ONE_STAGE, TWO_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT = "1stage", "2stage", "push-oneshot", "push-twoshot"
 ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2, PUSH_ONE_SHOT: 3, PUSH_TWO_SHOT: 4}
 PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
-# Launch paths (GRAPHAR_EAGER ...): copy-in eager, copy-in inside a foreign capture, zero copy
-# through a graph slot, copy into the registered buffer then a graph slot, eager or no launch at all
-# (graphar::all_reduce's C++ kernel, which hands captures to Python).
-EAGER, CAPTURED_COPY, ZERO_COPY, STAGED, EAGER_ONLY = 0, 1, 2, 3, 4
+# Input paths of a launch (GRAPHAR_EAGER ...), PATH_ here so that they are not taken for the policy's
+# capture modes (graphar.comm.policy.EAGER ...): copy-in, where the library asks the stream whether it
+# is capturing; copy-in inside a foreign capture; zero copy through a graph slot; copy into the
+# registered buffer then a graph slot; copy-in or no launch at all when the stream is capturing
+# (graphar::all_reduce's C++ kernel, which hands captures to Python). The all-to-all's copy takes the
+# first two.
+PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED, PATH_EAGER_ONLY = 0, 1, 2, 3, 4
 # Return codes besides CUDA's: bad arguments; a GRAPHAR_EAGER_ONLY call on a capturing stream.
 EINVAL, CAPTURING = -1, -2
 # Flags of an all-to-all (GRAPHAR_A2A_PUSHED ...): the chunks were pushed into the receivers' buffers;
@@ -66,6 +69,9 @@ NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))
 # The op library's (csrc/torch_ops/graphar_op.h): the rows of a published eager kernel choice. The
 # all-reduce benchmark times 13 sizes, so a table from it has at most 13 rows, plus the one-shot's split.
 OP_MAX_ROWS = 16
+# Such rows, as graphar.comm.policy makes them: (largest bytes, kernel or None: no kernel takes those
+# sizes), ascending; struct graphar_op_group carries them as its bounds and algos.
+Segments = tuple[tuple[int, str | None], ...]
 
 
 class OpGroup(ctypes.Structure):

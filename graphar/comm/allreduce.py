@@ -28,7 +28,8 @@ import torch
 from graphar import _cuda, graphs, settings
 from graphar.comm import policy
 from graphar.comm.abi import (
-    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, EAGER, NORM_ARGS, PUSH_ALGOS, STAGED, ZERO_COPY,
+    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
+    Segments,
 )  # fmt: skip
 from graphar.errors import GrapharCommError
 
@@ -67,19 +68,20 @@ def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | Non
 
 
 class CommCalls(Protocol):
-    """What the all-reduce needs of its communicator."""
+    """What the all-reduce needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
 
     group_name: str
-    world_size: int
     device: int
     max_bytes: int
 
+    @property
+    def usable(self) -> bool: ...  # open and healthy: a host read, no sync
     def check(self) -> None: ...
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
+    def publish_eager(self, segments: Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
@@ -256,7 +258,7 @@ class AllReduce:
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
-        path, slot = EAGER, 0  # the library asks the stream whether it is capturing
+        path, slot = PATH_EAGER, 0  # the library asks the stream whether it is capturing
         if capture is not None and chosen not in PUSH_ALGOS:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
@@ -322,7 +324,7 @@ class AllReduce:
         call = GraphCall(slot, x, base, not capable, signature)
         self._recorded += 1
         capture.record(self, call)
-        return (STAGED if call.staged else ZERO_COPY), call.slot
+        return (PATH_STAGED if call.staged else PATH_ZERO_COPY), call.slot
 
     def register_graph(self, calls: Sequence[GraphCall]) -> int:
         """Collective after a capture: share the recorded inputs and fill their slots; returns the

@@ -1,31 +1,49 @@
-"""A group's IPC communicator, and the registry that holds one per group.
+"""A group's IPC communicator.
 
 `graphar.comm.set_up` makes them (`init`, or at a group's first collective) where the custom paths are
-safe. The communicator owns what every collective of the group shares: the CUDA library's handle, the
-barrier flags and registered buffers mapped on every peer, the error record its kernels write, and
-its collectives: `allreduce` (graphar.comm.allreduce) and `exchange`, the all-to-all's IPC exchange
-buffers (graphar.comm.exchange). Each raises GrapharCommError when the communicator cannot go on,
-and GrapharTimeoutError after a peer failed to arrive.
+safe, and registers each (graphar.comm.registry, one per group). The communicator owns what every
+collective of the group shares: the CUDA library's handle, the barrier flags and registered buffers
+mapped on every peer, the error record its kernels write, and its collectives: `allreduce`
+(graphar.comm.allreduce) and `exchange`, the all-to-all's IPC exchange buffers (graphar.comm.exchange).
+Each raises GrapharCommError when the communicator cannot go on, and GrapharTimeoutError after a peer
+failed to arrive. Its life is one state (`Life`): open, broken, failed or closed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from graphar import _cuda, native_op
-from graphar.comm import abi, policy
+from graphar.comm import abi, policy, registry
 from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce
 from graphar.comm.exchange import IpcExchange
 from graphar.comm.rendezvous import StoreExchange
-from graphar.errors import GrapharCommError, GrapharTimeoutError
+from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
 
 logger = logging.getLogger("graphar")
+
+
+class Life(enum.Enum):
+    """Where a communicator is in its life. Only an open one takes calls; the others never open again."""
+
+    OPEN = "open"
+    BROKEN = "broken"  # the host gave up on it (`mark_broken`): the ranks may be out of step
+    FAILED = "failed"  # a kernel of it gave up on a peer, as its error record says
+    CLOSED = "closed"  # its buffers are released
+
+
+class State(NamedTuple):
+    """A communicator's life, and why it ended where it did: one field, set as a whole."""
+
+    life: Life
+    reason: str = ""  # broken or failed: what every later call raises
 
 
 class Communicator:
@@ -44,18 +62,20 @@ class Communicator:
         self._lib = _cuda.library()
         self._launch = self._lib.graphar_comm_all_reduce
         self._launch_norm = self._lib.graphar_comm_all_reduce_norm
-        self._broken: str | None = None
         # The library's graph mappings are touched at registration and from graphs' finalizers, which
         # run in whichever thread collects them; ctypes calls drop the GIL.
         self._graph_lock = threading.RLock()
         handle = ctypes.c_void_p()
-        self._call("create", "graphar_comm_create", rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
-                   GRAPH_SLOTS, ctypes.byref(handle), handle=False)  # fmt: skip
+        self._ok("create", self._lib.graphar_comm_create(rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
+                                                         GRAPH_SLOTS, ctypes.byref(handle)))  # fmt: skip
+        # The library's handle, passed to every call; None once closed (the library refuses NULL).
         self._handle: int | None = handle.value
+        self._state = State(Life.OPEN)
         record, one_shot, two_shot = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_uint64()
         try:
-            self._call("create", "graphar_comm_error_record", ctypes.byref(record))
-            self._call("create", "graphar_comm_push_limits", ctypes.byref(one_shot), ctypes.byref(two_shot))
+            self._ok("create", self._lib.graphar_comm_error_record(self._handle, ctypes.byref(record)))
+            self._ok("create", self._lib.graphar_comm_push_limits(self._handle, ctypes.byref(one_shot),
+                                                                  ctypes.byref(two_shot)))  # fmt: skip
         except BaseException:  # nobody else holds the handle yet: free its buffers here
             self.close()
             raise
@@ -82,22 +102,31 @@ class Communicator:
         return self._handle
 
     @property
+    def life(self) -> Life:
+        """Where it is in its life, as the host knows it (a kernel's failure shows at the next `check`)."""
+        return self._state.life
+
+    @property
     def usable(self) -> bool:
         """Open, and no kernel of it timed out (host read, no sync): it can take calls."""
-        return self._handle is not None and self._broken is None and not self._record.failed
+        return self._state.life is Life.OPEN and not self._record.failed
 
     def check(self) -> None:
-        """Raise if a kernel of this communicator timed out (host read, no sync) or it is unusable."""
-        if self._handle is None:
-            raise GrapharCommError(f"graphar communicator of group {self.group_name!r} is closed")
-        if self._broken is None and self._record.failed:
-            self._broken = (
-                f"graphar op on group {self.group_name!r} (rank {self.rank}) failed: {self._failure()}; the "
-                "communicator is unusable from now on"
-            )
-        if self._broken is not None:
-            timed_out = self._record.failed and self._record.cause in (abi.TIMED_OUT, abi.PEER_GAVE_UP)
-            raise (GrapharTimeoutError if timed_out else GrapharCommError)(self._broken)
+        """Raise if it cannot take calls: closed, broken, or a kernel of it gave up (host read, no sync)."""
+        if self._state.life is not Life.OPEN or self._record.failed:
+            raise self._refusal()
+
+    def _refusal(self) -> GrapharCommError:
+        """What every call raises now; a kernel's failure turns an open communicator failed here."""
+        life, reason = self._state
+        if life is Life.CLOSED:  # its error record is gone with it
+            return GrapharCommError(f"graphar communicator of group {self.group_name!r} is closed")
+        if life is Life.OPEN:
+            reason = (f"graphar op on group {self.group_name!r} (rank {self.rank}) failed: {self._failure()}; the "
+                      "communicator is unusable from now on")  # fmt: skip
+            self._state = State(Life.FAILED, reason)
+        timed_out = self._record.failed and self._record.cause in (abi.TIMED_OUT, abi.PEER_GAVE_UP)
+        return (GrapharTimeoutError if timed_out else GrapharCommError)(reason)
 
     def _failure(self) -> str:
         """What the error record says, in words."""
@@ -117,23 +146,23 @@ class Communicator:
 
     def mark_broken(self, reason: str) -> None:
         """From now on every call raises GrapharCommError(reason): the ranks may be out of step."""
-        self._broken = reason
+        if self._state.life is not Life.CLOSED:  # a closed one says it is closed
+            self._state = State(Life.BROKEN, reason)
         self._withdraw()  # the Python kernel raises it
 
     def close(self) -> None:
         """Wait for the device, then release the buffers and the peers' mappings. Idempotent. If a CUDA
         graph captured any of its launches, they stay for the rest of the process instead, marked
         failed: a replay of that graph after close writes NaN rather than touching freed memory."""
-        if self._handle is None:
+        if self._state.life is Life.CLOSED:
             return
         self._withdraw()
-        if _communicators.get(self.group_name) is self:
-            del _communicators[self.group_name]
+        registry.discard(self)
         try:
             with self._graph_lock:
-                self._call("close", "graphar_comm_destroy")
+                self._ok("close", self._lib.graphar_comm_destroy(self._handle))
         finally:  # the library frees everything even when it reports an error
-            self._handle = None
+            self._state, self._handle = State(Life.CLOSED), None
 
     def all_gather(self, obj: Any, what: str) -> list[Any]:
         """Every rank's `obj`, in rank order, over the group's store (collective, bounded wait)."""
@@ -152,11 +181,11 @@ class Communicator:
         if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
             self._raise("all_reduce_add_rms_norm")
 
-    def publish_eager(self, segments: policy.Segments, fused_norm_max: int, pdl: bool) -> None:
+    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
         """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
         on first use; when they cannot be, the Python kernels serve every call). Only the group's
         registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
-        if not (self.usable and _communicators.get(self.group_name) is self) or native_op.library() is None:
+        if not (self.usable and registry.serves(self)) or native_op.library() is None:
             return
         if len(segments) > abi.OP_MAX_ROWS:  # a policy table longer than the C struct holds
             logger.warning("graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
@@ -169,13 +198,13 @@ class Communicator:
         )  # fmt: skip
         try:
             native_op.publish(self.group_name, state)
-        except _cuda.GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
+        except GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
             logger.warning("graphar: group %r's eager all-reduces run the Python kernel: %s", self.group_name, e)
             self._withdraw()
 
     def _withdraw(self) -> None:
         """Every later eager call of the group goes to the Python kernel (which knows why)."""
-        if _communicators.get(self.group_name) is self:
+        if registry.serves(self):
             native_op.publish(self.group_name, None)
 
     def native_calls(self) -> int:
@@ -186,45 +215,47 @@ class Communicator:
         """Before an exchange's first pack: its lease, which its copies carry (csrc graphar_comm_exchange_lease);
         eager, it also orders `stream` after this communicator's previous op."""
         lease = ctypes.c_uint64()
-        self._call("all_to_all", "graphar_comm_exchange_lease", mode, stream, ctypes.byref(lease))
+        self._ok("all_to_all", self._lib.graphar_comm_exchange_lease(self._handle, mode, stream, ctypes.byref(lease)))
         return lease.value
 
     def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
                           dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int, lease: int,
                           stream: int) -> None:  # fmt: skip
         """Copy a stage's chunks into the output (csrc graphar_comm_all_to_all; flags: abi.A2A_*)."""
-        self._call("all_to_all", "graphar_comm_all_to_all", mode, output, src_offset, chunk_bytes, row_bytes,
-                   dst_row_stride, dst_chunk_stride, flags, blocks, lease, stream)  # fmt: skip
+        self._ok("all_to_all", self._lib.graphar_comm_all_to_all(
+            self._handle, mode, output, src_offset, chunk_bytes, row_bytes, dst_row_stride, dst_chunk_stride, flags,
+            blocks, lease, stream))  # fmt: skip
 
     def failed_flag(self) -> int:
         """Device address of this rank's uint32 flag that the group's kernels set when one gives up."""
         flag = ctypes.c_void_p()
-        self._call("all_to_all", "graphar_comm_failed_flag", ctypes.byref(flag))
+        self._ok("all_to_all", self._lib.graphar_comm_failed_flag(self._handle, ctypes.byref(flag)))
         return flag.value
 
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""
         ptr, handle = ctypes.c_uint64(), ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
-        self._call(what, "graphar_comm_exchange_alloc", nbytes, int(keep_old), ctypes.byref(ptr), handle)
+        self._ok(what, self._lib.graphar_comm_exchange_alloc(self._handle, nbytes, int(keep_old), ctypes.byref(ptr),
+                                                             handle))  # fmt: skip
         return ptr.value, handle.raw
 
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]:
         """Collective: map the peers' new exchange buffers; every rank's buffer as this process sees it."""
         ptrs = (ctypes.c_uint64 * self.world_size)()
-        self._call(what, "graphar_comm_exchange_open", nbytes, b"".join(handles), ptrs)
+        self._ok(what, self._lib.graphar_comm_exchange_open(self._handle, nbytes, b"".join(handles), ptrs))
         return list(ptrs)
 
     def pointer_info(self, ptr: int) -> tuple[int, bool]:
         """The start of the allocation holding `ptr`, and whether legacy IPC can share it."""
         base, size, capable = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
-        self._call("all_reduce (capture)", "graphar_pointer_info", ptr, ctypes.byref(base), ctypes.byref(size),
-                   ctypes.byref(capable), handle=False)  # fmt: skip
+        self._ok("all_reduce (capture)", self._lib.graphar_pointer_info(ptr, ctypes.byref(base), ctypes.byref(size),
+                                                                         ctypes.byref(capable)))  # fmt: skip
         return base.value, bool(capable.value)
 
     def ipc_handle(self, base: int) -> bytes:
         """The IPC handle of the allocation starting at `base`."""
         out = ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
-        self._call("graph registration", "graphar_ipc_handle", base, out, handle=False)
+        self._ok("graph registration", self._lib.graphar_ipc_handle(base, out))
         return out.raw
 
     def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
@@ -232,75 +263,54 @@ class Communicator:
         """After a capture: point `slots` (one per call) at every rank's inputs (call-major entries)."""
         n = len(own_ptrs)
         with self._graph_lock:
-            self._call("graph registration", "graphar_comm_register_graph", (ctypes.c_int32 * n)(*slots), n,
-                       handles, (ctypes.c_uint64 * len(offsets))(*offsets), (ctypes.c_uint8 * len(staged))(*staged),
-                       (ctypes.c_uint64 * n)(*own_ptrs))  # fmt: skip
+            self._ok("graph registration", self._lib.graphar_comm_register_graph(
+                self._handle, (ctypes.c_int32 * n)(*slots), n, handles, (ctypes.c_uint64 * len(offsets))(*offsets),
+                (ctypes.c_uint8 * len(staged))(*staged), (ctypes.c_uint64 * n)(*own_ptrs)))  # fmt: skip
 
     def forget_graph_slots(self, slots: Sequence[int]) -> None:
         """The graph reading through `slots` is gone: the peers' allocations only they read are
         closed at the next idle point (no CUDA call here: a finalizer may run during a capture)."""
         with self._graph_lock:
-            if self._handle is not None:  # closed: the library kept or freed everything already
-                self._call("graph release", "graphar_comm_forget_graph_slots",
-                           (ctypes.c_int32 * len(slots))(*slots), len(slots))  # fmt: skip
+            if self._state.life is not Life.CLOSED:  # closed: the library kept or freed everything already
+                self._ok("graph release", self._lib.graphar_comm_forget_graph_slots(
+                    self._handle, (ctypes.c_int32 * len(slots))(*slots), len(slots)))  # fmt: skip
 
     def close_unused_mappings(self) -> None:
         """Close the peers' allocations no live graph reads (waits for the device when there is any)."""
         with self._graph_lock:
-            self._call("graph release", "graphar_comm_close_unused_mappings")
+            self._ok("graph release", self._lib.graphar_comm_close_unused_mappings(self._handle))
 
     def graph_mappings(self) -> tuple[int, int]:
         """Peers' allocations mapped for graph slots: (read by a live graph, unused and not closed yet)."""
         open_, unused = ctypes.c_int(), ctypes.c_int()
-        self._call("graph mappings", "graphar_comm_graph_mappings", ctypes.byref(open_), ctypes.byref(unused))
+        self._ok("graph mappings", self._lib.graphar_comm_graph_mappings(self._handle, ctypes.byref(open_),
+                                                                        ctypes.byref(unused)))  # fmt: skip
         return open_.value, unused.value
 
-    def _call(self, op: str, name: str, *args: Any, handle: bool = True) -> None:
-        """Call `name` of the library (with this communicator's handle first unless handle=False);
-        a failure raises GrapharCudaError naming the op, the group and the rank."""
-        if getattr(self._lib, name)(*((self._handle,) if handle else ()), *args) != 0:
+    def _ok(self, op: str, rc: int) -> None:
+        """A library call's return code: an error raises GrapharCudaError naming the op, the group and the rank."""
+        if rc != 0:
             self._raise(op)
 
     def _raise(self, op: str) -> None:
-        raise _cuda.GrapharCudaError(
+        raise GrapharCudaError(
             f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
         )
 
-    # ---- set-up steps, driven by init() -----------------------------------------------------------
+    # ---- set-up steps, driven by graphar.comm.set_up ------------------------------------------------
 
-    def _ipc_handles(self) -> bytes:
+    def ipc_handles(self) -> bytes:
+        """This rank's IPC handles of its buffers, for its peers to open."""
         out = ctypes.create_string_buffer(2 * _cuda.IPC_HANDLE_BYTES)
-        self._call("IPC handle export", "graphar_comm_handles", out)
+        self._ok("IPC handle export", self._lib.graphar_comm_handles(self._handle, out))
         return out.raw
 
-    def _open_peers(self, handles: Sequence[bytes]) -> None:
-        self._call("IPC open", "graphar_comm_open", b"".join(handles))
+    def open_peers(self, handles: Sequence[bytes]) -> None:
+        """Map every rank's buffers (`handles` in rank order)."""
+        self._ok("IPC open", self._lib.graphar_comm_open(self._handle, b"".join(handles)))
 
-    def _probe(self, phase: int) -> str | None:
+    def probe(self, phase: int) -> str | None:
+        """Phase 0 stores into every peer, phase 1 loads it back: why P2P failed, or None."""
         bad = ctypes.c_int(-1)
-        self._call("P2P probe", "graphar_comm_probe", phase, ctypes.byref(bad))
+        self._ok("P2P probe", self._lib.graphar_comm_probe(self._handle, phase, ctypes.byref(bad)))
         return None if bad.value < 0 else f"P2P store/load with rank {bad.value} did not round-trip"
-
-
-# ---- the registry: one communicator per group ----------------------------------------------------
-
-_communicators: dict[str, Communicator] = {}
-
-
-def communicator(group_name: str) -> Communicator | None:
-    """The communicator of a group, if `init` set one up; a dict lookup."""
-    return _communicators.get(group_name)
-
-
-def shutdown() -> None:
-    """Close every communicator (each waits for its device first). Call it before
-    `dist.destroy_process_group()`: otherwise a destroyed group's communicator holds its buffers until
-    the group that torch next gives its name first collects (graphar.comm.set_up closes it there)."""
-    errors = []
-    for comm in list(_communicators.values()):
-        try:
-            comm.close()
-        except Exception as e:  # noqa: BLE001  (close the rest, then report)
-            errors.append(e)
-    if errors:
-        raise errors[0]

@@ -23,6 +23,8 @@ one-thread kernel), which its last copy gives back, and every pack is graphar's 
 the communicator's failed flag before it stores: an exchange that meets another kernel of the
 communicator writes nothing shared, its result and the other's are NaN, and the next call raises
 (csrc/all_to_all.cuh, exchange_lease). A stage the kernel cannot pack uses NCCL.
+
+The exchange reaches its communicator (graphar.comm.communicator) only through `ExchangeCalls`.
 """
 
 from __future__ import annotations
@@ -31,18 +33,15 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from graphar import _cuda, pool, settings
-from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, CAPTURED_COPY, EAGER
+from graphar import pool, settings
+from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, PATH_CAPTURED_COPY, PATH_EAGER
 from graphar.comm.rendezvous import first_reason
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError
 from graphar.kernels import pack
-
-if TYPE_CHECKING:
-    from graphar.comm.communicator import Communicator
 
 logger = logging.getLogger("graphar")
 
@@ -150,10 +149,29 @@ class _DeviceMemory:
         }  # fmt: skip
 
 
+class ExchangeCalls(Protocol):
+    """What the exchange needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
+
+    group_name: str
+    rank: int
+    device: int
+
+    def check(self) -> None: ...
+    def mark_broken(self, reason: str) -> None: ...
+    def all_gather(self, obj: Any, what: str) -> list[Any]: ...
+    def take_exchange_lease(self, mode: int, stream: int) -> int: ...  # eager: after the previous op
+    def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
+                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int, lease: int,
+                          stream: int) -> None: ...  # fmt: skip
+    def failed_flag(self) -> int: ...  # device address of the flag the group's kernels set when one gives up
+    def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]: ...  # collective
+    def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]: ...  # collective
+
+
 class IpcExchange:
     """The exchange buffers of one communicator (its `exchange`)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: ExchangeCalls) -> None:
         self.comm = comm
         # Push or pull: GRAPHAR_ALLTOALL_ALGO, agreed at set-up. A benchmark or test that flips it must
         # flip it on every rank between the same two calls.
@@ -197,7 +215,7 @@ class IpcExchange:
             self._grow(nbytes)
         if capturing:
             self._captured = True
-        mode = CAPTURED_COPY if capturing else EAGER
+        mode = PATH_CAPTURED_COPY if capturing else PATH_EAGER
         main = torch.cuda.current_stream(self.comm.device)
         lease = self.comm.take_exchange_lease(mode, _stream(self.comm.device))  # eager: after the previous op
         try:
@@ -248,7 +266,7 @@ class IpcExchange:
         ptr, handle, error = 0, b"", None
         try:
             ptr, handle = comm.alloc_exchange(capacity, self._captured, what)
-        except _cuda.GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
+        except GrapharCudaError as e:  # every rank must hear of it, or the others wait for this one
             error = str(e)
         gathered = comm.all_gather((handle, error), what)
         failed = first_reason([e for _, e in gathered])

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from graphar.comm.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE
+from graphar.comm.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE, Segments
 
 EAGER, GRAPH, GRAPHAR_GRAPH = "eager", "graph", "graphar.graph"
 MODES = (EAGER, GRAPH, GRAPHAR_GRAPH)
 KB = 1 << 10
 OPEN = 1 << 62  # the last row's bound: every larger size
 
-Rows = tuple[tuple[int, str], ...]
-Segments = tuple[tuple[int, str | None], ...]  # as Rows; None: no kernel takes those sizes
+Rows = tuple[tuple[int, str], ...]  # as Segments (graphar.comm.abi), a kernel in every row
 
 # Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
 # every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured

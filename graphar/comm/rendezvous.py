@@ -16,8 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from graphar import _cuda
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError
 
 
 class StoreExchange:
@@ -58,6 +57,6 @@ def agree(exchange: StoreExchange, what: str, step: Callable[[], str | None]) ->
     """Run a local step (its result: a reason to give up, or None), then share every rank's result."""
     try:
         local = step()
-    except _cuda.GrapharCudaError as e:
+    except GrapharCudaError as e:
         local = str(e)
     return first_reason(exchange.all_gather(local, what))

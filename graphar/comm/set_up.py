@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
-from graphar.comm import policy
+from graphar.comm import policy, registry
 from graphar.comm.allreduce import block_limit
-from graphar.comm.communicator import Communicator, _communicators
+from graphar.comm.communicator import Communicator
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
-from graphar.errors import GrapharCommError
+from graphar.errors import GrapharCommError, GrapharCudaError, GrapharUnavailable
 from graphar.kernels import pack
 
 logger = logging.getLogger("graphar")
@@ -46,13 +46,13 @@ def _live(group: dist.ProcessGroup | None) -> bool:
     return group is not None and group in dist.distributed_c10d._world.pg_map
 
 
-def _close_destroyed(group_name: str) -> None:
-    """Close the communicator registered under `group_name`, set up for a group torch has destroyed
-    since: torch gives the name to the next group it makes, whose ranks may differ (the C++ kernel
-    stops serving such a name by itself, graphar.native_op)."""
+def _close_destroyed(comm: Communicator) -> None:
+    """Close a registered communicator set up for a group torch has destroyed since: torch gives the
+    name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a name
+    by itself, graphar.native_op)."""
     logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
-                   "(call graphar.shutdown() before destroy_process_group)", group_name)  # fmt: skip
-    _communicators[group_name].close()
+                   "(call graphar.shutdown() before destroy_process_group)", comm.group_name)  # fmt: skip
+    comm.close()
 
 
 def serving(group_name: str, device: torch.device) -> Communicator | None:
@@ -63,13 +63,13 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     `init` requires. A capture cannot exchange IPC handles: a first call inside one keeps NCCL, and
     the next eager call sets up. A communicator whose group torch destroyed is closed first, and the
     group that now has its name sets up anew. Cheap once settled: a few dict lookups."""
-    comm = _communicators.get(group_name)
+    comm = registry.communicator(group_name)
     if _live(_settled.get(group_name)):
         return comm  # settled: its communicator, or None where it has none
     if comm is not None:  # set up for a group torch has destroyed since
         if torch.cuda.is_current_stream_capturing():
             return None  # closing waits for the device, which a capture forbids: the next eager call closes it
-        _close_destroyed(group_name)
+        _close_destroyed(comm)
     if device.type != "cuda":
         return None
     group = dist.distributed_c10d._resolve_process_group(group_name)
@@ -119,16 +119,18 @@ def init(
     logs why, once) when the group cannot use it; raises GrapharCommError on every rank when the
     ranks differ in a setting they must share (`MUST_AGREE`). `max_bytes` (default
     GRAPHAR_MAX_ALLREDUCE_BYTES, 8 MiB) sizes the all-reduce's IPC buffers and bounds eligible calls;
-    `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer.
+    `timeout_s` (default GRAPHAR_TIMEOUT_S, 60; 0 = unbounded) bounds every spin wait on a peer; each
+    is held to its variable's rule (SettingError).
     """
     if not dist.is_initialized():
         raise RuntimeError("graphar.init needs torch.distributed to be initialized")
     group = group if group is not None else dist.group.WORLD
     name = group.group_name
-    if name in _communicators and not _live(_settled.get(name)):
-        _close_destroyed(name)
-    if name in _communicators:
-        comm = _communicators[name]
+    comm = registry.communicator(name)
+    if comm is not None and not _live(_settled.get(name)):
+        _close_destroyed(comm)
+        comm = None
+    if comm is not None:
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
         differ = {k: v for k, v in asked.items() if v is not None and float(v) != float(getattr(comm, k))}
         if differ:  # set up already (by an earlier init or at the group's first collective)
@@ -136,12 +138,9 @@ def init(
                            "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
                            comm.timeout_s, differ)  # fmt: skip
         return comm
-    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else int(max_bytes)
-    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else float(timeout_s)
-    if max_bytes <= 0 or max_bytes % 16 != 0:
-        raise ValueError(f"max_bytes must be a positive multiple of 16, got {max_bytes}")
-    if timeout_s < 0:
-        raise ValueError(f"timeout_s must be >= 0 (0 = unbounded), got {timeout_s}")
+    # Checked by the rules their variables' values meet (graphar.settings).
+    max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else settings.byte_limit(max_bytes, "max_bytes")
+    timeout_s = settings.TIMEOUT_S.get() if timeout_s is None else settings.seconds(timeout_s, "timeout_s")
     _settled[name] = group
     reason = _uniform_reason(group)
     if reason is None and not torch.cuda.is_available():
@@ -152,7 +151,7 @@ def init(
     if comm is None:
         _disabled(name, str(dist.get_backend(group)), reason or "unknown")
         return None
-    _communicators[name] = comm
+    registry.register(comm)
     comm.allreduce.publish()
     return comm
 
@@ -262,7 +261,7 @@ def _local_facts(device: int, launch: dict[str, Any]) -> dict[str, Any]:
     try:
         facts["bus"] = _cuda.pci_bus_id(device)
         facts["launch"] = {**launch, BUILD: _cuda.build_id()}
-    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+    except (GrapharCudaError, GrapharUnavailable) as e:
         facts["error"] = str(e)
     return facts
 
@@ -284,7 +283,7 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
 def _nvlink_reason(buses: Sequence[str], rank: int) -> str | None:
     try:
         missing = [r for r, bus in enumerate(buses) if r != rank and not _cuda.nvlink_between(buses[rank], bus)]
-    except _cuda.GrapharUnavailable as e:
+    except GrapharUnavailable as e:
         return f"cannot confirm NVLink ({e})"
     return f"no NVLink to ranks {missing}" if missing else None
 
@@ -321,15 +320,15 @@ def _set_up(
                             timeout_s=timeout_s, blocks=launch[BLOCKS],
                             forced_algo=launch[settings.ALLREDUCE_ALGO.name], capability_major=capability_major,
                             store=exchange)  # fmt: skip
-        handles = comm._ipc_handles()
-    except (_cuda.GrapharUnavailable, _cuda.GrapharCudaError) as e:
+        handles = comm.ipc_handles()
+    except (GrapharCudaError, GrapharUnavailable) as e:
         local = str(e)
     gathered = exchange.all_gather((handles, local), what)
     reason = first_reason([error for _, error in gathered])
     if reason is None:
-        reason = agree(exchange, what, lambda: comm._open_peers([h for h, _ in gathered]) or comm._probe(0))
+        reason = agree(exchange, what, lambda: comm.open_peers([h for h, _ in gathered]) or comm.probe(0))
     if reason is None:  # every rank has stored into every peer: load it all back
-        reason = agree(exchange, what, lambda: comm._probe(1))
+        reason = agree(exchange, what, lambda: comm.probe(1))
     if reason is not None:
         if comm is not None:
             comm.close()

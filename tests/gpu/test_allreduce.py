@@ -15,7 +15,7 @@ from _dist import (
 
 import graphar
 from graphar import GrapharCommError
-from graphar.comm.communicator import communicator
+from graphar.comm.registry import communicator
 
 pytestmark = pytest.mark.gpu
 

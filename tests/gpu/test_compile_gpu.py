@@ -9,7 +9,7 @@ from _dist import WORLD_SIZES, integer_valued, run_workers
 from torch._dynamo.utils import counters
 
 import graphar
-from graphar.comm.communicator import communicator
+from graphar.comm.registry import communicator
 
 pytestmark = pytest.mark.gpu
 

@@ -28,7 +28,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphar
-from graphar.comm.communicator import communicator
+from graphar.comm.registry import communicator
 
 pytestmark = pytest.mark.gpu
 
