@@ -339,24 +339,3 @@ def reserve(
     if ex is not None:  # one exchange buffer serves every graph; the Q/K/V exchange is the larger
         ex.reserve(pool.nbytes(chunk, dtype))
 
-
-def seq_to_heads_unpacked(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """One tensor's sequence -> heads exchange as Ulysses code writes it (yunchang's all_to_all_4D):
-    permute, `all_to_all_single`, permute. What the pass recognises, and the baseline it replaces."""
-    p = dist.get_world_size(group)
-    b, s, h, d = x.shape
-    send = x.reshape(b, s, p, h // p, d).transpose(0, 2).contiguous()  # [P, S, b, h/P, d]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(p * s, b, h // p, d).transpose(0, 1).contiguous().reshape(b, p * s, h // p, d)
-
-
-def heads_to_seq_unpacked(o: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The output exchange as Ulysses code writes it: `[b, P*S, h, d] -> [b, S, P*h, d]`."""
-    p = dist.get_world_size(group)
-    b, s_global, h, d = o.shape
-    s = s_global // p
-    send = o.reshape(b, p, s, h, d).transpose(0, 3).transpose(0, 1).contiguous()  # [P, h, S, b, d]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.reshape(p * h, s, b, d).transpose(0, 2).contiguous().reshape(b, s, p * h, d)

@@ -14,6 +14,7 @@ from _dist import WORLD_SIZES, assert_equal_across_ranks, run_workers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphar
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.comm import ulysses
 
 pytestmark = pytest.mark.gpu
@@ -104,9 +105,9 @@ class _Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, self.heads, self.d) for t in (x @ self.w).chunk(3, dim=-1))
-        qh, kh, vh = (ulysses.seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
+        qh, kh, vh = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
-        return ulysses.heads_to_seq_unpacked(o.contiguous()).reshape(b, s, -1)
+        return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, -1)
 
 
 def _reduce_overhead(name: str, world_size: int) -> None:

@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 
 import graphar
 from graphar import pool
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.comm import exchange, ulysses
-from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock
 
 pytestmark = pytest.mark.gpu
