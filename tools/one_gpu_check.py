@@ -170,7 +170,7 @@ def check_overlap(comm, rank: int) -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from graphar.comm import ulysses
+    from graphar import ulysses
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
@@ -254,13 +254,15 @@ def check_ulysses(comm, rank: int) -> None:
     eager and replayed from a torch.cuda.graph capture."""
     from unittest import mock
 
+    from graphar import ulysses
     from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
-    from graphar.comm import ulysses
+    from graphar.comm import ulysses_stages
 
     group, world = dist.group.WORLD, world_size()
-    for push, stage_bytes in ((False, ulysses._STAGE_BYTES), (True, ulysses._STAGE_BYTES), (True, 4 * KB)):
+    default = ulysses_stages._STAGE_BYTES
+    for push, stage_bytes in ((False, default), (True, default), (True, 4 * KB)):
         comm.exchange.push = push  # both ranks alike, as the setting would be
-        with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes):
+        with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes):
             for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
                 q, k, v = (integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
                            for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
@@ -288,9 +290,9 @@ def check_pairs(comm, rank: int) -> None:
     have, never given graphar.init: each pair's first all-reduce (or, in a second set of pairs, its
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
     world's calls."""
+    from graphar import ulysses
     from graphar.benchmarks.baselines import seq_to_heads_unpacked
     from graphar.comm import communicator as cm
-    from graphar.comm import ulysses
 
     pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce

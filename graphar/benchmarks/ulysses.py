@@ -5,7 +5,7 @@
 Spawns one process per GPU (run it with plain `python`, not torchrun). For each shape
 `b x s x h x d` (global sequence s, all heads h; bf16) it times, per op, CUDA graphs of back-to-back:
 - input exchange: 3 x (permute + all_to_all_single + permute) as Ulysses code writes it, and
-  `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
+  `graphar.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
   over both transports: NCCL (a group without a graphar communicator) and CUDA IPC (the world
   group, after `graphar.init()`), pulled and pushed (GRAPHAR_ALLTOALL_ALGO);
 - output exchange: the same for heads -> sequence;
@@ -96,7 +96,7 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
                     ) -> str | None:  # fmt: skip
     """"WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
     path's bits. Every exchange runs, whatever an earlier one gave: each is a collective its peers run."""
-    from graphar.comm import ulysses
+    from graphar import ulysses
 
     reference = [seq_to_heads_unpacked(t) for t in qkv]
     out_reference = heads_to_seq_unpacked(out)
@@ -111,7 +111,7 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
 def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings,
               reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
-    from graphar.comm import ulysses
+    from graphar import ulysses
     from graphar.comm.communicator import communicator
     from graphar.kernels import pack
 
@@ -228,7 +228,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
         "3 x all_to_all_single: graphar.benchmarks.baselines.seq_to_heads_unpacked (yunchang's all_to_all_4D "
-        "layout); graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
+        "layout); graphar packed: graphar.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
         "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC): pulled "
         "(each rank reads its chunks from its peers' buffers) or pushed (the pack stores each chunk in its "
         "rank's buffer), as GRAPHAR_ALLTOALL_ALGO picks.",

@@ -14,8 +14,9 @@ from _dist import WORLD_SIZES, assert_equal_across_ranks, run_workers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphar
+from graphar import ulysses
 from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
-from graphar.comm import ulysses
+from graphar.comm.ulysses_shapes import world_size
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,7 @@ _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICI
 def _unchunked(q, k, v, group_name, is_causal=False, scale=None, kernel=None):
     """The exchanges and attention apart; `kernel`: the graph's attention kernel (the efficient one
     takes GQA's K/V heads repeated, as HF's repeat_kv feeds it)."""
-    p = ulysses.world_size(group_name)
+    p = world_size(group_name)
     qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, group_name))
     gqa = k.shape[2] != q.shape[2]
     if gqa and kernel == "efficient":
