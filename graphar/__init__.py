@@ -17,6 +17,9 @@ Public API:
     GrapharTimeoutError    a GrapharCommError: a peer never arrived within GRAPHAR_TIMEOUT_S
     SettingError           a bad option or GRAPHAR_* variable (a ValueError)
 
+Beside it, the module `graphar.ulysses` (imported on its own): seq_to_heads, heads_to_seq,
+split_heads and reserve, for code that calls the Ulysses exchanges by hand.
+
 `import graphar` validates every GRAPHAR_* variable that is set (graphar.settings).
 """
 

@@ -5,9 +5,9 @@ packed exchange directly, and captures that must not grow buffers:
 
     from graphar.ulysses import heads_to_seq, reserve, seq_to_heads
 
-    qh, kh, vh = seq_to_heads(q, k, v, group.group_name)       # [b, S, h, d] -> [b, P*S, h/P, d]
-    o = heads_to_seq(attention(qh, kh, vh), group.group_name)  # [b, P*S, h/P, d] -> [b, S, h, d]
-    reserve([q.shape, k.shape, v.shape], q.dtype, q.device, group.group_name)  # before a capture
+    reserve([q.shape, k.shape, v.shape], q.dtype, q.device, group.group_name)  # before a capture, optional
+    qh, kh, vh = seq_to_heads(q, k, v, group.group_name)         # [b, S, h, d] -> [b, P*S, h/P, d]
+    out = heads_to_seq(attention(qh, kh, vh), group.group_name)  # [b, P*S, h/P, d] -> [b, S, h, d]
 
 Each exchange is one graphar op (`graphar::qkv_all_to_all`, `graphar::heads_to_seq_all_to_all`), so
 they compile and capture like the rewritten models do.
