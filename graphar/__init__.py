@@ -19,6 +19,9 @@ Public API:
     GrapharCudaError       a GrapharCommError: a call into the CUDA library failed
     SettingError           a bad option, argument or GRAPHAR_* variable (a ValueError)
 
+Beside it, the module `graphar.ulysses` (imported on its own): seq_to_heads, heads_to_seq,
+split_heads and reserve, for code that calls the Ulysses exchanges by hand.
+
 `import graphar` validates every GRAPHAR_* variable that is set (graphar.settings).
 """
 

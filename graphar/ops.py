@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from graphar.comm import overlap, ulysses
+from graphar.comm import overlap, ulysses, ulysses_shapes
 from graphar.comm.set_up import serving
 
 c10d = torch.ops._c10d_functional
@@ -93,9 +93,14 @@ def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name
     return ulysses.qkv_exchange((q, k, v), group_name)
 
 
+# The Ulysses ops' fakes: their shapes and checks are the bodies' own (graphar.comm.ulysses_shapes).
+def _qkv_all_to_all_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
+    return q.new_empty(ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name))
+
+
 _define(
     "qkv_all_to_all(Tensor q, Tensor k, Tensor v, str group_name) -> Tensor", qkv_all_to_all,
-    lambda q, k, v, group_name: q.new_empty(ulysses.qkv_shape((q, k, v), group_name)),
+    _qkv_all_to_all_fake,
 )
 
 
@@ -104,9 +109,13 @@ def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
     return ulysses.output_exchange(o, group_name)
 
 
+def _heads_to_seq_all_to_all_fake(o: torch.Tensor, group_name: str) -> torch.Tensor:
+    return o.new_empty(ulysses_shapes.output_shape(o, ulysses_shapes.world_size(group_name), group_name))
+
+
 _define(
     "heads_to_seq_all_to_all(Tensor o, str group_name) -> Tensor", heads_to_seq_all_to_all,
-    lambda o, group_name: o.new_empty(ulysses.output_shape(o, group_name)),
+    _heads_to_seq_all_to_all_fake,
 )
 
 
@@ -115,9 +124,14 @@ def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[to
     return ulysses.packed_exchange(xs, group_name)
 
 
+def _packed_all_to_all_single_fake(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    shapes = ulysses_shapes.packed_shapes(xs, ulysses_shapes.world_size(group_name), group_name)
+    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
+
+
 _define(
     "packed_all_to_all_single(Tensor[] xs, str group_name) -> Tensor[]", packed_all_to_all_single,
-    lambda xs, group_name: [x.new_empty(shape) for x, shape in zip(xs, ulysses.packed_shapes(xs, group_name))],
+    _packed_all_to_all_single_fake,
 )
 
 
@@ -125,7 +139,7 @@ def _ulysses_attention_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
     scale: float | None = None, chunks: int = 2, kernel: str | None = None,
 ) -> torch.Tensor:
-    ulysses.qkv_shape((q, k, v), group_name)  # the same checks as the exchange
+    _qkv_all_to_all_fake(q, k, v, group_name)  # the same checks as the exchange
     return q.new_empty(q.shape)
 
 

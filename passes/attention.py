@@ -200,7 +200,7 @@ def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
     # "auto": the op picks per shape at run time, up to AUTO_MAX_CHUNKS; a match must split that far
     # into two chunks at least.
     most, chunks = (AUTO_MAX_CHUNKS, AUTO_CHUNKS) if auto else (config.attention_chunks, config.attention_chunks)
-    from graphar.comm.ulysses import world_size
+    from graphar.comm.ulysses_shapes import world_size
 
     graph.eliminate_dead_code()  # the Q/K/V rewrite leaves its old relayouts for this: users that are gone
     count = 0

@@ -117,13 +117,16 @@ class GrapharPass(CustomGraphPass):
 
 
 def hashed_files() -> tuple[str, ...]:
-    """The files whose contents key the compiled graph: the passes, and the files that define
-    graphar's ops and their fakes (a fake's sizes and strides shape the graph Inductor compiles)."""
+    """The files whose contents key the compiled graph: the passes and the chunk rule they read
+    (graphar.comm.overlap), and every file that decides an op's output: the ops and their fakes
+    (graphar.ops) and the shapes the fakes give (graphar.comm.ulysses_shapes). A fake's sizes and
+    strides shape the graph Inductor compiles; the ops' bodies do not (tests/test_backend.py finds
+    the files the fakes reach, and edits each)."""
     import graphar.comm.overlap
-    import graphar.comm.ulysses
+    import graphar.comm.ulysses_shapes
     import graphar.ops
 
-    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses.__file__, graphar.comm.overlap.__file__)
+    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, graphar.comm.overlap.__file__)
 
 class _Report:
     """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -14,10 +16,12 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_cache
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar
 from graphar.backend import graphar_backend
+from graphar.comm import ulysses_shapes
 from graphar.config import Config
 from graphar.passes import GrapharPass, manager
 from graphar.errors import SettingError
@@ -87,6 +91,86 @@ def test_uuid_changes_when_a_hashed_file_changes(tmp_path, monkeypatch) -> None:
     assert uuid(copies(None, tmp_path / "same-again")) == before
     for i in range(len(originals)):
         assert uuid(copies(i, tmp_path / f"edit{i}")) != before, originals[i]
+
+
+def _defined(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The imported modules of graphar that one import statement names (`from p import m`: p.m)."""
+    if isinstance(node, ast.Import):
+        found = {alias.name for alias in node.names}
+    else:
+        base = node.module or ""
+        found = {f"{base}.{a.name}" if f"{base}.{a.name}" in sys.modules else base for a in node.names}
+    return {name for name in found if name.split(".")[0] == "graphar" and name in sys.modules}
+
+
+def _files_the_fakes_import() -> set[str]:
+    """graphar/ops.py, home of the fakes, and the modules the fakes name (through the helpers they
+    call in ops.py), with every graphar module those import, transitively. Read from the source, so
+    a branch no test call takes counts too."""
+    tree = ast.parse(Path(graphar.ops.__file__).read_text())
+    helpers = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    todo: list[ast.AST] = [call.args[2] for call in ast.walk(tree)
+                           if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_define"]
+    seen: set[str] = set()
+    modules: list[str] = []
+    while todo:
+        for name in {n.id for n in ast.walk(todo.pop()) if isinstance(n, ast.Name)} - seen:
+            seen.add(name)
+            if name in helpers:
+                todo.append(helpers[name])
+            elif (module := inspect.getmodule(vars(graphar.ops).get(name))) and module.__name__.startswith("graphar."):
+                modules.append(module.__name__)
+    closure = {"graphar.ops"}
+    while modules:
+        name = modules.pop()
+        if name not in closure:
+            closure.add(name)
+            tree = ast.parse(Path(sys.modules[name].__file__).read_text())
+            modules += [m for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for m in _defined(n)]
+    return {str(Path(sys.modules[name].__file__).resolve()) for name in closure}
+
+
+def _files_the_fakes_run() -> set[str]:
+    """The files of graphar and passes whose code runs while every op's fake runs (traced)."""
+    group, ops = dist.group.WORLD.group_name, torch.ops.graphar
+    with FakeTensorMode():
+        qkv = [torch.empty(1, 4, 4, 8), torch.empty(1, 4, 2, 8), torch.empty(1, 4, 2, 8)]
+        x = torch.empty(4, 8)
+        calls = {
+            "all_reduce": lambda: ops.all_reduce(x, group),
+            "qkv_all_to_all": lambda: ops.qkv_all_to_all(*qkv, group),
+            "heads_to_seq_all_to_all": lambda: ops.heads_to_seq_all_to_all(torch.empty(1, 8, 2, 8), group),
+            "packed_all_to_all_single": lambda: ops.packed_all_to_all_single([x, torch.empty(2, 3)], group),
+            "ulysses_attention": lambda: ops.ulysses_attention(*qkv, group, True, None, 2, None),
+            "all_reduce_add_rms_norm": lambda: ops.all_reduce_add_rms_norm(x, x, torch.empty(8), 1e-6, group),
+        }
+        # The library's own record of the ops it defined: a new op needs a call here.
+        assert {f"graphar::{name}" for name in calls} == graphar.ops._lib._op_defs, "give every op a call here"
+        ran: set[str] = set()
+        previous = sys.gettrace()
+        sys.settrace(lambda frame, event, arg: ran.add(frame.f_code.co_filename))  # calls only: no local trace
+        try:
+            for call in calls.values():
+                call()
+        finally:
+            sys.settrace(previous)
+    root = Path(graphar.__file__).resolve().parent.parent
+    ours = {Path(f).resolve() for f in ran if Path(f).is_file()}
+    return {str(f) for f in ours if f.is_relative_to(root / "graphar") or f.is_relative_to(root / "passes")}
+
+
+def test_uuid_changes_when_a_file_that_decides_an_output_shape_changes(fake_world, tmp_path, monkeypatch) -> None:
+    """Every file the fakes import or run is hashed: the cache key changes when any of them is edited."""
+    files = _files_the_fakes_import() | _files_the_fakes_run()
+    assert {str(Path(m.__file__).resolve()) for m in (graphar.ops, ulysses_shapes)} <= files  # found what it must
+    hashed = manager.hashed_files
+    before = GrapharPass(Config()).uuid()
+    for i, path in enumerate(sorted(files)):
+        edited = tmp_path / f"{i}.py"
+        edited.write_text(Path(path).read_text() + "# edited\n")
+        monkeypatch.setattr(manager, "hashed_files",
+                            lambda: tuple(str(edited) if str(Path(f).resolve()) == path else f for f in hashed()))
+        assert GrapharPass(Config()).uuid() != before, f"{path} decides an op's output shape and is not hashed"
 
 
 def test_uuid_follows_previous_pass() -> None:

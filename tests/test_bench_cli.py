@@ -340,9 +340,9 @@ def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> Non
             with pytest.raises(RuntimeError, match="not into 3"):  # a count the plan does not keep is refused
                 emu.prepare(3)
                 emu.call(3, chunking.NONE)
-    from graphar.comm import ulysses
+    from graphar.comm import ulysses_shapes
 
-    assert getattr(ulysses.world_size, "__self__", None) is None  # the patches end with the block
+    assert getattr(ulysses_shapes.world_size, "__self__", None) is None  # the patches end with the block
 
 
 _PACK_CHECK = """

@@ -16,6 +16,8 @@ from unittest import mock
 import pytest
 import torch
 
+from graphar.comm.ulysses_shapes import packed_heads
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -55,7 +57,7 @@ class PackKernelTest(unittest.TestCase):
 
     def check_pack_heads(self, xs: list[torch.Tensor], p: int) -> None:
         b, s, _, d = xs[0].shape
-        out = _poisoned(p, b, s, self.pack.packed_heads([x.shape[2] for x in xs], p), d, dtype=xs[0].dtype)
+        out = _poisoned(p, b, s, packed_heads([x.shape[2] for x in xs], p), d, dtype=xs[0].dtype)
         self.assertTrue(self.pack.pack_heads(xs, p, out), "the Triton kernel must do the copy")
         self.assertTrue(torch.equal(out, _heads_reference(xs, p)))
 
@@ -147,7 +149,7 @@ class PackKernelTest(unittest.TestCase):
             for p, rank in ((2, 1), (4, 2)):
                 with self.subTest(dtype=dtype, p=p, rank=rank):
                     xs = [_randn(2, 5, 2 * p, 16, dtype=dtype), *(_randn(2, 5, p, 16, dtype=dtype) for _ in range(2))]
-                    heads = self.pack.packed_heads([x.shape[2] for x in xs], p)
+                    heads = packed_heads([x.shape[2] for x in xs], p)
                     buffers = [_poisoned(p, 2, 5, heads, 16, dtype=dtype) for _ in range(p)]
                     own = buffers[rank]
                     shifts = tuple((b.data_ptr() - own.data_ptr()) // dtype.itemsize for b in buffers)

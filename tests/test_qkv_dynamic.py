@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar.comm.ulysses import heads_to_seq_unpacked
+from graphar.benchmarks.baselines import heads_to_seq_unpacked
 from tests._graphs import all_post_grad_graphs
 from tests.test_qkv_pass import (
     ONLY_QKV, WORLD, FakeWorldTestCase, _qkv, normalise, three_exchanges, ulysses_dim1, ulysses_dim2,

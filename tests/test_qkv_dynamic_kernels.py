@@ -17,6 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from graphar.comm.ulysses_shapes import packed_heads  # noqa: E402
 from graphar.kernels import pack  # noqa: E402
 
 P = 2
@@ -42,7 +43,7 @@ def _binder():
 def _layouts(b: int, s: int, d: int) -> dict[str, list[pack.Pair]]:
     """(dst, src) pairs of each layout for batch b, local sequence s and head dim d (as the ops make them)."""
     xs = [torch.empty(b, s, h, d) for h in (HEADS, KV_HEADS, KV_HEADS)]
-    packed = torch.empty(P, b, s, pack.packed_heads([x.shape[2] for x in xs], P), d)
+    packed = torch.empty(P, b, s, packed_heads([x.shape[2] for x in xs], P), d)
     pairs, offset = [], 0
     for x in xs:
         h = x.shape[2] // P

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
 from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 from tests._ulysses import seq_to_heads_dim1

@@ -27,7 +27,9 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from graphar.comm import exchange, ulysses
+from graphar import ulysses
+from graphar.comm import exchange, ulysses_shapes, ulysses_stages
+from graphar.comm import ulysses as bodies
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -126,10 +128,10 @@ class EmulatedWorld:
 
         fake = _FakeIpc(ipc, world, push=self.transport == "push")
         self.fake = fake
-        patches = (mock.patch.object(ulysses, "world_size", lambda name: world),
+        patches = (mock.patch.object(ulysses_shapes, "world_size", lambda name: world),
                    mock.patch.object(torch, "empty", _poisoned_empty),
-                   mock.patch.object(ulysses, "_all_to_all", all_to_all_single),
-                   mock.patch.object(ulysses, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake))
+                   mock.patch.object(bodies, "_all_to_all", all_to_all_single),
+                   mock.patch.object(bodies, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake))
         results = []
         with contextlib.ExitStack() as stack:
             for patch in patches:
@@ -168,7 +170,7 @@ def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: t
 def _exchange(x: torch.Tensor) -> torch.Tensor:
     """One emulated all_to_all_single through the same hook graphar uses."""
     recv = torch.empty_like(x)
-    ulysses._all_to_all(recv, x, "emulated", "reference")
+    bodies._all_to_all(recv, x, "emulated", "reference")
     return recv
 
 
@@ -277,7 +279,7 @@ class HeadsToSeqTest(TestCase):
                 inputs = [full[:, :, j * h_local:(j + 1) * h_local].contiguous() for j in range(world)]
                 bigs = [torch.full((b, s_local, 3 * heads, d), float("nan"), dtype=full.dtype) for _ in range(world)]
                 emulated = EmulatedWorld(world, self.transport)
-                emulated.run(lambda r: ulysses.output_exchange(inputs[r], "g", out=bigs[r][:, :, heads:2 * heads]))
+                emulated.run(lambda r: bodies.output_exchange(inputs[r], "g", out=bigs[r][:, :, heads:2 * heads]))
                 for r in range(world):
                     got = bigs[r][:, :, heads:2 * heads]
                     self.assertTrue(torch.equal(got, full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
@@ -373,7 +375,7 @@ class _Staged:
 
     def setUp(self) -> None:
         super().setUp()
-        patch = mock.patch.object(ulysses, "_STAGE_BYTES", 256)
+        patch = mock.patch.object(ulysses_stages, "_STAGE_BYTES", 256)
         patch.start()
         self.addCleanup(patch.stop)
 
@@ -411,10 +413,10 @@ class PullBlocksTest(TestCase):
 
 class SlicesTest(TestCase):
     def test_slices_cover_the_sequence(self) -> None:
-        self.assertEqual(ulysses._slices(10, 1 << 20), [(0, 10)])
-        self.assertEqual(ulysses._slices(10, 3 * ulysses._STAGE_BYTES), [(0, 3), (3, 6), (6, 10)])
-        self.assertEqual(len(ulysses._slices(1000, 1 << 40)), ulysses._MAX_STAGES)
-        self.assertEqual(ulysses._slices(2, 1 << 40), [(0, 1), (1, 2)])
+        self.assertEqual(ulysses_stages._slices(10, 1 << 20), [(0, 10)])
+        self.assertEqual(ulysses_stages._slices(10, 3 * ulysses_stages._STAGE_BYTES), [(0, 3), (3, 6), (6, 10)])
+        self.assertEqual(len(ulysses_stages._slices(1000, 1 << 40)), ulysses_stages._MAX_STAGES)
+        self.assertEqual(ulysses_stages._slices(2, 1 << 40), [(0, 1), (1, 2)])
 
 
 class PlacementTest(TestCase):
@@ -427,7 +429,7 @@ class PlacementTest(TestCase):
 
 class ValidationTest(TestCase):
     def test_clear_errors(self) -> None:
-        with mock.patch.object(ulysses, "world_size", lambda name: 4):
+        with mock.patch.object(ulysses_shapes, "world_size", lambda name: 4):
             q = torch.randn(1, 4, 6, 8)
             with self.assertRaisesRegex(ValueError, "6 heads do not split over 4 ranks"):
                 torch.ops.graphar.qkv_all_to_all(q, q, q, "g")
@@ -442,7 +444,7 @@ class ValidationTest(TestCase):
     def test_fake_shapes(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with mock.patch.object(ulysses, "world_size", lambda name: 2), FakeTensorMode():
+        with mock.patch.object(ulysses_shapes, "world_size", lambda name: 2), FakeTensorMode():
             q, kv = torch.empty(2, 8, 8, 16), torch.empty(2, 8, 4, 16)
             self.assertEqual(torch.ops.graphar.qkv_all_to_all(q, kv, kv, "g").shape, (2, 16, 8, 16))
             self.assertEqual(torch.ops.graphar.heads_to_seq_all_to_all(q, "g").shape, (2, 4, 16, 16))

@@ -170,7 +170,7 @@ def check_overlap(comm, rank: int) -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from graphar.comm import ulysses
+    from graphar import ulysses
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
@@ -254,16 +254,19 @@ def check_ulysses(comm, rank: int) -> None:
     eager and replayed from a torch.cuda.graph capture."""
     from unittest import mock
 
-    from graphar.comm import ulysses
+    from graphar import ulysses
+    from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.comm import ulysses_stages
 
     group, world = dist.group.WORLD, world_size()
-    for push, stage_bytes in ((False, ulysses._STAGE_BYTES), (True, ulysses._STAGE_BYTES), (True, 4 * KB)):
+    default = ulysses_stages._STAGE_BYTES
+    for push, stage_bytes in ((False, default), (True, default), (True, 4 * KB)):
         comm.exchange.push = push  # both ranks alike, as the setting would be
-        with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes):
+        with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes):
             for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
                 q, k, v = (integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
                            for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
-                want = [ulysses.seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
+                want = [seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
                 got = ulysses.seq_to_heads(q, k, v, group.group_name)
                 what = f"push={push} stage={stage_bytes} b={b} s={s}"
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), f"qkv exchange {what}"
@@ -277,7 +280,7 @@ def check_ulysses(comm, rank: int) -> None:
                 shape = (b, world * s, h // world, d)
                 o = integers(math.prod(shape), torch.bfloat16, seed=rank).view(shape)
                 got = ulysses.heads_to_seq(o, group.group_name)
-                assert torch.equal(got, ulysses.heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
+                assert torch.equal(got, heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
     comm.exchange.push = False
     assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
 
@@ -287,7 +290,9 @@ def check_pairs(comm, rank: int) -> None:
     have, never given graphar.init: each pair's first all-reduce (or, in a second set of pairs, its
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
     world's calls."""
-    from graphar.comm import registry, ulysses
+    from graphar import ulysses
+    from graphar.benchmarks.baselines import seq_to_heads_unpacked
+    from graphar.comm import registry
 
     pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce
@@ -303,7 +308,7 @@ def check_pairs(comm, rank: int) -> None:
         assert registry.communicator(pair.group_name) is not None, "the pair's first all-reduce did not set it up"
         q, k, v = (integers(64 * 4 * 32, torch.bfloat16, seed=rank + i).view(1, 64, 4, 32) for i in range(3))
         got = ulysses.seq_to_heads(q, k, v, other.group_name)
-        want = [ulysses.seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
+        want = [seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
         assert all(map(torch.equal, got, want)), "the pair's first Q/K/V exchange"
         assert registry.communicator(other.group_name).exchange.capacity > 0, "that exchange did not go over IPC"
     finally:

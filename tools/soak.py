@@ -76,7 +76,8 @@ import graphar
 from graphar import _cuda, settings
 from graphar._launch import end_worker, free_port
 from graphar.benchmarks import common
-from graphar.comm import policy, ulysses
+from graphar.benchmarks.baselines import seq_to_heads_unpacked
+from graphar.comm import policy, ulysses_stages
 from graphar.comm.communicator import Communicator
 
 try:
@@ -307,7 +308,7 @@ def exchange_bytes(world: int) -> int:
 
 
 def stage_bytes(world: int) -> int:
-    """graphar.comm.ulysses._STAGE_BYTES that cuts one exchange into STAGES stages (8, its most)."""
+    """graphar.comm.ulysses_stages._STAGE_BYTES that cuts one exchange into STAGES stages (8, its most)."""
     return exchange_bytes(world) // STAGES
 
 
@@ -472,14 +473,14 @@ class _Exchanges:
         self.bits = torch.empty_like(self.base)  # the inputs, rewritten each call
         sizes = [b * seq * h * d for h in heads]
         self.qkv = [t.view(DTYPE).view(b, seq, h, d) for t, h in zip(self.bits.split(sizes), heads)]
-        refs = [ulysses.seq_to_heads_unpacked(t.view(DTYPE).view(b, seq, h, d).to(reference_device())).cuda()
+        refs = [seq_to_heads_unpacked(t.view(DTYPE).view(b, seq, h, d).to(reference_device())).cuda()
                 for t, h in zip(self.base.split(sizes), heads)]  # fmt: skip
         self.expected_base = torch.cat(refs, dim=2).view(torch.int16)  # packed: Q's heads, then K's, then V's
         self.expected = torch.empty_like(self.expected_base)
         self.counts = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.calls = 0
-        if len(ulysses._slices(seq, exchange_bytes(WORLD))) != STAGES:
-            raise RuntimeError(f"the exchanges do not run in {STAGES} stages: has ulysses._slices changed?")
+        if len(ulysses_stages._slices(seq, exchange_bytes(WORLD))) != STAGES:
+            raise RuntimeError(f"the exchanges do not run in {STAGES} stages: has ulysses_stages._slices changed?")
         self._call()  # grows the exchange buffers (collective)
         if comm.exchange.capacity == 0:
             raise RuntimeError("the exchanges did not take the IPC transport")
@@ -545,7 +546,7 @@ def run_replay(case: Case, s: Sizing, rank: int) -> Result:
 
 def run_exchange(case: Case, s: Sizing, rank: int) -> Result:
     os.environ[settings.ALLTOALL_ALGO.name] = case.kernel  # read as the communicator is made; equal on every rank
-    with mock.patch.object(ulysses, "_STAGE_BYTES", stage_bytes(WORLD)):
+    with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes(WORLD)):
         return _clean_case(case, lambda comm: _Exchanges(comm, s, rank), MB)
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphar.benchmarks import common, plot, ranks
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.benchmarks.ulysses import parse_shape
 
 DTYPE = torch.bfloat16
@@ -108,8 +109,6 @@ class Block(nn.Module):
         return x * self.cos + rotated * self.sin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
-
         b, s, _ = x.shape
         h, d = self.shape
         q, k, v = (t.view(b, s, h, d) for t in (x @ self.qkv).chunk(3, dim=-1))

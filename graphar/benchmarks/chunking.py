@@ -139,7 +139,7 @@ class Emulated:
         return overlap.ulysses_attention(self.q_in, self.kv_in, self.kv_in, GROUP, self.shape.causal, None, n,
                                          self.backend)  # fmt: skip
 
-    # The op's calls into graphar.comm.ulysses, replaced while `patched()` holds.
+    # The op's calls into graphar.comm.ulysses and ulysses_shapes, replaced while `patched()` holds.
 
     def world_size(self, group_name: str) -> int:
         return self.p
@@ -164,11 +164,12 @@ class Emulated:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        from graphar.comm import ulysses
+        from graphar.comm import ulysses, ulysses_shapes
 
         with contextlib.ExitStack() as stack:
-            for name in ("world_size", "qkv_exchange", "output_exchange"):
-                stack.enter_context(common.overriding(ulysses, name, getattr(self, name)))
+            patches = ((ulysses_shapes, "world_size"), (ulysses, "qkv_exchange"), (ulysses, "output_exchange"))
+            for module, name in patches:
+                stack.enter_context(common.overriding(module, name, getattr(self, name)))
             yield
 
     def attended(self, n: int) -> torch.Tensor:

@@ -5,7 +5,7 @@
 Spawns one process per GPU (run it with plain `python`, not torchrun). For each shape
 `b x s x h x d` (global sequence s, all heads h; bf16) it times, per op, CUDA graphs of back-to-back:
 - input exchange: 3 x (permute + all_to_all_single + permute) as Ulysses code writes it, and
-  `graphar.comm.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
+  `graphar.ulysses.seq_to_heads` (one packed exchange, the op the pass rewrites triplets into)
   over both transports: NCCL (a group without a graphar communicator) and CUDA IPC (the world
   group, after `graphar.init()`), pulled and pushed (GRAPHAR_ALLTOALL_ALGO);
 - output exchange: the same for heads -> sequence;
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from graphar.benchmarks import common, plot, ranks
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 # The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128),
@@ -95,10 +96,10 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
                     ) -> str | None:  # fmt: skip
     """"WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
     path's bits. Every exchange runs, whatever an earlier one gave: each is a collective its peers run."""
-    from graphar.comm import ulysses
+    from graphar import ulysses
 
-    reference = [ulysses.seq_to_heads_unpacked(t) for t in qkv]
-    out_reference = ulysses.heads_to_seq_unpacked(out)
+    reference = [seq_to_heads_unpacked(t) for t in qkv]
+    out_reference = heads_to_seq_unpacked(out)
     right = []
     for group, push in groups:
         with common.overriding(ex, "push", push):  # every rank alike, as GRAPHAR_ALLTOALL_ALGO would set it
@@ -110,7 +111,7 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
 def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings,
               reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
-    from graphar.comm import ulysses
+    from graphar import ulysses
     from graphar.comm.registry import communicator
     from graphar.kernels import pack
 
@@ -145,11 +146,11 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
         return lambda i: ulysses.heads_to_seq(outs[i % sets], group)
 
     cells: dict[str, common.Cell] = {
-        UNPACKED: timed(UNPACKED, lambda i: [ulysses.seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes),
+        UNPACKED: timed(UNPACKED, lambda i: [seq_to_heads_unpacked(t) for t in qkv[i % sets]], nbytes),
         PACKED: timed(PACKED, qkv_step(nccl_group), nbytes),
         PACKED_IPC: ipc(PACKED_IPC, False, qkv_step(ipc_group), nbytes),
         PACKED_PUSH: ipc(PACKED_PUSH, True, qkv_step(ipc_group), nbytes),
-        OUT_UNPACKED: timed(OUT_UNPACKED, lambda i: ulysses.heads_to_seq_unpacked(outs[i % sets]), nbytes // 3),
+        OUT_UNPACKED: timed(OUT_UNPACKED, lambda i: heads_to_seq_unpacked(outs[i % sets]), nbytes // 3),
         OUT_GRAPHAR: timed(OUT_GRAPHAR, out_step(nccl_group), nbytes // 3),
         OUT_IPC: ipc(OUT_IPC, False, out_step(ipc_group), nbytes // 3),
         OUT_PUSH: ipc(OUT_PUSH, True, out_step(ipc_group), nbytes // 3),
@@ -226,8 +227,8 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"bf16; CUDA graphs of up to {s.max_ops} back-to-back ops (fewer for large shapes, "
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
-        "3 x all_to_all_single: graphar.comm.ulysses.seq_to_heads_unpacked (yunchang's all_to_all_4D layout); "
-        "graphar packed: graphar.comm.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
+        "3 x all_to_all_single: graphar.benchmarks.baselines.seq_to_heads_unpacked (yunchang's all_to_all_4D "
+        "layout); graphar packed: graphar.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
         "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC): pulled "
         "(each rank reads its chunks from its peers' buffers) or pushed (the pack stores each chunk in its "
         "rank's buffer), as GRAPHAR_ALLTOALL_ALGO picks.",

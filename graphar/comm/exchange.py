@@ -210,7 +210,7 @@ class IpcExchange:
         if nbytes > self.capacity:
             if capturing:
                 self._tell_once("capacity", f"{nbytes} bytes per rank were captured with exchange buffers of "
-                                f"{self.capacity}: run it once before capturing, or graphar.comm.ulysses.reserve(...)")
+                                f"{self.capacity}: run it once before capturing, or graphar.ulysses.reserve(...)")
                 return False
             self._grow(nbytes)
         if capturing:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from graphar.comm import ulysses
+from graphar.comm import ulysses, ulysses_shapes
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -97,7 +97,7 @@ def ulysses_attention(
     at most this many chunks of heads (AUTO_CHUNKS: as many as the measured rule picks; see
     `planned_chunks`). `kernel` ("flash", "efficient", "cudnn", "math"): the SDPA backend to attend
     with where it takes the chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
-    p = ulysses.world_size(group_name)
+    p = ulysses_shapes.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
     n = planned_chunks(q.shape[0], hq, hk, q.shape[1] * p, p, chunks, kernel, is_causal, q.is_cuda)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
@@ -113,7 +113,7 @@ def ulysses_attention(
                 arrived.append(mark())
         for c in range(n):
             arrived[c].wait()
-            qh, kh, vh = (x.transpose(1, 2) for x in ulysses.split_heads(inputs[c], counts))
+            qh, kh, vh = (x.transpose(1, 2) for x in ulysses_shapes.split_heads(inputs[c], counts))
             outputs.append(_attention(qh, kh, vh, is_causal, scale, kernel, backends))
             attended = mark()
             with side():

@@ -37,7 +37,7 @@ except ImportError:  # graphar works without Triton; the copies then run through
 _TILE_ELEMENTS = 4096
 _INT32_MAX = 2**31 - 1
 # The kernel's dtypes; others move through torch (same bits, slower). int32: the packed exchange's
-# 16-byte words (graphar.comm.ulysses).
+# 16-byte words (graphar.comm.ulysses_stages).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 
 _MAX_PEERS = 8  # the chunk shifts the kernel takes
@@ -249,11 +249,6 @@ def _launch(pairs: Sequence[Pair],
     constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
                      FENCE=bool(shifts) and not _interpreting(), GUARDED=guard is not None)  # fmt: skip
     return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), guard, rows, s], constants
-
-
-def packed_heads(head_counts: Sequence[int], world_size: int) -> int:
-    """Heads per row of the packed buffer: the sum of each tensor's heads over the world size."""
-    return sum(h // world_size for h in head_counts)
 
 
 def _heads(out: Dst, start: int, stop: int) -> Dst:

@@ -14,7 +14,9 @@ from _dist import WORLD_SIZES, assert_equal_across_ranks, run_workers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphar
-from graphar.comm import ulysses
+from graphar import ulysses
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.comm.ulysses_shapes import world_size
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +27,7 @@ _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICI
 def _unchunked(q, k, v, group_name, is_causal=False, scale=None, kernel=None):
     """The exchanges and attention apart; `kernel`: the graph's attention kernel (the efficient one
     takes GQA's K/V heads repeated, as HF's repeat_kv feeds it)."""
-    p = ulysses.world_size(group_name)
+    p = world_size(group_name)
     qh, kh, vh = (x.transpose(1, 2) for x in ulysses.seq_to_heads(q, k, v, group_name))
     gqa = k.shape[2] != q.shape[2]
     if gqa and kernel == "efficient":
@@ -104,9 +106,9 @@ class _Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, self.heads, self.d) for t in (x @ self.w).chunk(3, dim=-1))
-        qh, kh, vh = (ulysses.seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
+        qh, kh, vh = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
-        return ulysses.heads_to_seq_unpacked(o.contiguous()).reshape(b, s, -1)
+        return heads_to_seq_unpacked(o.contiguous()).reshape(b, s, -1)
 
 
 def _reduce_overhead(name: str, world_size: int) -> None:

@@ -20,9 +20,10 @@ from _dist import WORLD_SIZES, assert_timed_out_for_good, integer_valued, run_wo
 from torch._dynamo.utils import counters
 
 import graphar
-from graphar import pool
-from graphar.comm import exchange, ulysses
-from graphar.comm.ulysses import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar import pool, ulysses
+from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.comm import exchange
+from graphar.comm.ulysses_shapes import packed_heads
 from tests._ulysses import UlyssesBlock
 
 pytestmark = pytest.mark.gpu
@@ -375,21 +376,21 @@ def test_pack_kernel_64bit_offsets_and_no_recompile_per_sequence_length() -> Non
         pytest.skip("needs a CUDA GPU and Triton")
     p, heads, d = 2, 16, 128
     xs = [torch.randn(1, 8, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    out = torch.empty(p, 1, 8, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(p, 1, 8, packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
     assert pack.pack_heads(xs, p, out)
     variants = _compiled_variants(pack._relayout_kernel)
     for s in (5, 6, 100, 1001):
         xs = [torch.randn(1, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        out = torch.empty(p, 1, s, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(p, 1, s, packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
         assert pack.pack_heads(xs, p, out)
         reference = torch.cat([x.view(1, s, p, heads // p, d).permute(2, 0, 1, 3, 4) for x in xs], dim=3)
         assert torch.equal(out, reference), f"s={s}"
     if variants is not None:
         assert _compiled_variants(pack._relayout_kernel) == variants, "a new sequence length recompiled"
     # 2**31 elements and more in the packed buffer: offsets need 64 bits.
-    s = (2**31) // (p * pack.packed_heads([heads] * 3, p) * d) + 1
+    s = (2**31) // (p * packed_heads([heads] * 3, p) * d) + 1
     xs = [torch.randn(1, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    out = torch.empty(p, 1, s, pack.packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(p, 1, s, packed_heads([heads] * 3, p), d, device="cuda", dtype=torch.bfloat16)
     out.fill_(float("nan"))
     assert pack.pack_heads(xs, p, out)
     for c, x in enumerate(xs):
