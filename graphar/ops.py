@@ -139,7 +139,7 @@ def _ulysses_attention_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
     scale: float | None = None, chunks: int = 2, kernel: str | None = None,
 ) -> torch.Tensor:
-    _qkv_all_to_all_fake(q, k, v, group_name)  # the same checks as the exchange
+    ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name)  # the exchange's checks
     return q.new_empty(q.shape)
 
 
