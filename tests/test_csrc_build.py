@@ -211,6 +211,15 @@ def test_nvcc_command_targets(monkeypatch) -> None:
         _cuda.cuda_archs()
 
 
+def test_csrc_headers_hold_no_entry_points() -> None:
+    """The C ABI's definitions live in .cu files by concern; the headers hold declarations, templates and
+    device code, and name no namespace for their includers."""
+    for header in _cuda.source_dir().glob("*.cuh"):
+        text = re.sub(r"//[^\n]*", "", header.read_text())
+        assert 'extern "C"' not in text and not re.search(r"^using namespace", text, re.M), header.name
+        assert not re.search(r"^namespace \{", text, re.M), header.name  # nothing per translation unit
+
+
 def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(_cuda, "find_nvcc", lambda: None)
     with pytest.raises(_cuda.GrapharUnavailable, match="nvcc"):
