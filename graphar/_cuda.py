@@ -135,7 +135,8 @@ def nvcc_flags(archs: list[str]) -> list[str]:
     if portable:
         newest = max(portable, key=int)
         gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
-    return ["-O3", "-Xcompiler", "-fPIC", "-std=c++17", *gencode]
+    # Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
+    return ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17", *gencode]
 
 
 def compile_commands(nvcc: str, src: Path, objects: Path, archs: list[str]) -> dict[Path, list[str]]:

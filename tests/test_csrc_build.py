@@ -182,6 +182,10 @@ def test_c_abi_exports_and_returns_errors(build) -> None:
     for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     assert lib.graphar_build_id().decode() == _cuda.source_hash(_cuda.source_dir())
+    # the C ABI and nothing of graphar's C++ (the helpers its .cu files share are hidden)
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], capture_output=True, text=True).stdout
+    assert set(re.findall(r"\b(graphar_\w+)\b", exported)) == set(_cuda.PROTOTYPES)
+    assert "graphar" not in re.sub(r"\bgraphar_\w+\b", "", exported)
     handle = ctypes.c_void_p()
     assert lib.graphar_comm_create(0, 3, MB, 36, 0, 16, ctypes.byref(handle)) == -1
     assert b"world size 3" in lib.graphar_last_error() and handle.value is None
@@ -203,7 +207,7 @@ def test_nvcc_command_targets(monkeypatch) -> None:
         assert "-gencode=arch=compute_90a,code=sm_90a" in command
         assert "-gencode=arch=compute_80,code=sm_80" in command
         assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
-        assert {"-c", "-O3", "-std=c++17", "-fPIC"} <= set(command)
+        assert {"-c", "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"} <= set(command)
         assert f"-DGRAPHAR_BUILD_ID={_cuda.source_hash(src)}" in command
     assert "-shared" in _cuda.link_command("nvcc", list(commands), Path("out.so"))
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "sm_90")
