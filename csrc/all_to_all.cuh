@@ -5,6 +5,7 @@
 //   reads chunk `rank` of every peer's buffer over the link into its output;
 // - push: every rank packs chunk j straight into rank j's exchange buffer, at its own slot (the
 //   link crossed by stores, which need no round trip), then copies its buffer into its output.
+// exchange.cu alone includes it: exchange_lease, no template, is defined here for that one file.
 #pragma once
 
 #include "barrier.cuh"

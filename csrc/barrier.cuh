@@ -123,8 +123,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Marks the group failed for this rank's later kernels, then tells the host where and why.
-__device__ __noinline__ void record_failure(Signal* self, ErrorRecord* e, Where where, int peer, Cause cause) {
+// Marks the group failed for this rank's later kernels, then tells the host where and why. `inline`:
+// each .cu file that includes this header defines it (nvcc keeps a host stub of it in each).
+inline __device__ __noinline__ void record_failure(Signal* self, ErrorRecord* e, Where where, int peer, Cause cause) {
   st_flag<false>(&self->failed, 1);
   if (e->failed) return;
   e->where = where;

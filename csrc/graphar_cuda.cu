@@ -1,19 +1,41 @@
-// The C ABI of graphar_cuda.h, and the one translation unit graphar/_cuda.py compiles: it includes
-// the communicator's lifecycle (comm.cuh), its graph slots (graph_slots.cuh) and the launches
-// (launch.cuh), and holds the entry points
-// that need no communicator (errors, build id, pointer and IPC queries).
+// The library's own entry points, that need no communicator: the per-thread error message (fail()
+// and cuda_fail() leave it, graphar_last_error reads it), the build id, the PCI bus id, pointer and
+// IPC queries, and the edges of a CUDA graph.
 #include <cuda.h>  // driver types only: the driver entry point is resolved at run time, no -lcuda
 #include <cuda_runtime.h>
 
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#include "comm.cuh"
-#include "graph_slots.cuh"
 #include "graphar_cuda.h"
 #include "host.cuh"
-#include "launch.cuh"
+
+using namespace graphar;
+
+namespace graphar {
+
+thread_local std::string t_last_error;
+
+int fail(int code, const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  t_last_error = buf;
+  return code;
+}
+
+int cuda_fail(cudaError_t e, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so that it does not surface in a later check
+  return fail(e, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+}  // namespace graphar
 
 // -DGRAPHAR_BUILD_ID=<hash of the sources>, set by graphar/_cuda.py
 #define GRAPHAR_STRINGIFY_(x) #x

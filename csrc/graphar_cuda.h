@@ -11,6 +11,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+// The library is built with hidden visibility (graphar/_cuda.py): it exports what this header declares.
+#pragma GCC visibility push(default)
 
 #define GRAPHAR_EINVAL (-1)
 // Not an error: a GRAPHAR_EAGER_ONLY all-reduce found its stream capturing and launched nothing.
@@ -154,6 +156,7 @@ int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
 // and keeps its buffers and mappings for the rest of the process: a later replay writes NaN.
 int graphar_comm_destroy(void* comm);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -1,36 +1,26 @@
-// Host-side plumbing of the C ABI's entry points: the per-thread error message behind
-// graphar_last_error, CUDA_TRY, and the guard that runs an entry point on its communicator's device.
+// The host side every entry point shares (defined in graphar_cuda.cu): the per-thread error message
+// behind graphar_last_error, fail() and CUDA_TRY that leave it, and the guard that runs an entry
+// point on its communicator's device.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <cstdarg>
-#include <cstdio>
 #include <string>
 
-namespace {
+namespace graphar {
 
-thread_local std::string t_last_error;
+// The calling thread's last error message: what graphar_last_error returns.
+extern thread_local std::string t_last_error;
 
-int fail(int code, const char* fmt, ...) {
-  char buf[512];
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, args);
-  va_end(args);
-  t_last_error = buf;
-  return code;
-}
+// Leaves the printf-formatted message for graphar_last_error and returns code.
+int fail(int code, const char* fmt, ...);
+// fail() with the CUDA error e of the call `what`; clears a non-sticky error first.
+int cuda_fail(cudaError_t e, const char* what);
 
-int cuda_fail(cudaError_t e, const char* what) {
-  cudaGetLastError();  // clear a non-sticky error so that it does not surface in a later check
-  return fail(e, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
-}
-
-#define CUDA_TRY(call)                                 \
-  do {                                                 \
-    const cudaError_t e_ = (call);                     \
-    if (e_ != cudaSuccess) return cuda_fail(e_, #call); \
+#define CUDA_TRY(call)                                             \
+  do {                                                             \
+    const cudaError_t e_ = (call);                                 \
+    if (e_ != cudaSuccess) return ::graphar::cuda_fail(e_, #call); \
   } while (0)
 
 // Makes `device` current for the scope and restores the caller's device (torch's, usually).
@@ -51,4 +41,4 @@ class DeviceGuard {
   int device_ = -1;
 };
 
-}  // namespace
+}  // namespace graphar

@@ -3,7 +3,7 @@
 // epochs and arrival test, push.cuh), adds the residual, reduces the row's mean square in fp32 and
 // writes both the normalised row and the new residual.
 //
-// The grid (launch.cuh norm_grid). With at least as many rows as blocks, a block owns whole rows
+// The grid (launch_norm.cu norm_grid). With at least as many rows as blocks, a block owns whole rows
 // (every gridDim.x-th). With fewer, each row is split between `split` blocks: block b takes slice
 // b % split (a run of whole segments, below) of row b / split, so that a decode step of a few tokens
 // spreads over many SMs instead of one per token. The blocks of a split row hand each other their
@@ -31,7 +31,7 @@
 // marked failed (a block that gave up or lost the claim publishes nothing, and it, or the kernel
 // before it, marked the group failed) or the time bound passes (recorded as a push receive of this
 // rank itself). The words live in the tail of this rank's 2stage tmp buffer, which that kernel never
-// reaches (launch.cuh norm_scratch).
+// reaches (launch_norm.cu norm_scratch).
 #pragma once
 
 #include "push.cuh"

@@ -10,6 +10,7 @@ imports nothing from graphar but `graphar.settings` and `graphar.errors`, which 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import fcntl
 import hashlib
@@ -44,6 +45,8 @@ settings = _settings_module()
 # graphar.errors as graphar.settings has it (loaded by path too where this module was).
 GrapharCudaError, GrapharUnavailable = settings.errors.GrapharCudaError, settings.errors.GrapharUnavailable
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
+# The translation units that instantiate the most kernels: compiled first, so that the others fill in beside them.
+_LONGEST_UNITS = ("launch_norm.cu", "launch.cu", "exchange.cu")
 
 # name -> (restype, argtypes); the exports of csrc/graphar_cuda.h
 PROTOTYPES: dict[str, tuple[object, list[object]]] = {
@@ -118,17 +121,41 @@ def cuda_archs() -> list[str]:
     return list(settings.CUDA_ARCHS.get())
 
 
-def nvcc_command(nvcc: str, src: Path, out: Path, archs: list[str]) -> list[str]:
+def nvcc_flags(archs: list[str]) -> list[str]:
+    """What every translation unit of the library is compiled with, the targets included."""
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # PTX of the newest portable target ('a' targets are not forward compatible): newer GPUs JIT it.
     portable = [a for a in archs if not a.endswith("a")]
     if portable:
         newest = max(portable, key=int)
         gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
-    return [
-        nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", *gencode,
-        f"-DGRAPHAR_BUILD_ID={source_hash(src)}", str(src / "graphar_cuda.cu"), "-o", str(out),
-    ]  # fmt: skip
+    # Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
+    return ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17", *gencode]
+
+
+def compile_commands(nvcc: str, src: Path, objects: Path, archs: list[str]) -> dict[Path, list[str]]:
+    """object -> the nvcc command that compiles it: one per .cu file of src (its own translation unit,
+    each kernel instantiated in the one that launches it), into the folder `objects`."""
+    flags = [nvcc, "-c", *nvcc_flags(archs), f"-DGRAPHAR_BUILD_ID={source_hash(src)}"]
+    units = sorted(src.glob("*.cu"), key=lambda cu: (_LONGEST_UNITS + (cu.name,)).index(cu.name))
+    return {objects / f"{cu.stem}.o": [*flags, str(cu), "-o", str(objects / f"{cu.stem}.o")] for cu in units}
+
+
+def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
+    return [nvcc, "-shared", *map(str, objects), "-o", str(out)]
+
+
+def run_parallel(commands: list[list[str]], cwd: Path | None = None) -> str:
+    """Runs the commands, as many at once as this process has CPUs, in their order; returns what they
+    wrote to stderr, one after the other; GrapharUnavailable with the words of the first that failed."""
+    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(commands)))) as pool:
+        results = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, cwd=cwd), commands))
+    for command, result in zip(commands, results):
+        if result.returncode != 0:
+            what = next((Path(a).name for a in command if a.endswith(".cu")), Path(command[0]).name)
+            raise GrapharUnavailable(f"compiling {what} failed:\n{result.stderr[-4000:]}")
+    return "".join(result.stderr for result in results)
 
 
 def build_library(out_dir: str | os.PathLike[str]) -> Path:
@@ -139,7 +166,12 @@ def build_library(out_dir: str | os.PathLike[str]) -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise GrapharUnavailable("nvcc not found (PATH, CUDA_HOME); it is needed to build graphar's CUDA library")
-    return build_atomically(Path(out_dir) / LIB_NAME, lambda tmp: nvcc_command(nvcc, src, tmp, cuda_archs()))
+    target = Path(out_dir) / LIB_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-objects-", dir=target.parent) as objects:
+        commands = compile_commands(nvcc, src, Path(objects), cuda_archs())
+        run_parallel(list(commands.values()))
+        return build_atomically(target, lambda tmp: link_command(nvcc, list(commands), tmp))
 
 
 def build_atomically(target: Path, command: Callable[[Path], list[str]]) -> Path:

@@ -25,14 +25,17 @@ needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not foun
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """One build for sm_90a and sm_80 with ptxas statistics and the intermediate PTX kept."""
+    """One build for sm_90a and sm_80 with ptxas statistics and the intermediate PTX kept (a file per
+    translation unit and target)."""
     out = tmp_path_factory.mktemp("graphar-build")
     lib = out / _cuda.LIB_NAME
-    command = _cuda.nvcc_command(_cuda.find_nvcc(), _cuda.source_dir(), lib, ["90a", "80"])
-    command += ["-Xptxas", "-v", "--keep", "--keep-dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=out)
+    nvcc = _cuda.find_nvcc()
+    commands = _cuda.compile_commands(nvcc, _cuda.source_dir(), out, ["90a", "80"])
+    keep = ["-Xptxas", "-v", "--keep", "--keep-dir", str(out)]
+    log = _cuda.run_parallel([[*c, *keep] for c in commands.values()], cwd=out)
+    result = subprocess.run(_cuda.link_command(nvcc, list(commands), lib), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    return lib, out, result.stderr
+    return lib, out, log
 
 
 def _kernel_stats(ptxas_log: str) -> dict[str, str]:
@@ -53,6 +56,11 @@ def test_kernels_have_no_spills_or_local_memory(build) -> None:
         assert line.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, line)
 
 
+def _ptx(out: Path) -> str:
+    """The sm_90a PTX of every translation unit, one after the other."""
+    return "\n".join(p.read_text() for p in sorted(out.glob("*.ptx")) if "compute_90a" in p.name or "sm_90a" in p.name)
+
+
 def _ptx_function(ptx: str, fragment: str) -> str:
     start = ptx.index(".entry " + next(n for n in re.findall(r"\.entry (\S+)\(", ptx) if fragment in n))
     return ptx[start : ptx.index("\n}", start)]
@@ -61,7 +69,7 @@ def _ptx_function(ptx: str, fragment: str) -> str:
 @needs_nvcc
 def test_barrier_ptx_has_the_intended_orderings(build) -> None:
     _, out, _ = build
-    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    ptx = _ptx(out)
     one = _ptx_function(ptx, "one_stageI13__nv_bfloat16Li2E")
     two = _ptx_function(ptx, "two_stageI13__nv_bfloat16Li8E")
     for body in (one, two):
@@ -83,7 +91,7 @@ def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) 
     itself in (acquire) before any flag, slot or buffer access, and out (release) at its very end; an
     exchange's last copy then gives the exchange's lease back (all_to_all.cuh exchange_lease)."""
     _, out, _ = build
-    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    ptx = _ptx(out)
     for fragment in ("one_stageI13__nv_bfloat16Li2E", "two_stageIfLi8E", "push_one_shotI13__nv_bfloat16Li2E",
                      "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E", "gather_all_to_allILi4E"):  # fmt: skip
         body = _ptx_function(ptx, fragment)
@@ -99,7 +107,7 @@ def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) 
 @needs_nvcc
 def test_push_ptx_waits_for_the_previous_kernel_first(build) -> None:
     _, out, _ = build
-    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    ptx = _ptx(out)
     for fragment in ("push_one_shotI13__nv_bfloat16Li2E", "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E"):
         body = _ptx_function(ptx, fragment)
         # PDL: griddepcontrol.wait before any global access (the input, the epoch, the slots), then the
@@ -120,7 +128,7 @@ def test_fused_norm_ptx_reduces_in_a_fixed_order(build) -> None:
     volatile store and load each, tag and value together) and sum them in a fixed order: no atomic but
     the claim and its release, so every rank, and every grid, rounds the mean square alike."""
     _, out, _ = build
-    ptx = next(p for p in out.glob("*.ptx") if "compute_90a" in p.name or "sm_90a" in p.name).read_text()
+    ptx = _ptx(out)
     for fragment in ("push_one_shot_normI13__nv_bfloat16Li2E", "push_one_shot_normIfLi8E"):
         body = _ptx_function(ptx, fragment)
         assert "st.volatile.global.u64" in body and "ld.volatile.global.u64" in body, fragment
@@ -172,6 +180,10 @@ def test_c_abi_exports_and_returns_errors(build) -> None:
     # No libcuda dependency: loads on a machine without a driver. Every prototype binds (is exported).
     lib = _cuda.bind(ctypes.CDLL(str(lib_path)), _cuda.PROTOTYPES)
     assert lib.graphar_build_id().decode() == _cuda.source_hash(_cuda.source_dir())
+    # the C ABI and nothing of graphar's C++ (the helpers its .cu files share are hidden)
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], capture_output=True, text=True).stdout
+    assert set(re.findall(r"\b(graphar_\w+)\b", exported)) == set(_cuda.PROTOTYPES)
+    assert "graphar" not in re.sub(r"\bgraphar_\w+\b", "", exported)
     handle = ctypes.c_void_p()
     assert lib.graphar_comm_create(0, 3, MB, 36, 0, 16, ctypes.byref(handle)) == -1
     assert b"world size 3" in lib.graphar_last_error() and handle.value is None
@@ -184,14 +196,30 @@ def test_c_abi_exports_and_returns_errors(build) -> None:
 
 def test_nvcc_command_targets(monkeypatch) -> None:
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "90a; 80")
-    command = _cuda.nvcc_command("nvcc", _cuda.source_dir(), Path("out.so"), _cuda.cuda_archs())
-    assert "-gencode=arch=compute_90a,code=sm_90a" in command
-    assert "-gencode=arch=compute_80,code=sm_80" in command
-    assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
-    assert {"-O3", "-shared", "-std=c++17", "-fPIC"} <= set(command)
+    src = _cuda.source_dir()
+    commands = _cuda.compile_commands("nvcc", src, Path("objects"), _cuda.cuda_archs())
+    # every .cu file is its own translation unit, and every one is in the build id's hash
+    assert sorted(c[c.index("-o") - 1] for c in commands.values()) == sorted(str(p) for p in src.glob("*.cu"))
+    assert {p.name for p in src.glob("*.cu")} <= {p.name for p in src.iterdir() if p.suffix in _cuda._SOURCE_SUFFIXES}
+    for command in commands.values():
+        assert "-gencode=arch=compute_90a,code=sm_90a" in command
+        assert "-gencode=arch=compute_80,code=sm_80" in command
+        assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
+        assert {"-c", "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"} <= set(command)
+        assert f"-DGRAPHAR_BUILD_ID={_cuda.source_hash(src)}" in command
+    assert "-shared" in _cuda.link_command("nvcc", list(commands), Path("out.so"))
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "sm_90")
     with pytest.raises(ValueError, match="GRAPHAR_CUDA_ARCHS"):
         _cuda.cuda_archs()
+
+
+def test_csrc_headers_hold_no_entry_points() -> None:
+    """The C ABI's definitions live in .cu files by concern; the headers hold declarations, templates and
+    device code, and name no namespace for their includers."""
+    for header in _cuda.source_dir().glob("*.cuh"):
+        text = re.sub(r"//[^\n]*", "", header.read_text())
+        assert 'extern "C"' not in text and not re.search(r"^using namespace", text, re.M), header.name
+        assert not re.search(r"^namespace \{", text, re.M), header.name  # nothing per translation unit
 
 
 def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path) -> None:

@@ -1,12 +1,17 @@
 // The graph slots of graphar.graph captures: filled on every rank when a capture ends with the
 // peers' allocations its calls read in place (mapped once, counted by the slots that read them), and
 // forgotten when the graph dies, after which a mapping no slot reads is closed at the next idle point.
-#pragma once
+#include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "comm.cuh"
+#include "graphar_cuda.h"
+#include "host.cuh"
+
+using namespace graphar;
 
 namespace {
 
