@@ -9,6 +9,7 @@ figures are printed (pytest -s shows them); growth must stay within 1 MB and 0 m
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 
 import pytest
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.gpu
 
 MB = 1 << 20
 CYCLES = 200
-# A compile per cycle: on a shared GPU, where the ranks also take turns at every barrier, fewer.
-COMPILED_CYCLES = 20 if SHARED_GPU else CYCLES
+# A compile per cycle: on a shared GPU, where the ranks also take turns at every barrier, fewer
+# unless GRAPHAR_TEST_COMPILED_CYCLES asks for more (with a deadline to match, see _dist.py).
+COMPILED_CYCLES = int(os.environ.get("GRAPHAR_TEST_COMPILED_CYCLES", 20 if SHARED_GPU else CYCLES))
 MODES = ("graphar.graph", "torch.cuda.graph", "reduce-overhead", "BatchGraphs")
 
 
@@ -97,4 +99,5 @@ def _cycles(rank: int, world_size: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_recaptures_grow_nothing(mode: str) -> None:
-    run_workers(_cycles, 2, mode, timeout_s=300)
+    # A compile takes up to about 2 s a cycle.
+    run_workers(_cycles, 2, mode, timeout_s=max(300.0, 3.0 * COMPILED_CYCLES))
