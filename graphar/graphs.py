@@ -3,9 +3,10 @@
 Inside `graph(...)`, every graphar all-reduce reads the caller's tensor in place: its kernel is
 captured with a placeholder slot, and when the capture ends every rank shares the (allocation
 handle, offset) of its recorded inputs and the slots are filled before `graph` returns, so no
-replay can see an empty slot; the graph holds those inputs for as long as it lives. Captures
-graphar does not own (a plain `torch.cuda.graph`, Inductor's cudagraph trees) take the copy-in
-path instead: one local copy per call, no registration.
+replay can see an empty slot. What the peers map stays allocated as long as the graph lives, and
+after it until every peer has closed its mappings (`_Keep`). Captures graphar does not own (a plain
+`torch.cuda.graph`, Inductor's cudagraph trees) take the copy-in path instead: one local copy per
+call, no registration.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from graphar import pool
+
 
 class _State(threading.local):
     capture: Capture | None = None  # a class default: reading it costs no AttributeError when unset
@@ -83,21 +87,69 @@ def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     if earlier is not None:
         earlier()
     cuda_graph._graphar_release = None
-    registered: list[tuple[Any, int, list[int], tuple[torch.Tensor, ...]]] = []
+    registered: list[tuple[Any, int, list[int], tuple[Any, ...]]] = []
     # Group names are equal on every rank, so every rank registers its groups in the same order.
     allreduces = sorted(capture.calls, key=lambda c: c.group_name)
+    keep = _Keep(cuda_graph) if allreduces else None
     try:
         for allreduce in allreduces:
             calls = capture.calls[allreduce]
-            number = allreduce.register_graph(calls)
-            registered.append((allreduce, number, [c.slot for c in calls], tuple(c.tensor for c in calls)))
+            held, lost = keep.hold(calls)
+            number = allreduce.register_graph(calls, lost)
+            registered.append((allreduce, number, [c.slot for c in calls], held))
     except BaseException:  # the failed group is broken; every slot goes back
         _release_graphs(registered)
         unregistered = allreduces[len(registered) :]
         _release([(allreduce, [c.slot for c in capture.calls[allreduce]]) for allreduce in unregistered])
         raise
-    if registered:  # the finalizer holds the inputs (and not the graph): alive as long as the graph, and then
+    if registered:  # the finalizer holds what keeps the inputs (and not the graph): as long as the graph, and then
         cuda_graph._graphar_release = weakref.finalize(cuda_graph, _release_graphs, registered)
+
+
+class _Keep:
+    """What keeps a graph's in-place inputs allocated for the peers that map them. An input in the
+    graph's own memory pool (an activation made during the capture) needs no reference of its own:
+    torch frees a pool's segments only once nothing uses the pool, so one more use of the pool keeps
+    them all, and later captures into a shared pool still reuse its free blocks (a serving loop's
+    graphs share one pool: holding each input instead grew it by every size's activations). An input
+    from anywhere else (a static input, a weight) is held itself: its owner may free it."""
+
+    def __init__(self, cuda_graph: torch.cuda.CUDAGraph) -> None:
+        self._pool_id = cuda_graph.pool()
+        self._segments = pool.segments(self._pool_id)
+        self._use: Any = None
+
+    def hold(self, calls: Sequence[Any]) -> tuple[tuple[Any, ...], list[int]]:
+        """(what to hold for `calls` from now until the peers let go, the indices of calls whose input
+        is gone: freed during the capture outside the pool, so a replay would read reused memory)."""
+        held: list[Any] = []
+        lost: list[int] = []
+        for i, call in enumerate(calls):
+            if call.staged:  # read locally, into the registered buffer: no peer maps it
+                continue
+            if any(start <= call.base < start + size for start, size in self._segments):
+                if self._use is None:
+                    self._use = _PoolUse(self._pool_id)
+                if self._use not in held:
+                    held.append(self._use)
+            elif (tensor := call.tensor()) is not None:
+                held.append(tensor)
+            else:
+                lost.append(i)
+        return tuple(held), lost
+
+
+class _PoolUse:
+    """One use of a memory pool, as a graph counts one: while this object lives the caching allocator
+    frees none of the pool's segments. torch has no public call for it; these are the ones its own
+    graph captures make (begin counts a use and routes this thread's allocations to the pool until
+    end, between which nothing allocates), on torch 2.11 and 2.13 alike."""
+
+    def __init__(self, pool_id: tuple[int, int]) -> None:
+        device = torch.cuda.current_device()
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool_id)
+        torch._C._cuda_endAllocateToPool(device, pool_id)
+        weakref.finalize(self, torch._C._cuda_releasePool, device, pool_id).atexit = False
 
 
 def _slots(capture: Capture) -> list[tuple[Any, list[int]]]:

@@ -90,13 +90,18 @@ class CudaRuntime:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
+def segments(pool_id: tuple[int, int]) -> list[tuple[int, int]]:
+    """(start, bytes) of every segment the caching allocator holds for the memory pool `pool_id`."""
     try:
-        segments = pool.snapshot(include_traces=False)  # fast where torch has the option
+        found = torch.cuda.memory_snapshot(pool_id, include_traces=False)  # fast where torch has the option
     except TypeError:
-        segments = pool.snapshot()
+        found = torch.cuda.memory_snapshot(pool_id)
+    return [(s["address"], s["total_size"]) for s in found if tuple(s.get("segment_pool_id", pool_id)) == pool_id]
+
+
+def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
     ptr = t.data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
+    return any(start <= ptr < start + size for start, size in segments(pool.id))
 
 
 def capacity(nbytes: int, previous: int = 0) -> int:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -336,7 +337,12 @@ class _FakeComm:
         self.idle_closes += 1
 
 
-def _register_on_two_ranks(calls_per_rank, allreduces=None) -> tuple[list[_FakeComm], dict[int, BaseException]]:
+def _graph_call(slot: int, x: torch.Tensor, base: int, staged: bool, signature: tuple[int, int, int]) -> ar.GraphCall:
+    return ar.GraphCall(slot, weakref.ref(x), x.data_ptr(), base, staged, signature)
+
+
+def _register_on_two_ranks(calls_per_rank, allreduces=None, lost_per_rank=((), ())
+                           ) -> tuple[list[_FakeComm], dict[int, BaseException]]:  # fmt: skip
     store = dist.HashStore()
     comms = [_FakeComm(r, store) for r in (0, 1)]
     allreduces = allreduces or [ar.AllReduce(comms[r], policy.Policy(9, 2, policy.Limits(MB, MB))) for r in (0, 1)]
@@ -345,7 +351,7 @@ def _register_on_two_ranks(calls_per_rank, allreduces=None) -> tuple[list[_FakeC
     def run(r: int) -> None:
         allreduces[r].comm = comms[r]
         try:
-            allreduces[r].register_graph(calls_per_rank[r])
+            allreduces[r].register_graph(calls_per_rank[r], lost_per_rank[r])
         except BaseException as e:  # noqa: BLE001  (collected for the assertions)
             errors[r] = e
 
@@ -360,10 +366,10 @@ def _register_on_two_ranks(calls_per_rank, allreduces=None) -> tuple[list[_FakeC
 def test_graph_registration_is_call_major_with_staged_entries() -> None:
     segments = [torch.empty(256) for _ in range(2)]  # stand-ins for the ranks' allocations
     calls = [
-        [ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
-         ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
-        [ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
-         ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],  # a recycled slot
+        [_graph_call(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
+         _graph_call(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
+        [_graph_call(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
+         _graph_call(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],  # a recycled slot
     ]  # fmt: skip
     comms, errors = _register_on_two_ranks(calls)
     assert not errors
@@ -371,7 +377,7 @@ def test_graph_registration_is_call_major_with_staged_entries() -> None:
     assert (slots, count) == ([5, 6], 2)
     # [call 0: rank 0, rank 1][call 1: rank 0, rank 1]
     assert offsets == [64, 0, 320, 256] and staged == [0, 1, 0, 0]
-    assert own == [c.tensor.data_ptr() for c in calls[0]]
+    assert own == [c.ptr for c in calls[0]]
     handle = segments[0].data_ptr().to_bytes(8, "little") * 8
     assert handles == handle + bytes(64) + handle + segments[1].data_ptr().to_bytes(8, "little") * 8
     assert comms[1].registered[:2] == ([9, 3], 2)  # slot numbers are each rank's own
@@ -381,7 +387,7 @@ def test_a_dead_graphs_inputs_stay_until_every_rank_closed_its_mappings() -> Non
     """An exporter frees nothing a peer still maps: a dead graph's inputs are held until a later
     registration at which every rank says it let that graph go (after closing its unused mappings)."""
     x = torch.empty(64)
-    call = ar.GraphCall(1, x, x.data_ptr(), False, (256, 2, 1))
+    call = _graph_call(1, x, x.data_ptr(), False, (256, 2, 1))
     allreduces = [ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB)))
                   for r in (0, 1)]  # fmt: skip
     comms, errors = _register_on_two_ranks([[call], [call]], allreduces)  # registration 0
@@ -397,7 +403,7 @@ def test_a_dead_graphs_inputs_stay_until_every_rank_closed_its_mappings() -> Non
 
 def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
     x = torch.empty(64)
-    call, second = (ar.GraphCall(slot, x, x.data_ptr(), False, (256, 2, 1)) for slot in (1, 2))
+    call, second = (_graph_call(slot, x, x.data_ptr(), False, (256, 2, 1)) for slot in (1, 2))
     comms, errors = _register_on_two_ranks([[call, second], [call]])
     assert set(errors) == {0, 1}
     assert all("different numbers" in str(e) for e in errors.values())
@@ -405,9 +411,19 @@ def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
     with pytest.raises(GrapharCommError, match="registration"):
         comms[0].check()  # the communicator is unusable from then on
 
-    other = ar.GraphCall(1, x, x.data_ptr(), False, (512, 2, 1))
+    other = _graph_call(1, x, x.data_ptr(), False, (512, 2, 1))
     _, errors = _register_on_two_ranks([[call], [other]])
     assert set(errors) == {0, 1} and all("disagree" in str(e) for e in errors.values())
+
+
+def test_an_input_one_rank_could_not_keep_is_an_error_on_every_rank() -> None:
+    """graphar.graphs reports a call whose input was freed during the capture outside the graph's pool:
+    no rank may register the graph (its peers would map reused memory), and every rank says which."""
+    x = torch.empty(64)
+    call = _graph_call(1, x, x.data_ptr(), False, (256, 2, 1))
+    comms, errors = _register_on_two_ranks([[call], [call]], lost_per_rank=((), (0,)))
+    assert set(errors) == {0, 1} and all("rank 1" in str(e) and "freed" in str(e) for e in errors.values())
+    assert all(c.registered is None for c in comms)
 
 
 def test_only_the_live_communicator_publishes_to_the_cpp_kernels(monkeypatch, caplog) -> None:

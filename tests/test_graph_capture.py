@@ -1,5 +1,7 @@
-"""graphar.graph's end of capture, with a fake communicator (no GPU): registration order, and the
-tensors read in place at every replay kept alive as long as the graph."""
+"""graphar.graph's end of capture, with a fake communicator and a fake memory pool (no GPU):
+registration order, and what keeps the tensors read in place at every replay allocated: the graph's
+pool for its own activations, the tensor itself for any other input, as long as the graph and then
+until the peers let go."""
 
 from __future__ import annotations
 
@@ -18,30 +20,61 @@ class _FakeComm:
         self.registered = registered
         self.released: list[int] = []
         self.held: list[tuple] = []
+        self.lost: list[list[int]] = []
 
-    def register_graph(self, calls: list) -> int:
+    def register_graph(self, calls: list, lost: list[int]) -> int:
         self.registered.append((self.group_name, len(calls)))  # no tensor: the test watches their lifetime
+        self.lost.append(list(lost))
         return len(self.registered) - 1
 
     def release_slots(self, slots: list[int]) -> None:
         self.released += slots
 
-    def release_graph(self, registration: int, slots: list[int], inputs: tuple) -> None:
+    def release_graph(self, registration: int, slots: list[int], held: tuple) -> None:
         self.released += slots
-        self.held.append(inputs)  # what AllReduce keeps until every peer closed its mappings
+        self.held.append(held)  # what AllReduce keeps until every peer closed its mappings
 
 
-class _Call:
-    def __init__(self, tensor: torch.Tensor, slot: int = 1) -> None:
-        self.tensor = tensor
+class _Call:  # a graphar.comm.allreduce.GraphCall's fields that graphs reads
+    def __init__(self, tensor: torch.Tensor, slot: int = 1, staged: bool = False) -> None:
+        self.tensor = weakref.ref(tensor)
+        self.base = tensor.data_ptr()
         self.slot = slot
+        self.staged = staged
 
 
 class _Graph:  # stands in for torch.cuda.CUDAGraph, which takes attributes the same way
-    pass
+    def pool(self) -> tuple[int, int]:
+        return (0, 7)
 
 
-def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
+class _Pool:
+    """The graph's memory pool: its segments, and the uses graphar takes of it (made, released)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.segments: list[tuple[int, int]] = []
+        self.uses: list[str] = []
+        monkeypatch.setattr(graphs.pool, "segments", lambda pool_id: self.segments if pool_id == (0, 7) else [])
+        pool = self
+
+        class _Use:
+            def __init__(self, pool_id: tuple[int, int]) -> None:
+                pool.uses.append("made")
+                weakref.finalize(self, pool.uses.append, "released")
+
+        monkeypatch.setattr(graphs, "_PoolUse", _Use)
+
+    def holds(self, t: torch.Tensor) -> None:
+        self.segments.append((t.data_ptr(), t.nbytes))
+
+
+@pytest.fixture
+def memory_pool(monkeypatch) -> _Pool:
+    return _Pool(monkeypatch)
+
+
+def test_finish_registers_by_group_name_and_keeps_inputs_alive(memory_pool: _Pool) -> None:
+    # x and y come from outside the graph's pool (static inputs): they are held themselves.
     registered: list = []
     capture = graphs.Capture()
     x, y = torch.randn(4), torch.randn(4)
@@ -65,7 +98,7 @@ def test_finish_registers_by_group_name_and_keeps_inputs_alive() -> None:
     assert alive() is None
 
 
-def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs() -> None:
+def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs(memory_pool: _Pool) -> None:
     # torch captures into a CUDAGraph again only after reset(): the earlier capture's exec is gone.
     comm, cuda_graph, x = _FakeComm("a", []), _Graph(), torch.randn(4)
     first = graphs.Capture()
@@ -84,9 +117,9 @@ def test_a_graph_captured_again_hands_back_its_earlier_slots_and_inputs() -> Non
     assert comm.released == [3, 5]
 
 
-def test_a_failed_registration_hands_back_every_slot() -> None:
+def test_a_failed_registration_hands_back_every_slot(memory_pool: _Pool) -> None:
     class _Refusing(_FakeComm):
-        def register_graph(self, calls: list) -> int:
+        def register_graph(self, calls: list, lost: list[int]) -> int:
             raise RuntimeError("ranks disagree")
 
     capture, registered = graphs.Capture(), []
@@ -97,6 +130,44 @@ def test_a_failed_registration_hands_back_every_slot() -> None:
     with pytest.raises(RuntimeError, match="disagree"):
         graphs.finish(cuda_graph, capture)
     assert (a.released, b.released, c.released) == ([1], [2], [3]) and cuda_graph._graphar_release is None
+
+
+def test_activations_in_the_graphs_pool_are_kept_by_one_use_of_the_pool(memory_pool: _Pool) -> None:
+    """An all-reduce input made during the capture lives in the graph's pool: it is not held (its block
+    is the pool's to reuse, in this capture or a later one sharing the pool), one use of the pool keeps
+    its segment allocated, and that use goes only when the communicator lets the dead graph go."""
+    comm, cuda_graph = _FakeComm("a", []), _Graph()
+    x, y = torch.randn(4), torch.randn(4)
+    memory_pool.holds(x)
+    memory_pool.holds(y)
+    capture = graphs.Capture()
+    capture.record(comm, _Call(x, slot=1))
+    capture.record(comm, _Call(y, slot=2))
+    graphs.finish(cuda_graph, capture)
+    alive = weakref.ref(x)
+    del x, y, capture
+    gc.collect()
+    assert alive() is None, "an activation in the graph's pool was held"
+    assert memory_pool.uses == ["made"] and comm.lost == [[]]
+    del cuda_graph
+    gc.collect()
+    assert comm.released == [1, 2] and memory_pool.uses == ["made"]  # the peers may still map it
+    comm.held.clear()
+    gc.collect()
+    assert memory_pool.uses == ["made", "released"]
+
+
+def test_an_input_freed_outside_the_pool_is_reported_and_staged_inputs_are_not_held(memory_pool: _Pool) -> None:
+    comm, cuda_graph = _FakeComm("a", []), _Graph()
+    gone, staged = torch.randn(4), torch.randn(4)
+    capture = graphs.Capture()
+    capture.record(comm, _Call(staged, slot=1, staged=True))  # copied locally at every replay: no peer maps it
+    capture.record(comm, _Call(gone, slot=2))
+    alive = weakref.ref(staged)
+    del gone, staged
+    gc.collect()
+    graphs.finish(cuda_graph, capture)
+    assert comm.lost == [[1]] and alive() is None and memory_pool.uses == []
 
 
 def test_a_stream_outside_the_capture_is_not_part_of_it(monkeypatch) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -93,10 +94,12 @@ class CommCalls(Protocol):
 
 @dataclass
 class GraphCall:
-    """One all-reduce recorded during a graphar.graph capture; the graph keeps `tensor` alive."""
+    """One all-reduce recorded during a graphar.graph capture (graphar.graphs keeps its input allocated
+    for the peers: the capture's memory pool, or the tensor itself)."""
 
     slot: int
-    tensor: torch.Tensor
+    tensor: weakref.ref[torch.Tensor]  # weak: an activation freed during the capture is the pool's to reuse
+    ptr: int
     base: int  # start of the allocation holding the tensor
     staged: bool  # legacy IPC cannot share it: the call copies into the registered buffer
     signature: tuple[int, int, int]  # bytes, dtype code, algorithm code: equal on every rank
@@ -131,7 +134,7 @@ class AllReduce:
         # died: their inputs, held until every rank has closed its mappings of them (an allocation
         # freed while a peer still maps it is undefined in CUDA), and who has said so at a registration.
         self._registrations = 0
-        self._held: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._held: dict[int, tuple[Any, ...]] = {}
         self._released: list[int] = []  # registrations whose graph died here since the last one
         self._closed_by: dict[int, set[int]] = {}
         self._calls = 0
@@ -194,13 +197,14 @@ class AllReduce:
         for slot in slots:
             heapq.heappush(self._free_slots, slot)
 
-    def release_graph(self, registration: int, slots: Sequence[int], inputs: tuple[torch.Tensor, ...]) -> None:
+    def release_graph(self, registration: int, slots: Sequence[int], held: tuple[Any, ...]) -> None:
         """The graph of `registration` is gone (its finalizer): its slots are reused, the peers'
-        allocations only it read are closed at the next idle point, and its `inputs` are held until
-        every peer has closed its mappings of them (said at a later registration, or at close)."""
+        allocations only it read are closed at the next idle point, and what keeps its inputs allocated
+        (`held`: tensors, a use of its memory pool) is kept until every peer has closed its mappings of
+        them (said at a later registration, or at close)."""
         self.release_slots(slots)
         self.comm.forget_graph_slots(slots)
-        self._held[registration] = inputs
+        self._held[registration] = held
         self._released.append(registration)
 
     @property
@@ -321,17 +325,18 @@ class AllReduce:
                 "live graphs (each zero-copy all-reduce captured by graphar.graph holds one until its graph is freed)"
             )
         base, capable = self.comm.pointer_info(x.data_ptr())
-        call = GraphCall(slot, x, base, not capable, signature)
+        call = GraphCall(slot, weakref.ref(x), x.data_ptr(), base, not capable, signature)
         self._recorded += 1
         capture.record(self, call)
         return (PATH_STAGED if call.staged else PATH_ZERO_COPY), call.slot
 
-    def register_graph(self, calls: Sequence[GraphCall]) -> int:
+    def register_graph(self, calls: Sequence[GraphCall], lost: Sequence[int] = ()) -> int:
         """Collective after a capture: share the recorded inputs and fill their slots; returns the
-        registration's number (equal on every rank), which `release_graph` takes when the graph dies."""
+        registration's number (equal on every rank), which `release_graph` takes when the graph dies.
+        `lost`: the calls whose input this rank could not keep (graphar.graphs): every rank raises."""
         self.comm.check()
         try:
-            self._register_graph(calls)
+            self._register_graph(calls, lost)
         except Exception as e:
             # The ranks' exchanges or slots may now be out of step: nothing later can be trusted.
             self.comm.mark_broken(f"graphar graph registration on group {self.group_name!r} failed: {e}")
@@ -339,24 +344,31 @@ class AllReduce:
         self._registrations += 1
         return self._registrations - 1
 
-    def _register_graph(self, calls: Sequence[GraphCall]) -> None:
+    def _register_graph(self, calls: Sequence[GraphCall], lost: Sequence[int]) -> None:
         # Mappings that only dead graphs read are closed before this rank says which graphs it let go.
         self.comm.close_unused_mappings()
         released, self._released = self._released, []
-        everyone = self.comm.all_gather((self._shared(calls), released),
+        everyone = self.comm.all_gather((self._shared(calls), released, list(lost)),
                                         f"graph registration on group {self.group_name!r}")  # fmt: skip
-        self._drop_inputs_closed_everywhere([ids for _, ids in everyone])
-        counts = [len(shared) for shared, _ in everyone]
+        self._drop_inputs_closed_everywhere([ids for _, ids, _ in everyone])
+        for rank, (_, _, gone) in enumerate(everyone):
+            if gone:
+                raise GrapharCommError(
+                    f"rank {rank} captured all-reduces {gone} of a graphar.graph on inputs that were freed during "
+                    "the capture: a replay would read memory reused since; keep every tensor a captured "
+                    "all-reduce reads alive while its graph lives"
+                )
+        counts = [len(shared) for shared, _, _ in everyone]
         if len(set(counts)) != 1:
             raise GrapharCommError(f"ranks recorded different numbers of all-reduces in one graph: {counts}")
         for i in range(len(calls)):
-            signatures = {shared[i].signature for shared, _ in everyone}
+            signatures = {shared[i].signature for shared, _, _ in everyone}
             if len(signatures) != 1:
                 raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
         flat = [everyone[r][0][i] for i in range(len(calls)) for r in range(len(everyone))]
         self.comm.fill_graph_slots([c.slot for c in calls], b"".join(e.handle for e in flat), [e.offset for e in flat],
-                                   [e.staged for e in flat], [c.tensor.data_ptr() for c in calls])  # fmt: skip
+                                   [e.staged for e in flat], [c.ptr for c in calls])  # fmt: skip
 
     def _drop_inputs_closed_everywhere(self, released_by_rank: Sequence[Sequence[int]]) -> None:
         """Registrations every rank has let go of (and closed its mappings for): their inputs may go."""
@@ -376,5 +388,5 @@ class AllReduce:
                 continue
             if c.base not in handles:
                 handles[c.base] = self.comm.ipc_handle(c.base)
-            mine.append(_SharedCall(False, handles[c.base], c.tensor.data_ptr() - c.base, c.signature))
+            mine.append(_SharedCall(False, handles[c.base], c.ptr - c.base, c.signature))
         return mine
