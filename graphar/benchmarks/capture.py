@@ -25,11 +25,13 @@ folder, or --out), with a bar chart beside it (.png).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ WARMUP = 2  # eager steps per size before its capture (BatchGraphs' default)
 CAPTURE_S, FIRST_S, PER_SIZE_MS = "capture, s (median)", "capture, s (first build)", "per size, ms (median)"
 TORCH_MB, DEVICE_MB = "torch reserved, MB", "device, MB per rank"
 COMPILES, SERVED, REGISTERED = "compiles during capture", "all-reduces on graphar's kernels", "zero-copy all-reduces"
+REGISTER_MS = "of which registration, ms per size (median)"
 TARGETS = {CAPTURE_S: 0.05, TORCH_MB: 64.0, DEVICE_MB: 64.0}  # what graphar may add: a share of (a)'s, MB
 MB = 1 << 20
 COMPILE_SKEW_S = 240.0  # graphar.init's spin bound: past the ranks' compile skew (as decode's)
@@ -169,6 +172,28 @@ def build(step: decode.Step, s: Settings) -> tuple[object | None, str | None, fl
     return graphs, problem, time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def timed_registrations(spent: list[float]) -> Iterator[None]:
+    """Each capture's end in graphar.graphs (the registration with the peers, collective: it waits for the
+    slowest rank) timed into `spent`, in seconds."""
+    from graphar import graphs
+
+    real = graphs.finish
+
+    def timed(cuda_graph: torch.cuda.CUDAGraph, capture: graphs.Capture) -> None:
+        start = time.perf_counter()
+        try:
+            real(cuda_graph, capture)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    graphs.finish = timed
+    try:
+        yield
+    finally:
+        graphs.finish = real
+
+
 def graphar_counts() -> tuple[int, int]:
     """(calls graphar's kernels served, zero-copy calls captured) of the world group's communicator."""
     from graphar.comm.registry import communicator
@@ -183,11 +208,14 @@ def measure(v: str, built: dict[str, decode.Step | str], s: Settings, sharing: i
     if isinstance(step, str):
         return {(v, m): step for m in (CAPTURE_S, TORCH_MB, DEVICE_MB)}
     compiles, counts = unique_graphs(), graphar_counts() if v == GRAPHAR else (0, 0)
-    times, held = [], None
+    times, held, registering = [], None, []
     for i in range(s.repeats):
         common.progress(f"{v}: building BatchGraphs over {len(s.batches)} sizes ({i + 1}/{s.repeats})")
         before = held_memory()
-        graphs, problem, seconds = build(step, s)
+        spent: list[float] = []
+        with timed_registrations(spent):
+            graphs, problem, seconds = build(step, s)
+        registering.append(sum(spent))
         if problem is not None:
             reasons.setdefault(v, problem)
             return {(v, m): "err" for m in (CAPTURE_S, TORCH_MB, DEVICE_MB)}
@@ -203,6 +231,7 @@ def measure(v: str, built: dict[str, decode.Step | str], s: Settings, sharing: i
         expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
         cells[(v, SERVED)] = f"{served}/{expected}" + ("" if served >= expected else " fallback")
         cells[(v, REGISTERED)] = float(registered)
+        cells[(v, REGISTER_MS)] = 1000 * statistics.median(registering) / len(s.batches)
     return cells
 
 
@@ -279,7 +308,8 @@ def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
              targets[CAPTURE_S]],
             [FIRST_S, *map(seconds, first), common.derived(first[1], first[0], "{:+.1%}", lambda g, l: g / l - 1),
              "-", ""],
-            [PER_SIZE_MS, *(per_size(v) for v in VARIANTS), "-", "-", ""]]  # fmt: skip
+            [PER_SIZE_MS, *(per_size(v) for v in VARIANTS), "-", "-", ""],
+            [REGISTER_MS, *(cells.get((v, REGISTER_MS), "-") for v in VARIANTS), "-", "-", ""]]  # fmt: skip
     for m in (TORCH_MB, DEVICE_MB):
         rows.append([m, *(cells.get((v, m), "-") for v in VARIANTS), *added(cells, m), targets[m]])
     for m in (COMPILES, SERVED, REGISTERED):  # counts
@@ -333,6 +363,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells.update({(v, CAPTURE_S): seconds, (v, FIRST_S): 1.2 * seconds, (v, COMPILES): 0.0,
                       (v, TORCH_MB): 20.0 * s.layers * rng.uniform(1, 1.2), (v, DEVICE_MB): 30.0 * s.layers})
     expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
-    cells.update({(GRAPHAR, SERVED): f"{expected}/{expected}", (GRAPHAR, REGISTERED): float(len(s.batches) * 2)})
+    cells.update({(GRAPHAR, SERVED): f"{expected}/{expected}", (GRAPHAR, REGISTERED): float(len(s.batches) * 2),
+                  (GRAPHAR, REGISTER_MS): 0.4})
     write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("capture", common.DRY_RUN_GPU, 2, out,
                                                                     common.dry_run_dir()))
