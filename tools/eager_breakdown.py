@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LOOPS = 7
-LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")  # steps that launch a kernel: fewer calls per loop,
+LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add")  # steps that launch a kernel: fewer calls per loop,
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
@@ -85,6 +85,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
          if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else UNFUSED_NORM_STEP):
             lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
+        "(for comparison) x.add(0), a plain torch op with an output to allocate, as the all-reduce has": lambda: x.add(0),
     }  # fmt: skip
 
 
