@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-import pytest
 import torch
 from expecttest import TestCase
 
@@ -31,8 +28,8 @@ from graphar import ulysses
 from graphar.comm import exchange, ulysses_shapes, ulysses_stages
 from graphar.comm import ulysses as bodies
 from graphar.kernels import pack
+from tests._interpreted import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _empty = torch.empty
@@ -361,14 +358,7 @@ class PackedAllToAllSinglePushTest(_Pushed, PackedAllToAllSingleTest):
 def test_kernel_packs_under_interpreter() -> None:
     """The cases that need the pack kernel, in a subprocess where Triton interprets (it decides when a
     kernel is defined)."""
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "PushTest or KernelTest", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, "PushTest or KernelTest")
 
 
 class _Staged:

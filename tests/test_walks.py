@@ -21,8 +21,6 @@ import ctypes
 import dataclasses
 import datetime
 import functools
-import os
-import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -37,9 +35,9 @@ from graphar import _cuda, native_op, ops
 from graphar.comm import exchange, policy, registry, set_up, ulysses_shapes
 from graphar.comm import ulysses as bodies
 from graphar.comm.allreduce import AllReduce
+from tests._interpreted import INTERPRETED, run_interpreted
 from tests.test_communicator_calls import _Library
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MB = 1 << 20
 
 
@@ -306,11 +304,4 @@ def test_qkv_over_nccl(monkeypatch) -> None:
 
 def test_exchange_walks_under_interpreter() -> None:
     """The exchange cases, in a subprocess where Triton interprets (it decides when a kernel is defined)."""
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "into_the_exchange", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, "into_the_exchange")
