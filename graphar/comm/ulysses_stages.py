@@ -96,9 +96,10 @@ def output_plan(o: torch.Tensor, p: int, token_bytes: int) -> Plan:
 
 def packed_plan(send: torch.Tensor, row: int) -> Plan:
     """The packed exchange's one stage: row j of `send` (`row` bytes) is chunk j. The pack kernel
-    copies it as 16-byte words (the only pack an IPC exchange takes), whatever the dtype; rows of
-    other sizes have none, and their placement is one the exchange refuses."""
+    copies it as 16-byte words (the only pack an IPC exchange takes), whatever the dtype."""
     p = send.shape[0]
-    words = send.view(torch.uint8).view(torch.int32).view(p, 1, row // 16, 1, 4) if row % 16 == 0 else None
-    sources, chunks = ((words,), tuple(words.shape)) if words is not None else ((), ())
-    return Plan((Stage(sources, chunks, Placement(row, row, p * row, row), 0, 0),), p * row)
+    placement = Placement(row, row, p * row, row)
+    if row % 16:  # no words to pack, and a placement the exchange refuses: NCCL moves it
+        return Plan((Stage((), (), placement, 0, 0),), p * row)
+    words = send.view(torch.uint8).view(torch.int32).view(p, 1, row // 16, 1, 4)
+    return Plan((Stage((words,), tuple(words.shape), placement, 0, 0),), p * row)
