@@ -70,7 +70,7 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     flat = _flat(x)
     out = comm.allreduce.try_all_reduce(flat)
     if out is None:
-        comm.allreduce.say_why_not(flat)
+        comm.allreduce.say_why_not()
         return functional_all_reduce(x, group_name)
     return out
 

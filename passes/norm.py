@@ -171,13 +171,10 @@ class _NormMatch:
     def x(self) -> torch.fx.Node:
         return self.all_reduce.args[0]
 
-    @property
-    def group_name(self) -> str:
-        return self.all_reduce.args[1]
-
     def replace_with_fused(self) -> None:
         graph = self.all_reduce.graph
-        args = (self.x, self.residual, self.norm.weight, self.norm.eps, self.group_name, self.norm.weight_first)
+        x, group_name = self.all_reduce.args  # graphar::all_reduce's: the fused op takes them as they are
+        args = (x, self.residual, self.norm.weight, self.norm.eps, group_name, self.norm.weight_first)
         with graph.inserting_before(self.norm.out):
             fused = new_node(graph, torch.ops.graphar.all_reduce_add_rms_norm.default, *args)
             normed, summed = (new_node(graph, operator.getitem, fused, i) for i in range(2))

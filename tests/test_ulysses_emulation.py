@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-import pytest
 import torch
 from expecttest import TestCase
 
 from graphar import ulysses
 from graphar.comm import exchange, ulysses_shapes, ulysses_stages
 from graphar.comm import ulysses as bodies
+from graphar.kernels import pack
+from tests._interpreted import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _empty = torch.empty
@@ -58,23 +56,23 @@ class _FakeIpc:
         self.own_placed = 0  # stages whose pack put this rank's own chunk straight into the output
         self.rank = 0  # set by EmulatedWorld for the rank it runs
 
-    def serves(self, t: torch.Tensor) -> bool:
-        return True
-
-    def run(self, out: torch.Tensor, stages: list[exchange.Stage], nbytes: int) -> bool:
-        if not all(stage.placement.supported() for stage in stages):
+    def run(self, out: torch.Tensor, plan: ulysses_stages.Plan) -> bool:
+        stages, nbytes = plan.stages, plan.nbytes
+        if not all(exchange.copyable(stage.placement) for stage in stages):
             return False
         rank, world = self.rank, self.world_size
-        push = self.push and all(stage.kernel_pack for stage in stages)
+        # Without the kernel (no interpreter here) the pull still runs, its packs torch's copies.
+        kernel = pack.kernel_serves([src for stage in stages for src in stage.sources])
+        push = self.push and kernel
         self.pushes += push
         # Pushed: what this rank stores into every rank's buffer (rank j receives row j of every
         # rank's block); pulled: this rank's own buffer, which every rank reads.
         block = torch.full((world if push else 1, nbytes), 0x7F, dtype=torch.uint8)
         addresses = [row.data_ptr() for row in block] if push else ()
-        owns = [exchange.own_chunk(out, stage, rank) for stage in stages]
+        owns = [exchange.own_chunk(out, stage, rank) if kernel else None for stage in stages]
         self.own_placed += sum(own is not None for own in owns)
         for stage, own in zip(stages, owns):
-            stage.pack(exchange.Destination(block[rank if push else 0], stage.src_offset, rank, addresses, own))
+            exchange.Destination(block[rank if push else 0], stage.src_offset, rank, addresses, own).fill(stage)
 
         def receive(blocks: list[torch.Tensor]) -> None:
             for stage, own in zip(stages, owns):
@@ -150,7 +148,7 @@ class EmulatedWorld:
 
 
 def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: torch.Tensor,
-           stage: exchange.Stage, skip: int | None) -> None:
+           stage: ulysses_stages.Stage, skip: int | None) -> None:
     """What the copy kernel does for one stage on this rank: the chunk from rank i becomes rows of
     row_bytes at the placement's strides from byte out_offset of the output. `source(i)` is the
     buffer holding that chunk and its slot there: rank i's buffer, slot `rank` (pulled), or this
@@ -360,14 +358,7 @@ class PackedAllToAllSinglePushTest(_Pushed, PackedAllToAllSingleTest):
 def test_kernel_packs_under_interpreter() -> None:
     """The cases that need the pack kernel, in a subprocess where Triton interprets (it decides when a
     kernel is defined)."""
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "PushTest or KernelTest", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, "PushTest or KernelTest")
 
 
 class _Staged:
@@ -421,10 +412,10 @@ class SlicesTest(TestCase):
 
 class PlacementTest(TestCase):
     def test_only_whole_packs(self) -> None:
-        self.assertTrue(exchange.Placement(64, 32, 96, 32).supported())
-        self.assertFalse(exchange.Placement(48, 24, 48, 24).supported())  # 24-byte rows
-        self.assertFalse(exchange.Placement(64, 48, 96, 48).supported())  # rows do not tile the chunk
-        self.assertFalse(exchange.Placement(0, 16, 16, 16).supported())
+        self.assertTrue(exchange.copyable(ulysses_stages.Placement(64, 32, 96, 32)))
+        self.assertFalse(exchange.copyable(ulysses_stages.Placement(48, 24, 48, 24)))  # 24-byte rows
+        self.assertFalse(exchange.copyable(ulysses_stages.Placement(64, 48, 96, 48)))  # rows do not tile the chunk
+        self.assertFalse(exchange.copyable(ulysses_stages.Placement(0, 16, 16, 16)))
 
 
 class ValidationTest(TestCase):

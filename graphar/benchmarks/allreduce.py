@@ -270,19 +270,20 @@ def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], 
     common.write_report(text, path, charts(results, s), f"{title}, {gpu}, world size {world_size}", final)
 
 
+def _fake_latency(rng: random.Random, s: Settings, nbytes: int, name: str) -> common.Cell:
+    """A dry run's cell: a latency that grows with size, as real ones do; "-" past graphar's kernels'
+    sizes, "err" for the two-shot in fp16. Drawn for every cell, so each keeps its number."""
+    fake = (6 + nbytes / 40e3) * rng.uniform(0.7, 1.3)
+    if name.startswith("graphar") and nbytes > 8 * MB:
+        return "-"
+    return "err" if name == TWO_SHOT and s.dtype == "fp16" else fake
+
+
 def dry_run(s: Settings, out: Path | None) -> None:
     """The formatting path on fake numbers: no GPU, no graphar needed."""
     rng = random.Random(0)
-    results: dict[tuple, common.Cell] = {}
-    for mode in s.modes:
-        for nbytes in s.sizes:
-            for name in column_names(mode):
-                fake: common.Cell = (6 + nbytes / 40e3) * rng.uniform(0.7, 1.3)  # grows with size, as real ones do
-                if name.startswith("graphar") and nbytes > 8 * MB:
-                    fake = "-"
-                elif name == TWO_SHOT and s.dtype == "fp16":
-                    fake = "err"
-                results[(mode, nbytes, name)] = fake
+    results = {(mode, nbytes, name): _fake_latency(rng, s, nbytes, name)
+               for mode in s.modes for nbytes in s.sizes for name in column_names(mode)}  # fmt: skip
     reasons = {TWO_SHOT: "dry run: pretend it raised"} if s.dtype == "fp16" else {}
     path = common.results_path("allreduce", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(results, s, 2, reasons, common.DRY_RUN_GPU, path)

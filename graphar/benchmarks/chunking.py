@@ -246,10 +246,8 @@ def run_shape(shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[tuple,
 
 
 def worker(s: Settings, out: Path | None) -> None:
-    reasons: dict[str, str] = {}
     common.progress(f"timing {len(s.shapes)} shapes x {len(s.backends)} backends on one GPU")
-    common.run_units(s.shapes, lambda shape: shape.label, lambda shape: run_shape(shape, s, reasons),
-                     common.reporter("chunking", s, "shapes", write, reasons, out))  # fmt: skip
+    common.run_shapes("chunking", s, lambda shape: shape.label, run_shape, write, out)
 
 
 def main(args: argparse.Namespace, s: Settings) -> int:

@@ -12,6 +12,7 @@
     time_host(run, iters, repeats)      median host time of `iters` calls of run() until the GPU is idle, us/call
     run_units(units, label, run, write) run unit by unit; after each, rank 0 rewrites the report so far
     reporter(name, s, field, write, ...) run_units' `write` for a benchmark's report file
+    run_shapes(name, s, label, run_shape, write, out)   a one-GPU benchmark's run over s.shapes, reported
     overriding(obj, attr, value)        obj.attr = value within a with block, the old value restored after
     derived(a, b, fmt, op)              a cell computed from two (a ratio by default), "-" unless both are times
     header(mode, world_size)            GPU, world size, torch/NCCL/graphar versions, commit, date, mode
@@ -303,6 +304,16 @@ def reporter(name: str, s: Any, field: str, write: Writer, reasons: dict[str, st
         write(cells, dataclasses.replace(s, **{field: done}), world_size, reasons, gpu, path, final)
 
     return report_so_far
+
+
+def run_shapes(name: str, s: Any, label: Callable[[Any], str],
+               run_shape: Callable[[Any, Any, dict[str, str]], Mapping[Any, Cell]], write: Writer,
+               out: Path | None) -> None:  # fmt: skip
+    """A one-GPU benchmark's run (chunking, pack): run_shape(shape, s, reasons) for each of `s.shapes`,
+    its report `name` rewritten after each (`run_units`, `reporter`)."""
+    reasons: dict[str, str] = {}
+    run_units(s.shapes, label, lambda shape: run_shape(shape, s, reasons),
+              reporter(name, s, "shapes", write, reasons, out))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -232,10 +232,8 @@ def worker(s: Settings, out: Path | None) -> None:
     if not kernels.triton_available():
         raise SystemExit("Triton is not installed: graphar's pack kernel cannot run")
     torch.manual_seed(0)
-    reasons: dict[str, str] = {}
     common.progress(f"timing {len(OPS)} layouts at {len(s.shapes)} shapes on one GPU")
-    common.run_units(s.shapes, lambda shape: shape.layout_label, lambda shape: run_shape(shape, s, reasons),
-                     common.reporter("pack", s, "shapes", write, reasons, out))  # fmt: skip
+    common.run_shapes("pack", s, lambda shape: shape.layout_label, run_shape, write, out)
 
 
 def main(args: argparse.Namespace, s: Settings) -> int:

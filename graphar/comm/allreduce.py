@@ -139,7 +139,10 @@ class AllReduce:
         self._closed_by: dict[int, set[int]] = {}
         self._calls = 0
         self._native_calls_before = comm.native_calls()  # the C++ kernel counts per group name
-        self._fallbacks_seen: set[tuple[torch.dtype, int]] = set()
+        # Why the last call `try_all_reduce` refused runs on no kernel: decided there, once, and read by
+        # the op's log and `all_reduce`'s error. Set only on a refusal, so a served call pays nothing.
+        self.refusal: str | None = None
+        self._fallbacks_seen: set[str] = set()
         self._fallbacks_said: set[str] = set()
 
     @property
@@ -214,40 +217,45 @@ class AllReduce:
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` (a sum) runs on the custom kernels; otherwise use NCCL.
-        False once the communicator is closed or broken (a call would raise)."""
-        return self.comm.usable and self._refusal(x, None) is None
+        False once the communicator is closed or broken (a call would raise). The question
+        `try_all_reduce` answers, asked without a call."""
+        comm = self.comm
+        return (comm.usable and ineligible_reason(x, comm.device, comm.max_bytes) is None
+                and self._policy.pick(x.nbytes, policy.EAGER) is not None)  # fmt: skip
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""
         out = self.try_all_reduce(x, algo)
         if out is None:
-            reason = self._refusal(x, algo)
-            raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {reason}")
+            raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {self.refusal}")
         return out
 
-    def say_why_not(self, x: torch.Tensor) -> None:
-        """Log why a call of `x` runs on the collective instead, once per group and kind of reason
-        (sizes aside): the op's fallback is never silent, and a loop of such calls is not noisy."""
-        seen = (x.dtype, x.nbytes)  # what decides the reason here: a loop of such calls pays one set lookup
-        if seen in self._fallbacks_seen:
+    def say_why_not(self) -> None:
+        """Log why the call `try_all_reduce` just refused runs on the collective instead (`refusal`), once
+        per group and kind of reason (sizes aside): the op's fallback is never silent, and a loop of
+        such calls is not noisy (it pays one set lookup)."""
+        reason = self.refusal
+        if reason is None or reason in self._fallbacks_seen:
             return
-        self._fallbacks_seen.add(seen)
-        reason = self._refusal(x, None)
-        kind = re.sub(r"\d+", "N", reason or "")
-        if reason is not None and kind not in self._fallbacks_said:
+        self._fallbacks_seen.add(reason)
+        kind = re.sub(r"\d+", "N", reason)
+        if kind not in self._fallbacks_said:
             self._fallbacks_said.add(kind)
             logger.info("graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
                         self.group_name, reason)  # fmt: skip
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
-        """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL).
+        """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL), with
+        the reason in `refusal`: this is the one place a call is refused.
 
         The op's path, kept lean: one eligibility pass, a cached kernel pick, a capture query only
         where the pick depends on it, one allocation (the output) and one call into the library.
         """
         comm = self.comm
         comm.check()
-        if ineligible_reason(x, comm.device, comm.max_bytes) is not None:
+        reason = ineligible_reason(x, comm.device, comm.max_bytes)
+        if reason is not None:
+            self.refusal = reason
             return None
         nbytes = x.nbytes
         picks = self._policy.picks(nbytes, algo)
@@ -258,7 +266,8 @@ class AllReduce:
             chosen = picks.graph
         else:
             chosen = picks.eager
-        if chosen is None:
+        if chosen is None:  # only a forced kernel leaves a size without one, in every capture mode alike
+            self.refusal = f"{nbytes} bytes is over the limits of the forced kernel {algo or self._policy.forced!r}"
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
@@ -303,12 +312,6 @@ class AllReduce:
         ))  # fmt: skip
         self._calls += 1
         return normed, summed
-
-    def _refusal(self, x: torch.Tensor, algo: str | None) -> str | None:
-        reason = ineligible_reason(x, self.comm.device, self.comm.max_bytes)
-        if reason is None and self.policy.pick(x.nbytes, policy.EAGER, algo) is None:
-            reason = f"{x.nbytes} bytes is over the limits of the forced kernel {algo or self.policy.forced!r}"
-        return reason
 
     # ---- CUDA-graph capture (graphar.graphs) --------------------------------------------------
 

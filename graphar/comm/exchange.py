@@ -1,7 +1,8 @@
 """All-to-all over CUDA IPC: the Ulysses exchanges of a group that has a graphar communicator.
 
-`run(out, stages, nbytes)` moves one chunk per destination rank in one of two ways
-(`GRAPHAR_ALLTOALL_ALGO`, equal on every rank):
+`run(out, plan)` runs a plan the op body made whole beforehand (graphar.comm.ulysses_stages: data, no
+call goes back to it), packing with graphar's kernel (graphar.kernels.pack). It moves one chunk per
+destination rank in one of two ways (`GRAPHAR_ALLTOALL_ALGO`, equal on every rank):
 - pull: the pack writes the chunks destination-major into this rank's exchange buffer, then every
   rank reads chunk `rank` of every rank's buffer over the link straight into its output;
 - push: the pack stores chunk j straight into rank j's buffer, at this rank's slot (the link crossed
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +41,7 @@ import torch
 from graphar import pool, settings
 from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, PATH_CAPTURED_COPY, PATH_EAGER
 from graphar.comm.rendezvous import first_reason
+from graphar.comm.ulysses_stages import Placement, Plan, Stage
 from graphar.errors import GrapharCommError, GrapharCudaError
 from graphar.kernels import pack
 
@@ -52,24 +54,15 @@ def pull_blocks() -> int:
     return settings.PULL_BLOCKS.get()
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where the chunk from rank i lands in the output: `chunk_bytes / row_bytes` rows of `row_bytes`,
-    row k at byte `i * dst_chunk_stride + k * dst_row_stride`."""
+def copyable(p: Placement) -> bool:
+    """Whether the copy kernel can place it: 16-byte packs throughout."""
+    values = (p.chunk_bytes, p.row_bytes, p.dst_row_stride, p.dst_chunk_stride)
+    return p.chunk_bytes > 0 and p.chunk_bytes % p.row_bytes == 0 and all(v % 16 == 0 for v in values)
 
-    chunk_bytes: int
-    row_bytes: int
-    dst_row_stride: int
-    dst_chunk_stride: int
 
-    def contiguous(self) -> bool:
-        """Whether a chunk lands as one run of bytes."""
-        return self.chunk_bytes == self.row_bytes or self.dst_row_stride == self.row_bytes
-
-    def supported(self) -> bool:
-        """Whether the kernel can copy it: 16-byte packs throughout."""
-        values = (self.chunk_bytes, self.row_bytes, self.dst_row_stride, self.dst_chunk_stride)
-        return self.chunk_bytes > 0 and self.chunk_bytes % self.row_bytes == 0 and all(v % 16 == 0 for v in values)
+def _one_run(p: Placement) -> bool:
+    """Whether a chunk lands as one run of bytes."""
+    return p.chunk_bytes == p.row_bytes or p.dst_row_stride == p.row_bytes
 
 
 @dataclass(frozen=True)
@@ -85,6 +78,10 @@ class Destination:
     addresses: Sequence[int] = ()
     own: torch.Tensor | None = None
     guard: torch.Tensor | None = None  # the pack kernel's (graphar.kernels.pack.relayout): the failed flag
+
+    def fill(self, stage: Stage) -> None:
+        """Pack `stage`'s sources into their chunks here (graphar's kernel wherever `chunks` is shifted)."""
+        pack.pack_chunks(stage.sources, self.chunks(stage.chunks, stage.sources[0].dtype), self.guard)
 
     def chunks(self, shape: Sequence[int], dtype: torch.dtype) -> pack.Dst:
         """The chunks as `shape` `[P, ...]` of `dtype`: a tensor when they lie destination-major in this
@@ -109,20 +106,6 @@ def _typed(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch
     return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One step of an exchange: `pack(destination)` writes this stage's chunks from byte `src_offset`
-    of the exchange buffers; the copy places them from byte `out_offset` of the output."""
-
-    pack: Callable[[Destination], object]
-    placement: Placement
-    src_offset: int
-    out_offset: int
-    # The pack is graphar's kernel (graphar.kernels.pack.kernel_serves), which places chunks anywhere:
-    # into the peers' buffers (push), this rank's own chunk straight into the output.
-    kernel_pack: bool = False
-
-
 def memory_from(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     """Bytes [start, start + nbytes) counted from t's first element, whatever t's strides: the memory
     the copy kernel addresses from `t.data_ptr()` (the output may be a run of heads of a larger tensor)."""
@@ -131,10 +114,10 @@ def memory_from(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
 
 
 def own_chunk(out: torch.Tensor, stage: Stage, rank: int) -> torch.Tensor | None:
-    """The bytes of `out` where this rank's own chunk of `stage` lands, when its pack can write them
-    directly (the pack kernel, one run of bytes); else None."""
+    """The bytes of `out` where this rank's own chunk of `stage` lands, when its pack (graphar's kernel,
+    which places chunks anywhere) can write them directly: one run of bytes there; else None."""
     p = stage.placement
-    if not stage.kernel_pack or not p.contiguous():
+    if not _one_run(p):
         return None
     return memory_from(out, stage.out_offset + rank * p.dst_chunk_stride, p.chunk_bytes)
 
@@ -193,16 +176,21 @@ class IpcExchange:
         """Whether `t` lives on this communicator's GPU."""
         return t.device.type == "cuda" and t.device.index == self.comm.device
 
-    def run(self, out: torch.Tensor, stages: Sequence[Stage], nbytes: int) -> bool:
-        """Exchange every stage (`nbytes` of chunks per rank in all) into `out`, pushed when the setting
-        asks, else pulled; this stream continues after the last copy. False, with nothing done, when
-        the stages cannot run here (a placement the kernel cannot copy, a pack that is not graphar's
+    def run(self, out: torch.Tensor, plan: Plan) -> bool:
+        """Exchange every stage of `plan` into `out`, pushed when the setting asks, else pulled; this
+        stream continues after the last copy. False, with nothing done, when the plan cannot run here
+        (`out` on another device, a placement the kernel cannot copy, a pack that is not graphar's
         kernel, or a capture the buffer is too small for): the caller then uses NCCL. Collective when
         the buffer grows."""
-        self.comm.check()
-        if not all(stage.placement.supported() for stage in stages):
+        if not self.serves(out):
             return False
-        if not all(stage.kernel_pack for stage in stages):  # dtypes, layouts and Triton: equal on every rank
+        self.comm.check()
+        stages, nbytes = plan.stages, plan.nbytes
+        if not all(copyable(stage.placement) for stage in stages):
+            return False
+        # Dtypes, layouts and Triton: equal on every rank. The kernel alone places chunks anywhere (the
+        # peers' buffers, this rank's own chunk in `out`) and respects the exchange's lease.
+        if not pack.kernel_serves([src for stage in stages for src in stage.sources]):
             self._tell_once("pack", "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
                             "take), which alone respects the exchange's lease")
             return False
@@ -238,7 +226,7 @@ class IpcExchange:
         p = stage.placement
         own = own_chunk(out, stage, self.comm.rank)
         addresses = self._addresses if self.push else ()
-        stage.pack(Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard))
+        Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard).fill(stage)
         flags = (A2A_PUSHED if self.push else 0) | (A2A_OWN_PLACED if own is not None else 0)
         flags |= A2A_LAST if last else 0
         args = (mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes, p.row_bytes,

@@ -17,12 +17,13 @@ so every path gives the results of separate `all_to_all_single`s bit for bit. Th
 depends only on shapes, dtypes and the world size, equal on every rank.
 
 Transport: a group with a graphar communicator (`graphar.init(group)`, or set up at the group's first
-eager exchange: `set_up.serving`) exchanges over CUDA IPC
-(`graphar.comm.exchange`, in the stages graphar.comm.ulysses_stages plans): the pack writes into the
-rank's registered exchange buffer and each rank pulls its chunks from the peers straight into the
-result, the receive relayout folded into the copy; or (`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores
-each chunk straight into its rank's buffer. Other groups, and captures whose exchange buffer is too
-small, use NCCL's `all_to_all_single` through staging buffers from `graphar.pool`.
+eager exchange: `set_up.serving`) exchanges over CUDA IPC: the body makes the exchange's whole plan
+(graphar.comm.ulysses_stages) and hands it to the exchange (`graphar.comm.exchange`), which calls
+nothing back. The pack writes into the rank's registered exchange buffer and each rank pulls its
+chunks from the peers straight into the result, the receive relayout folded into the copy; or
+(`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores each chunk straight into its rank's buffer. Other
+groups, and captures whose exchange buffer is too small, use NCCL's `all_to_all_single` through
+staging buffers from `graphar.pool`.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str
         raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
 
 
-def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]],
-         nbytes: int) -> bool:
-    """Run `stages()` over the group's IPC exchange into `out`; False (nothing done) for NCCL."""
-    ex = _ipc_exchange(group_name, like.device)
-    return ex is not None and ex.serves(like) and ex.run(out, stages(), nbytes)
+def _ipc(group_name: str, out: torch.Tensor, plan: Callable[[], ulysses_stages.Plan]) -> bool:
+    """Run the exchange `plan()` plans over the group's IPC exchange into `out`; False (nothing done)
+    for NCCL. The whole plan is made before the exchange runs, which calls nothing back."""
+    ex = _ipc_exchange(group_name, out.device)
+    return ex is not None and ex.run(out, plan())
 
 
 def _ipc_exchange(group_name: str, device: torch.device) -> exchange.IpcExchange | None:
@@ -74,7 +75,7 @@ def qkv_exchange(xs: Sequence[torch.Tensor], group_name: str) -> torch.Tensor:
     s_local = s_global // p
     shape = (p, b, s_local, heads, d)
     out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
-    if _ipc(group_name, q, out, lambda: ulysses_stages.qkv_stages(xs, p, heads), pool.nbytes(shape, q.dtype)):
+    if _ipc(group_name, out, lambda: ulysses_stages.qkv_plan(xs, p, heads)):
         return out
     send = pool.staging(_QKV_SEND, shape, q.dtype, q.device)
     pack.pack_heads(xs, p, send)
@@ -105,7 +106,7 @@ def output_exchange(o: torch.Tensor, group_name: str, out: torch.Tensor | None =
         raise ValueError(f"output_exchange: out ({out.dtype} on {out.device}, address {out.data_ptr():#x}) is not "
                          f"16-byte aligned {o.dtype} on {o.device}, as o is")  # fmt: skip
     token_bytes = out.stride(1) * out.element_size()
-    if _ipc(group_name, o, out, lambda: ulysses_stages.output_stages(o, p, token_bytes), pool.nbytes(shape, o.dtype)):
+    if _ipc(group_name, out, lambda: ulysses_stages.output_plan(o, p, token_bytes)):
         return out
     if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
         send = o
@@ -130,7 +131,7 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     torch.cat([x.reshape(p, w) for x, w in zip(xs, widths)], dim=1, out=send)
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
     row = total * dtype.itemsize
-    if not _ipc(group_name, xs[0], recv, lambda: [ulysses_stages.packed_stage(send, row)], p * row):
+    if not _ipc(group_name, recv, lambda: ulysses_stages.packed_plan(send, row)):
         _all_to_all(recv, send, group_name, "packed_all_to_all_single")
     outs = []
     offset = 0

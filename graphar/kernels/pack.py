@@ -11,7 +11,8 @@ into rank j's buffer over the link, and a rank's own chunk goes straight into it
 
 The layouts (P = world size, S = local sequence length, h_c = heads of tensor c):
 - `pack_heads`: send side of sequence -> heads. `packed[j, bi, si, o_c + l, e] = X_c[bi, si, j*h_c/P + l, e]`,
-  with `o_c` the heads of the earlier tensors over P: Q, K and V (K/V may have fewer heads) side by side.
+  with `o_c` the heads of the earlier tensors over P: Q, K and V (K/V may have fewer heads) side by side
+  (`pack_chunks`, which packs any `[P, b, s, h_c, d]` views so: an IPC exchange's stages).
 - `gather_sequence`: receive side for b > 1, `[P, b, S, H, d] -> [b, P*S, H, d]` (for b == 1 it is a view).
 - `pack_sequence`: send side of heads -> sequence, `[b, P*S, h, d] -> [P, b, S, h, d]`.
 - `gather_heads`: receive side of heads -> sequence, `[P, b, S, h, d] -> [b, S, P*h, d]`.
@@ -258,16 +259,21 @@ def _heads(out: Dst, start: int, stop: int) -> Dst:
     return out[:, :, :, start:stop]
 
 
-def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst, guard: torch.Tensor | None = None) -> bool:
-    """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]` (`guard`: relayout's)."""
+def pack_chunks(srcs: Sequence[torch.Tensor], out: Dst, guard: torch.Tensor | None = None) -> bool:
+    """Copy `[P, b, S, h_c, d]` sources side by side along the heads into `out` `[P, b, S, sum(h_c), d]`
+    (`guard`: relayout's): what every stage of an IPC exchange packs (graphar.comm.exchange)."""
     offset = 0
     pairs: list[Pair] = []
-    for x in xs:
-        h_local = x.shape[2] // world_size
-        src = x.unflatten(2, (world_size, h_local)).permute(2, 0, 1, 3, 4)
-        pairs.append((_heads(out, offset, offset + h_local), src))
-        offset += h_local
+    for src in srcs:
+        pairs.append((_heads(out, offset, offset + src.shape[3]), src))
+        offset += src.shape[3]
     return relayout(pairs, guard)
+
+
+def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst, guard: torch.Tensor | None = None) -> bool:
+    """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]` (`guard`: relayout's)."""
+    return pack_chunks([x.unflatten(2, (world_size, x.shape[2] // world_size)).permute(2, 0, 1, 3, 4) for x in xs],
+                       out, guard)
 
 
 def gather_sequence(recv: torch.Tensor, out: torch.Tensor) -> bool:
