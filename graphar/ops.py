@@ -38,6 +38,7 @@ import torch
 
 from graphar.comm import overlap, ulysses, ulysses_shapes
 from graphar.comm.set_up import serving
+from graphar.kernels import rms_norm
 
 c10d = torch.ops._c10d_functional
 
@@ -157,7 +158,8 @@ def unfused_add_rms_norm(
     """Residual add and RMSNorm as the matched graph computes them, rounding for rounding: the norm
     in float32, then the cast back to the sum's dtype and the weight multiply, in HF LlamaRMSNorm's
     order (cast, then weight) or, with `weight_first`, in `F.rms_norm`'s (weight in float32, then
-    cast). It serves what the fused kernel cannot take."""
+    cast). The reference of the fallback's norm (`add_rms_norm`), and the norm where its kernel cannot
+    take the tensors."""
     h = summed if residual is None else summed + residual
     v = h.float()
     normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
@@ -185,15 +187,28 @@ def all_reduce_add_rms_norm(
     `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim;
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
     shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
+    # Flat and aligned, as the kernels read them: which kernel serves then depends on shapes alone,
+    # equal on every rank, never on where a rank's tensors happen to start.
+    residual, weight = (t if t is None else _flat(t) for t in (residual, weight))
     comm = serving(group_name, x.device)
     if comm is not None:
-        # Flat and aligned, as the kernel reads them: whether it fuses then depends on shapes alone,
-        # equal on every rank, never on where a rank's tensors happen to start.
-        x, residual, weight = (t if t is None else _flat(t) for t in (x, residual, weight))
+        x = _flat(x)
         fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused
-    return unfused_add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)
+    return add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)
+
+
+def add_rms_norm(
+    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    weight_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unfused_add_rms_norm`'s results in one Triton launch where the kernel takes the tensors
+    (graphar.kernels.rms_norm), else by torch's ops: the norm of the fused op's fallback, which then
+    costs what Inductor's unfused graph costs, the all-reduce and one norm kernel."""
+    dtypes = add_rms_norm_dtypes(summed, residual, weight, weight_first)
+    out = rms_norm.add_rms_norm(summed, residual, weight, eps, weight_first, dtypes)
+    return out if out is not None else unfused_add_rms_norm(summed, residual, weight, eps, weight_first)
 
 
 def _all_reduce_add_rms_norm_fake(

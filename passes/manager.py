@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from graphar import settings
 from graphar.config import Config
 
 from .all_reduce import rewrite_all_reduces
@@ -110,23 +111,27 @@ class GrapharPass(CustomGraphPass):
                 return None  # an uncacheable pass before us makes the whole graph uncacheable
         import graphar
 
-        extra = "|".join(
-            [graphar.__version__, torch.__version__, self.config.cache_key(), str(_world_size()), repr(previous_key)]
-        )
-        return get_hash_for_files(hashed_files(), extra=extra)
+        keys = [graphar.__version__, torch.__version__, self.config.cache_key(), str(_world_size()), repr(previous_key),
+                str(settings.ALLREDUCE_ALGO.get())]  # the norm fusion reads the forced kernel (passes/norm.py)
+        return get_hash_for_files(hashed_files(), extra="|".join(keys))
 
 
 def hashed_files() -> tuple[str, ...]:
-    """The files whose contents key the compiled graph: the passes and the chunk rule they read
-    (graphar.comm.overlap), and every file that decides an op's output: the ops and their fakes
-    (graphar.ops) and the shapes the fakes give (graphar.comm.ulysses_shapes). A fake's sizes and
-    strides shape the graph Inductor compiles; the ops' bodies do not (tests/test_backend.py finds
-    the files the fakes reach, and edits each)."""
+    """The files whose contents key the compiled graph: the passes and the rules they read (the chunk
+    rule, graphar.comm.overlap; what the fused norm kernel takes, graphar.comm.fused_norm, with its
+    row bound in graphar._cuda and its largest message in graphar.comm.policy), and every file that
+    decides an op's output: the ops and their fakes (graphar.ops) and the shapes the fakes give
+    (graphar.comm.ulysses_shapes). A fake's sizes and strides shape the graph Inductor compiles; the
+    ops' bodies do not (tests/test_backend.py finds the files the fakes reach, and edits each)."""
+    import graphar._cuda
+    import graphar.comm.fused_norm
     import graphar.comm.overlap
+    import graphar.comm.policy
     import graphar.comm.ulysses_shapes
     import graphar.ops
 
-    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, graphar.comm.overlap.__file__)
+    rules = (graphar.comm.overlap, graphar.comm.fused_norm, graphar._cuda, graphar.comm.policy)
+    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, *(m.__file__ for m in rules))
 
 class _Report:
     """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""

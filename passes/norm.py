@@ -11,7 +11,11 @@ Runs after the all-reduce rewrite, on the post-grad graph, where an RMSNorm (HF'
 
 `h` may flow on (the next block's residual): it becomes the op's second result. An all-reduce that
 feeds the norm with no add fuses as well (residual=None). Anything else is left alone, its reason
-logged. Only graph structure, shapes and dtypes decide, so every rank rewrites alike.
+logged; so is a norm the fused kernel can be proven never to take (graphar.comm.fused_norm: dtypes,
+static sizes over its bounds, GRAPHAR_ALLREDUCE_ALGO forcing a kernel with no fused form): the op
+would run the all-reduce and the norm apart on every call, where Inductor compiles the norm into one
+kernel of its own. Only graph structure, shapes, dtypes and GRAPHAR_ALLREDUCE_ALGO (equal on every
+rank, checked at set-up; part of the cache key) decide, so every rank rewrites alike.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphar import settings
+from graphar.comm import fused_norm, policy
 from graphar.config import Config
 from graphar.ops import add_rms_norm_dtypes
 
@@ -233,7 +240,20 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
         return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {normed}"
     if match.norm.h.meta["val"].dtype != summed:
         return f"the residual sum is {match.norm.h.meta['val'].dtype}, the fused op's would be {summed}"
-    return match
+    never = _never_fused(match)
+    return match if never is None else f"the fused kernel would never take it: {never}"
+
+
+def _never_fused(match: _NormMatch) -> str | None:
+    """Why no call of `match` could run the fused kernel, as far as the graph and the settings prove
+    it; None when some call may (a symbolic size is checked by the op at each call)."""
+    forced = settings.ALLREDUCE_ALGO.get()
+    if not policy.fuses_norm(forced):
+        return f"GRAPHAR_ALLREDUCE_ALGO={forced!r} forces a kernel with no fused form"
+    x = _val(match.x)
+    dtypes = (None if t is None else _val(t).dtype for t in (match.residual, match.norm.weight))
+    return fused_norm.refusal(x.dtype, *dtypes, x.shape[-1] * x.element_size(), x.numel() * x.element_size(),
+                              policy.FUSED_NORM_CEILING, statically_known_true)  # fmt: skip
 
 
 def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:

@@ -67,6 +67,14 @@ def test_uuid_is_stable_and_follows_config_and_world_size(fake_world) -> None:
     assert GrapharPass(Config()).uuid() != two
 
 
+def test_uuid_follows_the_forced_kernel(monkeypatch) -> None:
+    """The norm fusion leaves a norm alone when GRAPHAR_ALLREDUCE_ALGO forces a kernel with no fused form."""
+    monkeypatch.delenv("GRAPHAR_ALLREDUCE_ALGO", raising=False)
+    table = GrapharPass(Config()).uuid()
+    monkeypatch.setenv("GRAPHAR_ALLREDUCE_ALGO", "1stage")
+    assert GrapharPass(Config()).uuid() != table
+
+
 def test_uuid_covers_every_file_that_defines_an_op_or_a_fake() -> None:
     root = Path(graphar.__file__).parent
     defining = {str(p) for p in root.rglob("*.py") if re.search(r"custom_op\(|register_fake", p.read_text())}

@@ -3,7 +3,9 @@ group, no GPU): every form a norm takes after Inductor's decompositions, and wha
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -11,10 +13,13 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
+from graphar import _cuda
+from graphar.comm import policy
 from graphar.config import Config
-from tests._graphs import init_fake_world, post_grad_graphs
+from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 
 FUSE = Config(fuse_norm=True)
+NEVER = "the fused kernel would never take it: "  # the norms the pass can prove no call would fuse
 
 
 def _hf_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float | torch.Tensor = 1e-6, dim: int = -1):
@@ -147,19 +152,70 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_upcast_all_reduce_into_fp32_residual(self) -> None:
+        """The fused kernel takes a residual of the all-reduce's dtype only: fused, every call would run
+        the all-reduce and the norm apart, where Inductor makes the norm one kernel of its own."""
         def block(x, w, residual, weight):
             h = _row_parallel(x, w).to(torch.float32) + residual
             return _hf_rms_norm(h, weight), h
 
-        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16, torch.float32)), """\
+        reason = NEVER + "the residual is torch.float32, the kernel takes only the input's dtype (torch.bfloat16)"
+        self.assertExpectedInline(self._left_alone(block, reason, *_inputs(torch.bfloat16, torch.float32)), """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
-        all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0', False);  mm = arg2_1 = arg3_1 = None
-        getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0]
-        getitem_1: "f32[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
-        return (getitem, getitem_1)
+        all_reduce_default: "bf16[4, 16]" = torch.ops.graphar.all_reduce.default(mm, '0');  mm = None
+        convert_element_type_2: "f32[4, 16]" = torch.ops.prims.convert_element_type.default(all_reduce_default, torch.float32);  all_reduce_default = None
+        add: "f32[4, 16]" = torch.ops.aten.add.Tensor(convert_element_type_2, arg2_1);  convert_element_type_2 = arg2_1 = None
+        pow_1: "f32[4, 16]" = torch.ops.aten.pow.Tensor_Scalar(add, 2)
+        mean: "f32[4, 1]" = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
+        add_1: "f32[4, 1]" = torch.ops.aten.add.Tensor(mean, 1e-06);  mean = None
+        rsqrt: "f32[4, 1]" = torch.ops.aten.rsqrt.default(add_1);  add_1 = None
+        mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, rsqrt);  rsqrt = None
+        mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, mul);  arg3_1 = mul = None
+        return (mul_1, add)
 """)
+
+    def test_weight_of_another_dtype(self) -> None:
+        x, w, residual, weight = _inputs(torch.bfloat16)
+        self._left_alone(_hf_block, NEVER + "the weight is torch.float32, the kernel takes only the input's dtype",
+                         x, w, residual, weight.float())
+
+    def test_rows_not_a_multiple_of_16_bytes(self) -> None:
+        x, w, residual, weight = (t[..., :12] for t in _inputs(torch.bfloat16))  # 24-byte rows
+        self._left_alone(_hf_block, NEVER + "rows of 24 bytes are not a multiple of 16", x, w, residual, weight)
+
+    def test_rows_over_the_kernel_bound(self) -> None:
+        hidden, bound = _cuda.NORM_MAX_ROW_BYTES // 4 + 4, _cuda.NORM_MAX_ROW_BYTES
+        args = torch.randn(2, 8), torch.randn(8, hidden), torch.randn(2, hidden), torch.randn(hidden)
+        self._left_alone(_hf_block, NEVER + f"rows of {hidden * 4} bytes are over the kernel's {bound}", *args)
+
+    @staticmethod
+    def _over_the_largest_fused_norm() -> tuple[torch.Tensor, ...]:
+        """float32 rows of 64 bytes, one more than any communicator's fused norm takes."""
+        rows = policy.FUSED_NORM_CEILING // 64 + 1
+        return torch.randn(rows, 8), torch.randn(8, 16), torch.randn(rows, 16), torch.randn(16)
+
+    def test_static_size_over_the_largest_fused_norm(self) -> None:
+        args = self._over_the_largest_fused_norm()
+        reason = f"{args[2].nbytes} bytes are over the fused norm's {policy.FUSED_NORM_CEILING}"
+        self._left_alone(_hf_block, NEVER + reason, *args)
+
+    def test_symbolic_size_fuses_and_the_op_checks_each_call(self) -> None:
+        """Prefill under dynamic shapes: some batch may fit, so it fuses; and nothing is guarded on the size."""
+        args = self._over_the_largest_fused_norm()
+        for t in (args[0], args[2]):
+            torch._dynamo.mark_dynamic(t, 0)
+        recorders: list = []
+        ((_, _, counts),) = all_post_grad_graphs(_hf_block, *args, config=FUSE, recorders=recorders)
+        self.assertEqual(counts, {"all_reduce_add_rms_norm": 1})
+        self.assertEqual(recorders[0].new_facts, [])
+
+    def test_forced_kernel_without_a_fused_form(self) -> None:
+        with mock.patch.dict(os.environ, {"GRAPHAR_ALLREDUCE_ALGO": "1stage"}):
+            self._left_alone(_hf_block, NEVER + "GRAPHAR_ALLREDUCE_ALGO='1stage' forces a kernel with no fused form",
+                             *_inputs(torch.bfloat16))  # fmt: skip
+        with mock.patch.dict(os.environ, {"GRAPHAR_ALLREDUCE_ALGO": "push-oneshot"}):  # the fused kernel's own
+            self._fused(_hf_block, *_inputs(torch.bfloat16))
 
     def test_default_config_does_not_fuse(self) -> None:
         _, after, counts = post_grad_graphs(_hf_block, *_inputs(torch.bfloat16))

@@ -28,11 +28,12 @@ LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add")  # s
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
-UNFUSED_NORM_STEP = "torch.ops.graphar.all_reduce_add_rms_norm (unfused: the all-reduce, then 7 norm kernels)"
-# That step queues about 9 launches a call (the all-reduce, its ordering event, the norm's 7 ops): at
-# 200 calls a loop the launch queue (about a thousand entries) would fill and the loop time the
-# device, which on one shared GPU waits a time slice at every pull kernel's barrier (1644 us a call
-# was read so with --algo 1stage).
+UNFUSED_NORM_STEP = "torch.ops.graphar.all_reduce_add_rms_norm (unfused: the all-reduce, then "
+# That step queues up to 9 launches a call (the all-reduce, its ordering event, and the norm: one Triton
+# kernel, graphar.kernels.rms_norm, or 7 torch ops where it cannot take the row): at 200 calls a loop
+# the launch queue (about a thousand entries) would fill and the loop time the device, which on one
+# shared GPU waits a time slice at every pull kernel's barrier (1644 us a call was read so with --algo
+# 1stage and torch's 7 ops).
 UNFUSED_NORM_CALLS = 20
 
 
@@ -53,8 +54,10 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     from graphar import _cuda, graphs
     from graphar.comm import abi, policy
     from graphar.comm.allreduce import ineligible_reason
+    from graphar.kernels import rms_norm
 
     x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    norm = "one Triton norm kernel" if rms_norm.serves(x, None, None, (x.dtype, x.dtype)) else "7 norm kernels"
     out = torch.empty_like(x)
     ar = comm.allreduce
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
@@ -82,7 +85,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
             lambda: graphar.ops.all_reduce(x, comm.group_name),
         OP_STEP: lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
         ("torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)"
-         if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else UNFUSED_NORM_STEP):
+         if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else f"{UNFUSED_NORM_STEP}{norm})"):
             lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
         "(for comparison) x.add(0), a plain torch op with an output to allocate, as the all-reduce has": lambda: x.add(0),
@@ -97,7 +100,7 @@ def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
         dist.barrier()  # both ranks time the same step together: the kernels need their peer
         if name == WITHDRAWN_STEP:  # every call of the group handed to the Python kernel, for this step
             native_op.publish(comm.group_name, None)
-        calls = UNFUSED_NORM_CALLS if name == UNFUSED_NORM_STEP else 200 if name.startswith(LAUNCHES) else 2000
+        calls = UNFUSED_NORM_CALLS if name.startswith(UNFUSED_NORM_STEP) else 200 if name.startswith(LAUNCHES) else 2000
         us = _per_call_us(fn, calls)
         if name == WITHDRAWN_STEP:
             comm.allreduce.publish()

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from graphar import _cuda, graphs, settings
-from graphar.comm import policy
+from graphar.comm import fused_norm, policy
 from graphar.comm.abi import (
     ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
     Segments,
@@ -288,19 +288,20 @@ class AllReduce:
         it cannot take them (the caller then runs the all-reduce and the norm apart).
 
         The fused kernel takes rows (x's last dim) of 16-byte multiples up to the kernel's row limit,
-        messages up to the policy's fused limit, and residual and weight of x's dtype, contiguous and
-        aligned: x's shape and the row for the weight.
+        messages up to the policy's fused limit, and residual and weight of x's dtype
+        (graphar.comm.fused_norm, which the pass reads too), contiguous and aligned: x's shape and the
+        row for the weight.
         """
         comm = self.comm
         comm.check()
         if ineligible_reason(x, comm.device, comm.max_bytes) is not None or x.dim() == 0:
             return None
         row_bytes = x.shape[-1] * x.element_size()
-        if row_bytes % 16 or row_bytes > _cuda.NORM_MAX_ROW_BYTES or x.nbytes > self._policy.fused_norm_max:
+        dtypes = (None if t is None else t.dtype for t in (residual, weight))
+        if fused_norm.refusal(x.dtype, *dtypes, row_bytes, x.nbytes, self._policy.fused_norm_max) is not None:
             return None
         for t, shape in ((residual, x.shape), (weight, x.shape[-1:])):
-            if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None
-                                  or t.dtype != x.dtype):  # fmt: skip
+            if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None):
                 return None
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -46,6 +46,15 @@ _UNMEASURED: dict[int, Rows] = {
 # any GPU: 512 KB covers decode (64 tokens of hidden 4096 in bf16), where a one-shot kernel is at home.
 FUSED_NORM_MAX: dict[tuple[int, int], int] = {}
 _FUSED_NORM_UNMEASURED = 512 * KB
+# The largest message any communicator's fused norm takes: a larger one never fuses (passes/norm.py).
+FUSED_NORM_CEILING = max([*FUSED_NORM_MAX.values(), _FUSED_NORM_UNMEASURED])
+
+
+def fuses_norm(forced: str | None) -> bool:
+    """Whether the fused norm kernel serves with this kernel forced (None: none). It is the push
+    one-shot's, so forcing another kernel turns it off: the all-reduce and the norm then run apart,
+    the all-reduce as forced."""
+    return forced in (None, PUSH_ONE_SHOT)
 
 
 class Limits(NamedTuple):
@@ -95,10 +104,8 @@ class Policy:
         self.limits = limits
         self._forced = forced
         self._rows, measured = table(capability_major, world_size)
-        # Bytes of the all-reduce's input; the fused kernel is the push one-shot's, so forcing another
-        # kernel turns it off (the all-reduce and the norm then run apart, the all-reduce as forced).
-        fused = forced in (None, PUSH_ONE_SHOT)
-        self.fused_norm_max = min(measured, limits.push_one_shot) if fused else 0
+        # Bytes of the all-reduce's input.
+        self.fused_norm_max = min(measured, limits.push_one_shot) if fuses_norm(forced) else 0
         self._cache: dict[tuple[int, str | None], Picks] = {}
 
     @property

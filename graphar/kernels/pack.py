@@ -21,12 +21,12 @@ Each returns True when the Triton kernel did the copy.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from graphar.kernels import interpreting, on_device
 
 try:
     import triton
@@ -149,10 +149,6 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _base(dst: Dst) -> torch.Tensor:
     return dst.base if isinstance(dst, Shifted) else dst
 
@@ -167,7 +163,7 @@ def kernel_serves(srcs: Sequence[torch.Tensor]) -> bool:
     """Whether the kernel copies from these sources (so it can write a `Shifted` destination)."""
     if triton is None or not srcs or srcs[0].dtype not in KERNEL_DTYPES:
         return False
-    return all((t.is_cuda or _interpreting()) and t.stride(-1) == 1 for t in srcs)
+    return all((t.is_cuda or interpreting()) and t.stride(-1) == 1 for t in srcs)
 
 
 def _use_triton(pairs: Sequence[Pair]) -> bool:
@@ -217,8 +213,7 @@ def relayout(pairs: Sequence[Pair], guard: torch.Tensor | None = None) -> bool:
     if launch is None:
         return True
     grid, args, constants = launch
-    device = _base(pairs[0][0]).device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with on_device(_base(pairs[0][0]).device):
         _relayout_kernel[grid](*args, **constants, num_warps=4)
     return True
 
@@ -248,7 +243,7 @@ def _launch(pairs: Sequence[Pair],
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
     # The interpreter runs no PTX: there the kernel runs on one device and needs no fence.
     constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
-                     FENCE=bool(shifts) and not _interpreting(), GUARDED=guard is not None)  # fmt: skip
+                     FENCE=bool(shifts) and not interpreting(), GUARDED=guard is not None)  # fmt: skip
     return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), guard, rows, s], constants
 
 
