@@ -29,8 +29,9 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = top.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, module, summary in COMMANDS:
-        command = commands.add_parser(name, help=summary, description=module.__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        command = commands.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return top

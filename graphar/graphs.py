@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+
 class _State(threading.local):
     capture: Capture | None = None  # a class default: reading it costs no AttributeError when unset
 

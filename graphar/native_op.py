@@ -119,8 +119,16 @@ def _load() -> ctypes.CDLL | None:
 
 
 def group_state(
-    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: abi.Segments,
-    fused_norm_max: int, pdl: bool,
+    *,
+    comm: int,
+    lib: ctypes.CDLL,
+    failed: int,
+    max_bytes: int,
+    device: int,
+    rank: int,
+    segments: abi.Segments,
+    fused_norm_max: int,
+    pdl: bool,
 ) -> abi.OpGroup:
     """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of
     its error record, `segments` the eager kernel choice, `fused_norm_max` the fused norm's limit."""

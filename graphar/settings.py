@@ -165,7 +165,9 @@ NATIVE_OP = _switch(
     "built, their Python kernels serve every call (more host time per call)",
 )  # fmt: skip
 BLOCK_LIMIT = _blocks(
-    "GRAPHAR_BLOCK_LIMIT", None, "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)"
+    "GRAPHAR_BLOCK_LIMIT",
+    None,
+    "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
 )
 ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.comm.exchange)
 ALLTOALL_ALGO = Setting(
@@ -174,7 +176,9 @@ ALLTOALL_ALGO = Setting(
     "buffers (pull), or the pack stores each chunk straight into its rank's buffer (push); every rank "
     "must set the same",
 )  # fmt: skip
-PULL_BLOCKS = _blocks("GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)")
+PULL_BLOCKS = _blocks(
+    "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)"
+)
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
 TIMEOUT_S = Setting(

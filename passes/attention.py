@@ -46,8 +46,12 @@ _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 # Inductor's attention kernels, by the name graphar.comm.overlap gives their SDPA backend.
-_KERNEL_NAMES = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_efficient_attention": "efficient",
-                 "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention_for_cpu": "flash"}
+_KERNEL_NAMES = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash",
+}
 
 
 def _sdpa_kernels() -> dict[Any, dict[str, int]]:
@@ -210,8 +214,14 @@ def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
         if reason is not None:
             log.info("graphar: attention before %s left unpipelined: %s", output.name, reason)
             continue
-        log.info("graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %s chunks)",
-                 match.exchange.name, match.sdpa.name, output.name, match.group_name, config.attention_chunks)
+        log.info(
+            "graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %s chunks)",
+            match.exchange.name,
+            match.sdpa.name,
+            output.name,
+            match.group_name,
+            config.attention_chunks,
+        )
         match.replace_with_graphar(chunks)
         count += 1
     return count

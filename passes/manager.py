@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,7 @@ def hashed_files() -> tuple[str, ...]:
 
     return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, graphar.comm.overlap.__file__)
 
+
 class _Report:
     """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""
 
@@ -148,7 +150,7 @@ def report(*_: Any) -> None:
     new = {}
     for key, total in inductor.items():
         if key.startswith(_PREFIX) and total != _report.moved.get(key, 0):
-            new[key[len(_PREFIX):]] = total - _report.moved.get(key, 0)
+            new[key[len(_PREFIX) :]] = total - _report.moved.get(key, 0)
             _report.moved[key] = total
     if new:
         for name, count in new.items():

@@ -230,8 +230,9 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
     if match.norm.weight is not None and depends_on(match.norm.weight, match.norm.h):
         return "the norm's weight is computed from its input"
     # The op sums x from before any upcast, in promote(x, residual): a wider upcast changes h's dtype.
-    normed, summed = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight),
-                                         match.norm.weight_first)
+    normed, summed = add_rms_norm_dtypes(
+        _val(match.x), _val(match.residual), _val(match.norm.weight), match.norm.weight_first
+    )
     if match.norm.out.meta["val"].dtype != normed:
         return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {normed}"
     if match.norm.h.meta["val"].dtype != summed:

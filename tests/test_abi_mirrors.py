@@ -43,8 +43,11 @@ def test_algorithm_codes() -> None:
 
 def test_all_to_all_flags() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_A2A_")
-    assert codes == {"GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED, "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED,
-                     "GRAPHAR_A2A_LAST": abi.A2A_LAST}
+    assert codes == {
+        "GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED,
+        "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED,
+        "GRAPHAR_A2A_LAST": abi.A2A_LAST,
+    }
 
 
 def test_launch_paths() -> None:
@@ -57,7 +60,10 @@ def test_launch_paths() -> None:
 
 def test_return_codes() -> None:
     defines = dict(re.findall(r"#define (GRAPHAR_E?\w+) \((-\d+)\)", _text("graphar_cuda.h")))
-    assert {name: int(v) for name, v in defines.items()} == {"GRAPHAR_EINVAL": abi.EINVAL, "GRAPHAR_CAPTURING": abi.CAPTURING}
+    assert {name: int(v) for name, v in defines.items()} == {
+        "GRAPHAR_EINVAL": abi.EINVAL,
+        "GRAPHAR_CAPTURING": abi.CAPTURING,
+    }
 
 
 def test_barrier_where_codes_are_all_named() -> None:
@@ -135,4 +141,3 @@ def test_op_group_layout() -> None:
     scalar = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
     want = [(name, scalar[t] * abi.OP_MAX_ROWS if array else scalar[t]) for t, name, array in declared]
     assert [(n, f) for n, f in abi.OpGroup._fields_] == want
-

@@ -27,17 +27,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from graphar._launch import end_worker, free_port
 from graphar.__main__ import main
+from graphar._launch import end_worker, free_port
 from graphar.benchmarks import allreduce, cli, common, plot, ranks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
-HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
-            "capture": "# Capture cost of BatchGraphs", "chunking": "# Chunking tax", "compile": "# Compile time",
-            "decode": "# Decode step", "norm": "# Fused all-reduce", "norm-local": "# Fused norm, local part",
-            "pack": "# Ulysses pack kernel",
-            "ulysses": "# Ulysses all-to-all"}
+HEADINGS = {
+    "allreduce": "# All-reduce latency (us)",
+    "attention": "# Ulysses attention block",
+    "capture": "# Capture cost of BatchGraphs",
+    "chunking": "# Chunking tax",
+    "compile": "# Compile time",
+    "decode": "# Decode step",
+    "norm": "# Fused all-reduce",
+    "norm-local": "# Fused norm, local part",
+    "pack": "# Ulysses pack kernel",
+    "ulysses": "# Ulysses all-to-all",
+}
 
 
 def assert_real_png(path: Path) -> None:
@@ -84,7 +91,7 @@ def test_a_report_where_nothing_was_measured_is_written(name: str, tmp_path: Pat
     assert main(["bench", name, "--dry-run", "--quick", "--out", str(tmp_path / "x.md")]) == 0
     monkeypatch.undo()
     cells, *rest = calls[0]
-    module.write({key: "err" for key in cells}, *rest, final=False)
+    module.write(dict.fromkeys(cells, "err"), *rest, final=False)
     assert (tmp_path / "x.md").read_text().startswith(HEADINGS[name])
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "x.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -283,7 +290,9 @@ def test_alone_the_helpers_serve_a_world_of_one(tmp_path: Path) -> None:
     common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit)}, report)
     path = tmp_path / f"t-{common.gpu_slug(common.gpu_name())}.md"
     assert [(w[0], w[1], w[2], w[5], w[6]) for w in written] == [
-        ({(1, "t"): 1.0}, _Units([1]), 1, path, False), ({(1, "t"): 1.0, (2, "t"): 2.0}, _Units([1, 2]), 1, path, True)]
+        ({(1, "t"): 1.0}, _Units([1]), 1, path, False),
+        ({(1, "t"): 1.0, (2, "t"): 2.0}, _Units([1, 2]), 1, path, True),
+    ]
 
 
 def test_reports_name_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,8 +69,9 @@ def test_unknown_command_says_so_and_exits_2(capsys: pytest.CaptureFixture[str])
 
 
 def test_demo_help_helps_without_running_the_demo() -> None:
-    out = subprocess.run([sys.executable, "-m", "graphar", "demo", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "graphar", "demo", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m graphar demo")
     assert "--world-size" in out.stdout

@@ -249,7 +249,10 @@ def test_op_library_compiles_against_this_torch(tmp_path) -> None:
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     command = native_op.build_command(native_op.compiler(), native_op.source_dir(), tmp_path / "op.o",
                                       native_op.cuda_include())  # fmt: skip
-    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + ["-c", f"-I{tmp_path / 'stub'}"]
+    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + [
+        "-c",
+        f"-I{tmp_path / 'stub'}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     exported = subprocess.run(["nm", "-g", "--defined-only", str(tmp_path / "op.o")], capture_output=True, text=True)

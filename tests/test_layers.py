@@ -142,7 +142,8 @@ def test_no_import_loop() -> None:
     reach = {a: _reach(graph, a) for a in graph}
     loops = {tuple(sorted(b for b in reach[a] if a in reach[b])) for a in graph if a in reach[a]}
     assert not loops, "modules that import each other (through the others listed with them):\n" + "\n".join(
-        map(str, sorted(loops)))
+        map(str, sorted(loops))
+    )
 
 
 @pytest.mark.parametrize("edge", sorted(EXCEPTIONS))

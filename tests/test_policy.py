@@ -81,8 +81,14 @@ def test_segments_are_the_picks(monkeypatch) -> None:
                 want = next((a for b, a in segments if n <= b), None)
                 assert p.pick(n, mode) == want, (p.forced, mode, n)
     assert policy.Policy(9, 2, limits).segments(policy.EAGER) == (
-        (64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-twoshot"))  # past the one-shot's room
-    assert policy.Policy(9, 2, limits).segments(policy.GRAPH) == ((512 * KB, "push-oneshot"), (policy.OPEN, "push-twoshot"))
+        (64 * KB, "push-oneshot"),
+        (MB, "1stage"),
+        (policy.OPEN, "push-twoshot"),
+    )  # past the one-shot's room
+    assert policy.Policy(9, 2, limits).segments(policy.GRAPH) == (
+        (512 * KB, "push-oneshot"),
+        (policy.OPEN, "push-twoshot"),
+    )
     assert policy.Policy(9, 2, limits, forced="push-oneshot").segments(policy.EAGER) == (
         (512 * KB, "push-oneshot"), (policy.OPEN, None))  # fmt: skip
 
@@ -234,6 +240,8 @@ def test_nothing_is_eligible_on_a_closed_communicator(cpu_all_reduce) -> None:
 # ---- the table and the benchmark that measured it -------------------------------------------------
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "allreduce-h200-ws2.md"
+
+
 def test_a_dry_run_report_reads_back(tmp_path: Path) -> None:
     s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
                                  eager_iters=1)  # fmt: skip
@@ -241,7 +249,9 @@ def test_a_dry_run_report_reads_back(tmp_path: Path) -> None:
     results[("graph", MB, "graphar push-twoshot")] = 1.0
     text = "\n\n".join(f"## {heading}\n\n{table}" for heading, table in allreduce_bench.tables(results, s))
     read = winners.winners_from_report(text)
-    assert read["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and read["graphar.graph"][1][1] == "push-twoshot"
+    assert (
+        read["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and read["graphar.graph"][1][1] == "push-twoshot"
+    )
 
 
 def test_policy_rows_from_winners() -> None:
@@ -263,7 +273,9 @@ def test_h200_rows_are_the_committed_benchmark_s() -> None:
 def test_policy_rows_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("policy_rows", RESULTS.parent.parent.parent / "tools" / "policy_rows.py")
+    spec = importlib.util.spec_from_file_location(
+        "policy_rows", RESULTS.parent.parent.parent / "tools" / "policy_rows.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
@@ -288,7 +300,11 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
     allreduce.policy = allreduce.policy.forcing("1stage")
     table = ((MB, "push-oneshot"), (policy.OPEN, "push-twoshot"))  # the one-shot's room is 1 MB
     fused = 512 * KB  # off once another kernel is forced
-    assert comm.published == [(table, fused, False), (table, fused, True), (((MB, "1stage"), (policy.OPEN, None)), 0, True)]
+    assert comm.published == [
+        (table, fused, False),
+        (table, fused, True),
+        (((MB, "1stage"), (policy.OPEN, None)), 0, True),
+    ]
     comm.native = 5
     allreduce.try_all_reduce(torch.randn(64))
     assert allreduce.calls == 6  # both kernels of the op count

@@ -70,7 +70,7 @@ def test_the_smoke_run_flags_graphar_cells_only() -> None:
 # ---- tools/soak.py (issue 33): its plan, counts, verdicts, report and launcher; the GPU cases need two GPUs
 
 
-def _soak():  # noqa: ANN202  (the tool's module)
+def _soak():
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))  # soak imports one_gpu_common, as when run from tools/
     import soak
@@ -136,6 +136,7 @@ def test_the_soak_spin_compiles_to_a_loop_on_the_global_timer() -> None:
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert ptx.count("%globaltimer") == 2  # the start, and again in the loop
 
+
 def test_the_soak_counts_wrong_rows_and_nan_rows_bitwise() -> None:
     soak = _soak()
     expected = torch.tensor([[1.0, 2.0]] * 5, dtype=torch.bfloat16)
@@ -200,7 +201,8 @@ def test_the_soak_report_has_a_row_per_case_and_a_verdict() -> None:
     assert "FAIL: two-streams-exchange-push (2 of 13 cases" in text and "2 ranks sharing one GPU" in text
     assert soak.line(streams, rows[1][1], shared=True) == (
         "two-streams-exchange-push: 7 iterations, 1 mismatches, 0 timeouts, 0 NaNs, 2 detected, 0 undetected, 0.0 s: "
-        "FAIL: 1 finite wrong (a | b\nc)")
+        "FAIL: 1 finite wrong (a | b\nc)"
+    )
     path = soak.report_path(None, gpu="NVIDIA H200", shared=True, quick=True, names="replay,exchange", dry_run=False)
     assert path.name == "soak-h200-ws2-shared-quick-replay-exchange.md" and path.parent.name == "results"
 

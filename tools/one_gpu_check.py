@@ -64,7 +64,9 @@ def check_all_reduce(comm, rank: int) -> None:
         # Every kernel sums in rank order, so they round alike: from 3 ranks up another order would differ.
         nbytes = 64 * KB + 48  # shards of unequal length
         x = torch.randn(nbytes // dtype.itemsize, generator=torch.Generator().manual_seed(rank)).to(dtype).cuda()
-        sums = {algo: comm.all_reduce(x, algo=algo) for algo in ALGOS if comm.allreduce.policy.picks(nbytes, algo).eager}
+        sums = {
+            algo: comm.all_reduce(x, algo=algo) for algo in ALGOS if comm.allreduce.policy.picks(nbytes, algo).eager
+        }
         first, *others = sums
         for algo in others:
             assert torch.equal(sums[algo], sums[first]), f"all_reduce {dtype}: {algo} rounds unlike {first}"

@@ -246,7 +246,7 @@ def report(rows: Sequence[tuple[Case, Result]], *, shared: bool, quick: bool, gp
         outcome = f"FAIL: {', '.join(failed)} ({done})"
     else:
         outcome = f"{'no verdict (shared GPU): no finite wrong value' if shared else 'every case passed'} ({done})"
-    mode = ("2 ranks sharing one GPU over gloo (no verdict)" if shared else "2 GPUs, one process each, NCCL references")
+    mode = "2 ranks sharing one GPU over gloo (no verdict)" if shared else "2 GPUs, one process each, NCCL references"
     info = common.header(mode + (", --quick" if quick else ""), WORLD, gpu)
     notes = [
         "calls: per rank (two-streams: iterations, each a replay beside an eager call); the other counts add up "

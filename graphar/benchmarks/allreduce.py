@@ -95,8 +95,10 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
 # ---- measuring ---------------------------------------------------------------------------------
 
 # Why a verified column is not timed at a size (the notes give the first size).
-UNTIMED = {"WRONG": "differs from NCCL at {}",
-           "fallback": "graphar's op handed the call to NCCL at {} (its kernels did not run)"}
+UNTIMED = {
+    "WRONG": "differs from NCCL at {}",
+    "fallback": "graphar's op handed the call to NCCL at {} (its kernels did not run)",
+}
 
 
 def verify(col: Column, numel: int, dtype: torch.dtype) -> str | None:
@@ -192,8 +194,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     mm = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n))]
     reasons = dict(c.unavailable)
     common.progress(f"set up; timing {len(s.sizes)} sizes in modes {', '.join(s.modes)}")
-    common.run_units(s.sizes, common.format_bytes, lambda nbytes: run_size(c, nbytes, s, mm, reasons),
-                     common.reporter("allreduce", s, "sizes", write, reasons, out_path))
+    common.run_units(
+        s.sizes,
+        common.format_bytes,
+        lambda nbytes: run_size(c, nbytes, s, mm, reasons),
+        common.reporter("allreduce", s, "sizes", write, reasons, out_path),
+    )
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -234,8 +240,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         "graphar columns in graph modes run under a plain torch.cuda.graph; 'zero-copy' ones under "
         "graphar.graphs.graph (v1 kernels read the inputs in place, pointers backfilled after capture). "
         "The push kernels read their inputs in place under any capture and in eager calls.",
-        "'auto' is graphar.comm.policy's pick; no-PDL: the push kernel launched without programmatic "
-        "dependent launch.",
+        "'auto' is graphar.comm.policy's pick; no-PDL: the push kernel launched without programmatic dependent launch.",
         "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
         "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
         f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "
@@ -257,8 +262,10 @@ def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
         for mode in s.modes for name in column_names(mode)
     ]  # fmt: skip
     ticks = [(nbytes, common.format_bytes(nbytes)) for nbytes in s.sizes]
-    title = (f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
-             "(graph: us per op, eager: us per call, graph-mm: us per matmul + op)")
+    title = (
+        f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
+        "(graph: us per op, eager: us per call, graph-mm: us per matmul + op)"
+    )
     return [plot.LineChart(title, "message size", "latency, us", lines, ticks)]
 
 

@@ -192,9 +192,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     _, problem = ranks.attempt(set_up_graphar, "graphar set-up")
     if problem is not None:
         reasons["graphar"] = problem
-    common.run_units(s.shapes, lambda shape: "x".join(map(str, shape)),
-                     lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons),
-                     common.reporter("attention", s, "shapes", write, reasons, out_path))
+    common.run_units(
+        s.shapes,
+        lambda shape: "x".join(map(str, shape)),
+        lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons),
+        common.reporter("attention", s, "shapes", write, reasons, out_path),
+    )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -244,7 +247,13 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {}
     for shape in s.shapes:
         floor = shape[1] * shape[2] / 200
-        cells.update({(shape, FLOOR): floor, (shape, NCCL): floor * rng.uniform(1.4, 1.8),
-                      (shape, PACKED): floor * rng.uniform(1.2, 1.4), (shape, OVERLAPPED): floor * rng.uniform(1.0, 1.2)})
+        cells.update(
+            {
+                (shape, FLOOR): floor,
+                (shape, NCCL): floor * rng.uniform(1.4, 1.8),
+                (shape, PACKED): floor * rng.uniform(1.2, 1.4),
+                (shape, OVERLAPPED): floor * rng.uniform(1.0, 1.2),
+            }
+        )
     path = common.results_path("attention", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(cells, s, 2, {}, common.DRY_RUN_GPU, path)

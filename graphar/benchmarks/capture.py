@@ -330,9 +330,22 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {("ranks per GPU", ""): 1.0}
     for v in s.variants:
         seconds = 0.05 * len(s.batches) * rng.uniform(1, 1.1)
-        cells.update({(v, CAPTURE_S): seconds, (v, FIRST_S): 1.2 * seconds, (v, COMPILES): 0.0,
-                      (v, TORCH_MB): 20.0 * s.layers * rng.uniform(1, 1.2), (v, DEVICE_MB): 30.0 * s.layers})
+        cells.update(
+            {
+                (v, CAPTURE_S): seconds,
+                (v, FIRST_S): 1.2 * seconds,
+                (v, COMPILES): 0.0,
+                (v, TORCH_MB): 20.0 * s.layers * rng.uniform(1, 1.2),
+                (v, DEVICE_MB): 30.0 * s.layers,
+            }
+        )
     expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
     cells.update({(GRAPHAR, SERVED): f"{expected}/{expected}", (GRAPHAR, REGISTERED): float(len(s.batches) * 2)})
-    write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("capture", common.DRY_RUN_GPU, 2, out,
-                                                                    common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        2,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("capture", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
+    )

@@ -81,8 +81,14 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
     world_size = args.world_size or 2
     if world_size < 1:
         p.error("--world-size must be positive")
-    return Settings(shapes=shapes.parse_list(args.shapes, p) or shapes.CHUNKING, backends=backends, chunks=chunks,
-                    world_size=world_size, max_calls=8 if args.quick else 20, replays=3 if args.quick else 9)
+    return Settings(
+        shapes=shapes.parse_list(args.shapes, p) or shapes.CHUNKING,
+        backends=backends,
+        chunks=chunks,
+        world_size=world_size,
+        max_calls=8 if args.quick else 20,
+        replays=3 if args.quick else 9,
+    )
 
 
 # ---- what graphar runs, and how many chunks ------------------------------------------------------------
@@ -342,7 +348,8 @@ def notes(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str])
         "every shape; where no count meets it the rule must pick 1.",
         "Suggested AUTO_MIN_ROWS (query rows a chunk keeps, causal ones counted 1 / AUTO_CAUSAL_FACTOR; the "
         "smallest measured chunk at and above which every measured chunk is within the target): "
-        + "; ".join(f"{b}: {suggested_rows(cells, s, b)}" for b in s.backends) + ".",
+        + "; ".join(f"{b}: {suggested_rows(cells, s, b)}" for b in s.backends)
+        + ".",
         "rows per rank: batch x heads / world size x s, the unchunked call's query rows. ran: the backend SDPA "
         "runs for the unchunked call as the op pins it (another where the pinned one refuses the inputs). bits "
         "equal: every chunked call's attention output equals the unchunked one's, bit for bit.",
@@ -388,5 +395,11 @@ def dry_run(s: Settings, out: Path | None) -> None:
                 cells[(shape, backend, n, "equal")] = "yes"
                 cells[(shape, backend, n, NONE)] = whole * (1 + (n - 1) * rng.uniform(0, 0.02))
                 cells[(shape, backend, n, COPY)] = whole * (1.3 - (n - 1) * rng.uniform(0, 0.05))
-    write(cells, s, 1, {}, common.DRY_RUN_GPU, common.results_path("chunking", common.DRY_RUN_GPU, None, out,
-                                                                   common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        1,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("chunking", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
+    )

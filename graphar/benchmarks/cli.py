@@ -19,10 +19,18 @@ from graphar.benchmarks import allreduce, attention, capture, chunking, common, 
 from graphar.benchmarks import compile as compile_time
 
 # Benchmarks that run in this process (on one GPU, or on the CPU): no launch, their own main(args, settings).
-IN_PROCESS: dict[str, ModuleType] = {"chunking": chunking, "compile": compile_time, "norm-local": norm_local,
-                                     "pack": pack}
+IN_PROCESS: dict[str, ModuleType] = {
+    "chunking": chunking,
+    "compile": compile_time,
+    "norm-local": norm_local,
+    "pack": pack,
+}
 BENCHMARKS: dict[str, ModuleType] = {
-    "allreduce": allreduce, "attention": attention, "capture": capture, "decode": decode, "norm": norm,
+    "allreduce": allreduce,
+    "attention": attention,
+    "capture": capture,
+    "decode": decode,
+    "norm": norm,
     "ulysses": ulysses,
     **IN_PROCESS,
 }

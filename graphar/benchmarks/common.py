@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import functools
 import operator
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-import dataclasses
-import functools
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -206,6 +206,7 @@ def capture(
     The warm-up (where a compiled fn compiles) is agreed: if it raised on any rank, this raises on
     every rank, none of them left capturing alone.
     """
+
     def warm_up() -> None:
         for i in range(warmup):
             fn(i)

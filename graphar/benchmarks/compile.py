@@ -174,9 +174,12 @@ def main(args: argparse.Namespace, s: Settings) -> int:
     common.git_commit()  # read as the run starts: edits made while it runs are not what ran
     cells: dict[tuple, common.Cell] = {}
     reasons: dict[str, str] = {}
-    with (fake_world(s.world_size), fresh_cache_if(not s.cold),
-          torch._inductor.config.patch(fx_graph_cache=False),  # a hit in these would skip graphar's pass
-          torch._functorch.config.patch(enable_autograd_cache=False)):
+    with (
+        fake_world(s.world_size),
+        fresh_cache_if(not s.cold),
+        torch._inductor.config.patch(fx_graph_cache=False),  # a hit in these would skip graphar's pass
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         # A process's first compiles pay for imports and one-time set-up: not the first row's to pay
         # (but --quick's, to be quick).
         if s.cold:
@@ -241,8 +244,12 @@ def write(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str],
     info = {"CPU": f"{cpu_name()}, {os.cpu_count()} cores", **versions, "commit": common.git_commit(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "mode": f"cold compile, fake process group of {s.world_size} ranks"}  # fmt: skip
-    caches = ("every cache cold, after a warm-up" if s.cold else "kernels compiled once per run, no warm-up "
-              "(--quick: a smoke run; most of the C++ compiler's time left out, the first row pays one-time costs)")
+    caches = (
+        "every cache cold, after a warm-up"
+        if s.cold
+        else "kernels compiled once per run, no warm-up "
+        "(--quick: a smoke run; most of the C++ compiler's time left out, the first row pays one-time costs)"
+    )
     notes = [
         "Compile s: wall time of the compiled model's first call (Dynamo, AOTAutograd, Inductor, the C++ "
         f"compiler, and one run of a few ms), {caches}; FX-graph and AOTAutograd caches off; one sample each, on "

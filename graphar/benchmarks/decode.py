@@ -290,8 +290,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
     common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
     gen = torch.Generator(device="cuda").manual_seed(0)  # the replicated hidden states: same on every rank
-    common.run_units(s.batches, lambda b: f"batch {b}", lambda b: run_batch(runs, b, s, gen),
-                     common.reporter("decode", s, "batches", write, reasons, out_path))
+    common.run_units(
+        s.batches,
+        lambda b: f"batch {b}",
+        lambda b: run_batch(runs, b, s, gen),
+        common.reporter("decode", s, "batches", write, reasons, out_path),
+    )
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -349,5 +353,11 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells.update({(b, v): rng.uniform(300, 600) for v in VARIANTS})
         cells.update({(b, column): "0.0156" for column in DIFF_COLUMNS.values()})
         cells.update({(b, "(b) == (c) bits"): "yes", (b, "ranks equal"): "yes"})
-    write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("decode", common.DRY_RUN_GPU, 2, out,
-                                                                     common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        2,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("decode", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
+    )

@@ -152,7 +152,11 @@ def run_tokens(tokens: int, comm, ops: dict[str, Op], s: Settings, reasons: dict
         inp = x.clone() if name == NCCL_NORM else x
         cells[(tokens, name)] = status or ranks.measured(
             lambda: common.capture(lambda i: op(inp, residual, weight), s.ops, context=graphar_graph),
-            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops), "capture", reasons, name)
+            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
+            "capture",
+            reasons,
+            name,
+        )
     return cells
 
 
@@ -164,8 +168,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         raise RuntimeError("graphar.init returned None (its log says why)")
     ops = contenders(comm)
     reasons: dict[str, str] = {}
-    common.run_units(s.tokens, lambda t: f"{t} tokens", lambda t: run_tokens(t, comm, ops, s, reasons),
-                     common.reporter("norm", s, "tokens", write, reasons, out_path))
+    common.run_units(
+        s.tokens,
+        lambda t: f"{t} tokens",
+        lambda t: run_tokens(t, comm, ops, s, reasons),
+        common.reporter("norm", s, "tokens", write, reasons, out_path),
+    )
 
 
 def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
@@ -173,8 +181,14 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
     rows = []
     for t in s.tokens:
         fused = cells[(t, FUSED)]
-        rows.append([str(t), common.format_bytes(t * s.hidden * DTYPE.itemsize), *(cells[(t, c)] for c in COLUMNS),
-                     *(common.derived(fused, cells[(t, c)], "{:+.1f}", operator.sub) for c in (PUSH, UNFUSED))])
+        rows.append(
+            [
+                str(t),
+                common.format_bytes(t * s.hidden * DTYPE.itemsize),
+                *(cells[(t, c)] for c in COLUMNS),
+                *(common.derived(fused, cells[(t, c)], "{:+.1f}", operator.sub) for c in (PUSH, UNFUSED)),
+            ]
+        )
     columns = ["tokens", "bytes", *COLUMNS, "fused - push-oneshot", "fused - unfused"]
     info = common.header("norm, CUDA graphs", world_size, gpu)
     notes = [

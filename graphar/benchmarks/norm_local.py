@@ -289,22 +289,26 @@ def write(cells: dict, s: Settings, reasons: dict[str, str], gpu: str, path: Pat
     notes_head = [target_line(cells, s, hidden) for hidden in s.hidden]
     info = {"GPU": gpu, **{k: v for k, v in common.versions().items() if k != "NCCL"},
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "mode": "one GPU, CUDA graphs"}  # fmt: skip
-    notes = notes_head + [
-        f"us per op: median of {s.replays} replays of a CUDA graph of {s.ops} back-to-back ops; bf16 [tokens, hidden].",
-        "fused local: graphar's fused all-reduce + residual add + RMSNorm kernel (world size 2) with its peer's "
-        "data arrived at once: the loopback launch, whose pushes land in this GPU's own memory instead of going "
-        "over NVLink and which sums its input twice. Everything else is the kernel as it runs between two GPUs.",
-        "Inductor add + norm: h = x + residual and HF's LlamaRMSNorm, torch.compile(dynamic=False): the unfused "
-        "graph the fused op replaces, without its all-reduce.",
-        "grid: blocks x threads per block, and blocks per row where rows are split; SMs: the SMs those blocks "
-        "can cover, one block each (the scheduler spreads a grid this small over idle SMs).",
-        "fused PDL: launched with programmatic dependent launch (graphar's default where the library holds "
-        "sm_90 code): each op's start overlaps the end of the op before it, here the same kernel; Inductor's "
-        "kernels have no such overlap. <= 16 blocks/row, a block/row: the kernel with its split capped (16 "
-        "blocks per row; one, the grid it had before rows were split).",
-        "check: sum + residual equal to PyTorch's bits, normed within 2**-6 of the unfused ops' (relative), "
-        "and the kernel's grid and one block per row bitwise equal (WRONG otherwise; then nothing fused is timed).",
-    ] + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+    notes = (
+        notes_head
+        + [
+            f"us per op: median of {s.replays} replays of a CUDA graph of {s.ops} back-to-back ops; bf16 [tokens, hidden].",
+            "fused local: graphar's fused all-reduce + residual add + RMSNorm kernel (world size 2) with its peer's "
+            "data arrived at once: the loopback launch, whose pushes land in this GPU's own memory instead of going "
+            "over NVLink and which sums its input twice. Everything else is the kernel as it runs between two GPUs.",
+            "Inductor add + norm: h = x + residual and HF's LlamaRMSNorm, torch.compile(dynamic=False): the unfused "
+            "graph the fused op replaces, without its all-reduce.",
+            "grid: blocks x threads per block, and blocks per row where rows are split; SMs: the SMs those blocks "
+            "can cover, one block each (the scheduler spreads a grid this small over idle SMs).",
+            "fused PDL: launched with programmatic dependent launch (graphar's default where the library holds "
+            "sm_90 code): each op's start overlaps the end of the op before it, here the same kernel; Inductor's "
+            "kernels have no such overlap. <= 16 blocks/row, a block/row: the kernel with its split capped (16 "
+            "blocks per row; one, the grid it had before rows were split).",
+            "check: sum + residual equal to PyTorch's bits, normed within 2**-6 of the unfused ops' (relative), "
+            "and the kernel's grid and one block per row bitwise equal (WRONG otherwise; then nothing fused is timed).",
+        ]
+        + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+    )
     title = "Fused norm, local part, against Inductor's add + RMSNorm (us)"
     text = common.report(title, info, sections, notes)
     common.write_report(text, path, charts, f"{title}, {gpu}", final)
@@ -313,14 +317,17 @@ def write(cells: dict, s: Settings, reasons: dict[str, str], gpu: str, path: Pat
 def target_line(cells: dict, s: Settings, hidden: int) -> str:
     """The issue's target at one hidden size: the fused local part at most Inductor's time from 1 to 64
     tokens (worst ratio, PDL off and on), and at least 32 SMs at one token."""
+
     def worst(column: str) -> str:
         ratios = [cells[((hidden, t), column)] / cells[((hidden, t), INDUCTOR)] for t in s.tokens if t <= 64
                   and all(isinstance(cells.get(((hidden, t), c)), float) for c in (column, INDUCTOR))]  # fmt: skip
         return f"{max(ratios):.2f}x" if ratios else "-"
 
     sms = cells.get(((hidden, 1), SMS), "-") if 1 in s.tokens else "-"
-    return (f"target at hidden {hidden} (fused local <= 1.0x Inductor at 1-64 tokens, >= 32 SMs at 1 token): "
-            f"worst fused / Inductor {worst(FUSED)} (PDL off), {worst(FUSED_PDL)} (PDL on); SMs at 1 token {sms}.")
+    return (
+        f"target at hidden {hidden} (fused local <= 1.0x Inductor at 1-64 tokens, >= 32 SMs at 1 token): "
+        f"worst fused / Inductor {worst(FUSED)} (PDL off), {worst(FUSED_PDL)} (PDL on); SMs at 1 token {sms}."
+    )
 
 
 def dry_run(s: Settings, out: Path | None) -> None:
@@ -338,4 +345,3 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells[(unit, CHECK)] = "ok"
     path = common.results_file(f"norm-local-{common.gpu_slug(common.DRY_RUN_GPU)}.md", out, common.dry_run_dir())
     write(cells, s, {}, common.DRY_RUN_GPU, path)
-

@@ -180,7 +180,10 @@ def run_op(op: str, shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[
             dst.copy_(src)
 
     steps: dict[str, Callable[[int], object]] = {
-        KERNEL: lay.run, COPY: lambda i: flat[i][0].copy_(flat[i][1]), STRIDED: strided}
+        KERNEL: lay.run,
+        COPY: lambda i: flat[i][0].copy_(flat[i][1]),
+        STRIDED: strided,
+    }
     cells: dict[tuple, common.Cell] = {(shape, op, "bytes"): float(lay.nbytes)}
     # graphar.kernels.pack's private launch, read as it is today: where it has changed, the sweep's
     # cells say so ("err") and the rest still runs.
@@ -208,7 +211,7 @@ def run_op(op: str, shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[
 
 
 def wrong(step: Callable[[int], object], lay: Layout, reference: torch.Tensor, v: str) -> str | None:
-    """"WRONG" unless `step` writes the reference's bits into set 0's output (NaN first: an element it
+    """ "WRONG" unless `step` writes the reference's bits into set 0's output (NaN first: an element it
     does not write cannot pass); "fallback" where graphar's function let torch do the copy."""
     lay.out(0).fill_(float("nan"))
     done = step(0)
@@ -341,5 +344,11 @@ def dry_run(s: Settings, out: Path | None) -> None:
                           (shape, op, KERNEL): copy_us / rng.uniform(0.8, 1.0),
                           (shape, op, STRIDED): copy_us / rng.uniform(0.3, 0.6)})  # fmt: skip
             cells.update({(shape, op, tile_label(t)): copy_us / rng.uniform(0.8, 1.0) for t in s.tiles})
-    write(cells, s, 1, {}, common.DRY_RUN_GPU, common.results_path("pack", common.DRY_RUN_GPU, None, out,
-                                                                   common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        1,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("pack", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
+    )

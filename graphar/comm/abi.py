@@ -54,6 +54,7 @@ class ErrorRecord(ctypes.Structure):
     _fields_ = [("failed", ctypes.c_uint32), ("where", ctypes.c_uint32), ("peer", ctypes.c_uint32),
                 ("block", ctypes.c_uint32), ("cause", ctypes.c_uint32)]  # fmt: skip
 
+
 # struct graphar_all_reduce_args, field by field (Q: uint64_t, i: int32_t). A call packs its
 # arguments with ALL_REDUCE_ARGS.pack(...) and passes the bytes: cheaper than a ctypes Structure.
 ALL_REDUCE_ARGS_FIELDS = (("input", "Q"), ("output", "Q"), ("nbytes", "Q"), ("stream", "Q"), ("dtype", "i"),

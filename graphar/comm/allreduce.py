@@ -28,7 +28,14 @@ import torch
 from graphar import _cuda, graphs, settings
 from graphar.comm import policy
 from graphar.comm.abi import (
-    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
+    ALGO_CODES,
+    ALL_REDUCE_ARGS,
+    DTYPE_CODES,
+    NORM_ARGS,
+    PATH_EAGER,
+    PATH_STAGED,
+    PATH_ZERO_COPY,
+    PUSH_ALGOS,
     Segments,
 )  # fmt: skip
 from graphar.errors import GrapharCommError
@@ -268,7 +275,11 @@ class AllReduce:
         return out
 
     def try_all_reduce_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        eps: float,
         weight_first: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(sum of x + residual) * weight, sum of x + residual) by the fused kernel, or None when

@@ -136,12 +136,12 @@ class Communicator:
                      "replays): order them, e.g. one stream per communicator or events between the streams")  # fmt: skip
         return {
             abi.TIMED_OUT: f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s "
-                           "(GRAPHAR_TIMEOUT_S)",
+            "(GRAPHAR_TIMEOUT_S)",
             abi.PEER_GAVE_UP: f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive "
-                              "in time)",
+            "in time)",
             abi.CONCURRENT: f"two of its kernels ran at once on this rank (found at the {where}): {unordered}",
             abi.OUT_OF_STEP: f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
-                             f"an eager call, or the reverse): {unordered}",
+            f"an eager call, or the reverse): {unordered}",
         }.get(r.cause, f"the kernels recorded an unknown failure {r.cause} at the {where}")
 
     def mark_broken(self, reason: str) -> None:
@@ -188,8 +188,13 @@ class Communicator:
         if not (self.usable and registry.serves(self)) or native_op.library() is None:
             return
         if len(segments) > abi.OP_MAX_ROWS:  # a policy table longer than the C struct holds
-            logger.warning("graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
-                           "all-reduces run the Python kernel", self.group_name, len(segments), abi.OP_MAX_ROWS)
+            logger.warning(
+                "graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
+                "all-reduces run the Python kernel",
+                self.group_name,
+                len(segments),
+                abi.OP_MAX_ROWS,
+            )
             self._withdraw()
             return
         state = native_op.group_state(
@@ -293,9 +298,7 @@ class Communicator:
             self._raise(op)
 
     def _raise(self, op: str) -> None:
-        raise GrapharCudaError(
-            f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
-        )
+        raise GrapharCudaError(f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}")
 
     # ---- set-up steps, driven by graphar.comm.set_up ------------------------------------------------
 

@@ -203,14 +203,20 @@ class IpcExchange:
         if not all(stage.placement.supported() for stage in stages):
             return False
         if not all(stage.kernel_pack for stage in stages):  # dtypes, layouts and Triton: equal on every rank
-            self._tell_once("pack", "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
-                            "take), which alone respects the exchange's lease")
+            self._tell_once(
+                "pack",
+                "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
+                "take), which alone respects the exchange's lease",
+            )
             return False
         capturing = torch.cuda.is_current_stream_capturing()
         if nbytes > self.capacity:
             if capturing:
-                self._tell_once("capacity", f"{nbytes} bytes per rank were captured with exchange buffers of "
-                                f"{self.capacity}: run it once before capturing, or graphar.ulysses.reserve(...)")
+                self._tell_once(
+                    "capacity",
+                    f"{nbytes} bytes per rank were captured with exchange buffers of "
+                    f"{self.capacity}: run it once before capturing, or graphar.ulysses.reserve(...)",
+                )
                 return False
             self._grow(nbytes)
         if capturing:
@@ -223,8 +229,9 @@ class IpcExchange:
             for i, stage in enumerate(stages):
                 self._exchange(out, stage, mode, lease, last=i == len(stages) - 1, side=side)
         except BaseException as e:  # the lease is held and the peers wait at this exchange's copies
-            self.comm.mark_broken(f"graphar all_to_all of group {self.comm.group_name!r} stopped halfway on rank "
-                                  f"{self.comm.rank}: {e}")
+            self.comm.mark_broken(
+                f"graphar all_to_all of group {self.comm.group_name!r} stopped halfway on rank {self.comm.rank}: {e}"
+            )
             raise
         if len(stages) > 1:
             main.wait_stream(self._side)

@@ -89,8 +89,14 @@ def planned_chunks(batch: int, q_heads: int, kv_heads: int, seq: int, world_size
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
-    scale: float | None = None, chunks: int = 2, kernel: str | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunks: int = 2,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V over the whole sequence, for `[b, S, h, d]` local-sequence Q, K, V
     (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory. `chunks`:

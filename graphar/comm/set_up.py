@@ -93,8 +93,11 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
 def sets_up_later(group_name: str, device: torch.device) -> bool:
     """Whether a collective of the group on `device` will set up its communicator when it first runs
     (a group not settled yet, or one that took a destroyed group's name)."""
-    return device.type == "cuda" and not _live(_settled.get(group_name)) and _not_worth_setting_up(
-        dist.distributed_c10d._resolve_process_group(group_name)) is None
+    return (
+        device.type == "cuda"
+        and not _live(_settled.get(group_name))
+        and _not_worth_setting_up(dist.distributed_c10d._resolve_process_group(group_name)) is None
+    )
 
 
 def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:

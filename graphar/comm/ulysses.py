@@ -45,14 +45,16 @@ _A2A_SEND, _A2A_RECV = "a2a.send", "a2a.recv"
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
     """The NCCL transport: one equal-split `all_to_all_single` of staging (or result) memory."""
     try:
-        dist.all_to_all_single(recv.view(-1), send.reshape(-1),
-                               group=dist.distributed_c10d._resolve_process_group(group_name))
+        dist.all_to_all_single(
+            recv.view(-1), send.reshape(-1), group=dist.distributed_c10d._resolve_process_group(group_name)
+        )
     except RuntimeError as e:
         raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
 
 
-def _ipc(group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]],
-         nbytes: int) -> bool:
+def _ipc(
+    group_name: str, like: torch.Tensor, out: torch.Tensor, stages: Callable[[], list[exchange.Stage]], nbytes: int
+) -> bool:
     """Run `stages()` over the group's IPC exchange into `out`; False (nothing done) for NCCL."""
     ex = _ipc_exchange(group_name, like.device)
     return ex is not None and ex.serves(like) and ex.run(out, stages(), nbytes)

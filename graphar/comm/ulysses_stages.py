@@ -30,8 +30,9 @@ def _slices(length: int, nbytes: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def _pack_heads_at(xs: Sequence[torch.Tensor], world_size: int, shape: Sequence[int],
-                   dest: exchange.Destination) -> None:
+def _pack_heads_at(
+    xs: Sequence[torch.Tensor], world_size: int, shape: Sequence[int], dest: exchange.Destination
+) -> None:
     pack.pack_heads(xs, world_size, dest.chunks(shape, xs[0].dtype), dest.guard)
 
 
@@ -80,5 +81,10 @@ def packed_stage(send: torch.Tensor, row: int) -> exchange.Stage:
     copies it as 16-byte words (the only pack an IPC exchange takes), whatever the dtype."""
     p = send.shape[0]
     words = send.view(torch.uint8).view(torch.int32).view(p, 1, row // 16, 1, 4) if row % 16 == 0 else None
-    return exchange.Stage(functools.partial(_relayout_at, words), exchange.Placement(row, row, p * row, row), 0, 0,
-                          kernel_pack=words is not None and pack.kernel_serves([words]))
+    return exchange.Stage(
+        functools.partial(_relayout_at, words),
+        exchange.Placement(row, row, p * row, row),
+        0,
+        0,
+        kernel_pack=words is not None and pack.kernel_serves([words]),
+    )

@@ -27,8 +27,9 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
     return {
         "llama": transformers.LlamaConfig(**common),
-        "qwen3_moe": transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4,
-                                                 num_experts_per_tok=2, decoder_sparse_step=1),  # fmt: skip
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+        ),  # fmt: skip
     }
 
 

@@ -112,7 +112,7 @@ def _late_peer(rank: int, world_size: int, kind: str) -> None:
             call = case.run
         else:
             graph = torch.cuda.CUDAGraph()
-            with (graphar.graph(graph) if mode == "graphar.graph" else torch.cuda.graph(graph)):
+            with graphar.graph(graph) if mode == "graphar.graph" else torch.cuda.graph(graph):
                 captured = case.run()
             call = lambda: graph.replay() or captured  # noqa: E731
 
@@ -180,8 +180,10 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
                                                                   f"call {n}"):  # fmt: skip
                 failed_at = i if failed_at is None else failed_at
                 _raises_at_next_host_call(comm, f"{kind} beside {other}")
-    print(f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
-          f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}")
+    print(
+        f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
+        f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}"
+    )
     dist.barrier()
     comm.close()
 

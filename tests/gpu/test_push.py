@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, repetitions,
-    run_workers, set_barrier_counters,
+    WORLD_SIZES,
+    assert_equal_across_ranks,
+    assert_timed_out_for_good,
+    check_exact,
+    integer_valued,
+    nccl_sum,
+    repetitions,
+    run_workers,
+    set_barrier_counters,
 )  # fmt: skip
 
 import graphar
@@ -105,6 +112,7 @@ def test_ten_thousand_replays_across_the_epoch_wrap(world_size: int) -> None:
 def _three_capture_modes(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
+
         def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             y = comm.all_reduce(x)
             x.mul_(-1)  # written right after the push read it in place
