@@ -122,7 +122,7 @@ def test_ipc_handle_size() -> None:
 def test_prototypes_match_the_header(header: str, prototypes: dict) -> None:
     """Each export's argument count in a library's header equals the ctypes prototype's."""
     text = re.sub(r"\s+", " ", _text(header))
-    declared = {name: args for name, args in re.findall(r"\b(graphar_\w+)\(([^)]*)\);", text)}
+    declared = dict(re.findall(r"\b(graphar_\w+)\(([^)]*)\);", text))
     assert set(declared) == set(prototypes)
     for name, (_, argtypes) in prototypes.items():
         count = 0 if declared[name].strip() in ("", "void") else declared[name].count(",") + 1

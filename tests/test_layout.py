@@ -45,7 +45,7 @@ P = 2
 def offsets(layout: Layout) -> torch.Tensor:
     """The layout as a tensor: at each logical index, the offset in the source it maps to."""
     total = torch.zeros((), dtype=torch.long)
-    for k, dim in enumerate(layout):
+    for dim in layout:
         along = torch.zeros(1, dtype=torch.long)  # the dim's offsets, its modes row-major
         for size, stride in dim:
             along = (along[:, None] + torch.arange(size) * stride).flatten()

@@ -325,7 +325,7 @@ def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
 
 
 def test_every_table_fits_the_cpp_kernel() -> None:
-    for (major, world_size), modes in policy.TABLE.items():
+    for major, world_size in policy.TABLE:
         for mode in policy.MODES:
             p = policy.Policy(major, world_size, policy.Limits(max_bytes=64 * MB, push_one_shot=16 * KB))
             assert len(p.segments(mode)) <= abi.OP_MAX_ROWS, (major, world_size, mode)

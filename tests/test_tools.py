@@ -70,7 +70,7 @@ def test_the_smoke_run_flags_graphar_cells_only() -> None:
 # ---- tools/soak.py (issue 33): its plan, counts, verdicts, report and launcher; the GPU cases need two GPUs
 
 
-def _soak():
+def _soak():  # the tool's module
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))  # soak imports one_gpu_common, as when run from tools/
     import soak

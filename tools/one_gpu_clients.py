@@ -51,9 +51,9 @@ _kept: list[torch.library.Library] = []  # a Library's registrations last as lon
 
 def _gathers_through_the_cpu() -> None:
     """gloo's functional all-gather of CUDA tensors crashes (SIGSEGV in wait_tensor, torch 2.11 on one
-        H200: transformers' and torchtitan's DTensor and diffusers' unshard all hit it), a fault of this
-        harness's gloo group, not of the clients: on GPUs NCCL serves these collectives, which graphar leaves
-        to the group anyway. Here CUDA all-gathers and reduce-scatters go through the CPU: an all-gather moves
+    H200: transformers' and torchtitan's DTensor and diffusers' unshard all hit it), a fault of this
+    harness's gloo group, not of the clients: on GPUs NCCL serves these collectives, which graphar leaves
+    to the group anyway. Here CUDA all-gathers and reduce-scatters go through the CPU: an all-gather moves
     the same bits; a reduce-scatter sums in fp32 there, which may round a 16-bit sum differently."""
     ops = torch.ops._c10d_functional
     lib = torch.library.Library("_c10d_functional", "IMPL")

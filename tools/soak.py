@@ -720,7 +720,7 @@ def _rank(rank: int, port: int, shared: bool, quick: bool, cases: list[Case], fo
         try:
             result = RUNNERS[case.kind](case, sizing(quick), rank)
             torch.cuda.synchronize()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (a case that raises is reported as crashed, the soak goes on)
             traceback.print_exc()
             _put(folder, rank, Result(case.name, crashed=True, error=f"rank {rank}: {type(e).__name__}: {e}",
                                       seconds=time.monotonic() - start))  # fmt: skip

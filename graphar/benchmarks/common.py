@@ -327,13 +327,13 @@ def derived(a: Cell, b: Cell, fmt: str = "{:.2f}x", op: Callable[[float, float],
 def versions() -> dict[str, str]:
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception:  # CPU-only builds have no NCCL
+    except Exception:  # noqa: BLE001  (CPU-only builds have no NCCL)
         nccl = "n/a"
     try:
         import graphar
 
         graphar_version = graphar.__version__
-    except Exception as e:  # the dry run works without graphar
+    except Exception as e:  # noqa: BLE001  (the dry run works without graphar)
         graphar_version = f"n/a ({type(e).__name__})"
     return {"torch": torch.__version__, "NCCL": nccl, "graphar": graphar_version}
 
@@ -436,7 +436,7 @@ def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str
     plot.write_whole(path, lambda partial: partial.write_text(text))
     try:
         said = plot.write_png(charts, path.with_suffix(".png"), title)
-    except Exception as e:  # a plot that cannot be drawn must not cost the table or the run
+    except Exception as e:  # noqa: BLE001  (a plot that cannot be drawn must not cost the table or the run)
         said = f"plot not written: {type(e).__name__}: {e}"
     if final:
         print(text)

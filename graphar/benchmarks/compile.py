@@ -154,7 +154,7 @@ def measure(unit: Unit, s: Settings, reasons: dict[str, str]) -> dict[tuple, com
     for backend, column in (("inductor", INDUCTOR), ("graphar", GRAPHAR)):
         try:
             seconds, passes, rewrites = compile_once(module, x, backend, s.cold)
-        except Exception as e:  # one failed compile costs its cell, not the run
+        except Exception as e:  # noqa: BLE001  (one failed compile costs its cell, not the run)
             cells[(unit, column)] = "err"
             reasons[f"{name} {layers} layers, {backend}"] = f"{type(e).__name__}: {e}"
             continue

@@ -207,7 +207,7 @@ def run_unit(unit: Unit, loop: Loopback, norm: Callable, s: Settings, reasons: d
     def cell(column: str, measure: Callable[[], float]) -> None:
         try:
             cells[key(column)] = measure()
-        except Exception as e:  # a cell that cannot be measured says why, the run goes on
+        except Exception as e:  # noqa: BLE001  (a cell that cannot be measured says why, the run goes on)
             cells[key(column)] = "err"
             reasons.setdefault(column, f"{type(e).__name__}: {str(e).partition(chr(10))[0]}")
 
@@ -218,7 +218,7 @@ def run_unit(unit: Unit, loop: Loopback, norm: Callable, s: Settings, reasons: d
         cells[key(GRID)] = f"{blocks} x {threads}" + (f", {split}/row" if split > 1 else "")
         cells[key(SMS)] = str(min(blocks, sms))
         problem = check_fused(loop, x, residual, weight)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (whatever the fused kernel raised, the check's note says it)
         problem = f"raised {type(e).__name__}: {str(e).partition(chr(10))[0]}"
         cells[key(GRID)] = cells[key(SMS)] = "err"
     if problem is not None:
