@@ -303,8 +303,10 @@ def pci_bus_id(device: int) -> str:
 def graph_edges(graph: object) -> tuple[int, int]:
     """(all edges, programmatic edges) of a torch.cuda.CUDAGraph captured with keep_graph=True."""
     total, programmatic = c_uint64(), c_uint64()
-    check(library().graphar_graph_edges(graph.raw_cuda_graph(), ctypes.byref(total), ctypes.byref(programmatic)),
-          "graph edges")  # fmt: skip
+    check(
+        library().graphar_graph_edges(graph.raw_cuda_graph(), ctypes.byref(total), ctypes.byref(programmatic)),
+        "graph edges",
+    )
     return total.value, programmatic.value
 
 

@@ -66,8 +66,13 @@ def _probe_pairs(rank: int, world_size: int, log: _Warnings) -> dict[str, str]:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     log = _Warnings()
     logging.getLogger("graphar").addHandler(log)
     try:

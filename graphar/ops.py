@@ -84,8 +84,12 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 # For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
 # and hands it every call it does not serve itself. So for all_reduce_add_rms_norm below.
-_define("all_reduce(Tensor x, str group_name) -> Tensor", all_reduce, lambda x, group_name: x.new_empty(x.shape),
-        keys=("CompositeExplicitAutograd",))  # fmt: skip
+_define(
+    "all_reduce(Tensor x, str group_name) -> Tensor",
+    all_reduce,
+    lambda x, group_name: x.new_empty(x.shape),
+    keys=("CompositeExplicitAutograd",),
+)
 
 
 def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:

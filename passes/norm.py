@@ -256,9 +256,12 @@ def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:
         match.replace_with_fused()
         count += 1
     if eps_inputs:  # the user asked for fuse_norm: say once per graph why it did nothing, and the cure
-        log.warning("graphar: %d all-reduce + RMSNorm not fused: their eps is an input of the graph, not a constant "
-                    "(torch.compile(dynamic=True) passes float attributes as inputs); "
-                    "torch._dynamo.config.specialize_float = True keeps them constants", eps_inputs)  # fmt: skip
+        log.warning(
+            "graphar: %d all-reduce + RMSNorm not fused: their eps is an input of the graph, not a constant "
+            "(torch.compile(dynamic=True) passes float attributes as inputs); "
+            "torch._dynamo.config.specialize_float = True keeps them constants",
+            eps_inputs,
+        )
     if count:
         # The sum's users that came before the norm's end now read the fused op placed there.
         stable_topological_sort(graph)

@@ -35,8 +35,12 @@ def test_dtype_codes() -> None:
 
 def test_algorithm_codes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    names = {abi.ONE_STAGE: "GRAPHAR_ONE_STAGE", abi.TWO_STAGE: "GRAPHAR_TWO_STAGE",
-             abi.PUSH_ONE_SHOT: "GRAPHAR_PUSH_ONE_SHOT", abi.PUSH_TWO_SHOT: "GRAPHAR_PUSH_TWO_SHOT"}  # fmt: skip
+    names = {
+        abi.ONE_STAGE: "GRAPHAR_ONE_STAGE",
+        abi.TWO_STAGE: "GRAPHAR_TWO_STAGE",
+        abi.PUSH_ONE_SHOT: "GRAPHAR_PUSH_ONE_SHOT",
+        abi.PUSH_TWO_SHOT: "GRAPHAR_PUSH_TWO_SHOT",
+    }
     assert {algo: codes[name] for algo, name in names.items()} == abi.ALGO_CODES
     assert tuple(abi.ALGO_CODES) == settings.ALGOS  # GRAPHAR_ALLREDUCE_ALGO names every kernel
 
@@ -52,9 +56,13 @@ def test_all_to_all_flags() -> None:
 
 def test_launch_paths() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    python = {"GRAPHAR_EAGER": abi.PATH_EAGER, "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
-              "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY, "GRAPHAR_STAGED": abi.PATH_STAGED,
-              "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY}  # fmt: skip
+    python = {
+        "GRAPHAR_EAGER": abi.PATH_EAGER,
+        "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
+        "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY,
+        "GRAPHAR_STAGED": abi.PATH_STAGED,
+        "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY,
+    }
     assert {name: codes[name] for name in python} == python
 
 
@@ -74,9 +82,11 @@ def test_barrier_where_codes_are_all_named() -> None:
 def test_failure_causes() -> None:
     cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
     assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {
-        "kTimedOut": str(abi.TIMED_OUT), "kPeerGaveUp": str(abi.PEER_GAVE_UP), "kConcurrent": str(abi.CONCURRENT),
+        "kTimedOut": str(abi.TIMED_OUT),
+        "kPeerGaveUp": str(abi.PEER_GAVE_UP),
+        "kConcurrent": str(abi.CONCURRENT),
         "kOutOfStep": str(abi.OUT_OF_STEP),
-    }  # fmt: skip
+    }
 
 
 def test_max_blocks() -> None:
@@ -90,10 +100,13 @@ def test_error_record_layout() -> None:
     assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
 
 
-@pytest.mark.parametrize("name, fields, packed", [
-    ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
-    ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, fields, packed",
+    [
+        ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
+        ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
+    ],
+)
 def test_argument_structs(name: str, fields: tuple, packed) -> None:
     body = re.search(rf"typedef struct {name} \{{([^}}]*)\}}", _text("graphar_cuda.h")).group(1)
     code = {"uint64_t": "Q", "int32_t": "i", "float": "f"}
@@ -116,9 +129,13 @@ def test_ipc_handle_size() -> None:
     assert int(value) == _cuda.IPC_HANDLE_BYTES
 
 
-@pytest.mark.parametrize("header, prototypes", [
-    ("graphar_cuda.h", _cuda.PROTOTYPES), ("torch_ops/graphar_op.h", native_op.PROTOTYPES),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "header, prototypes",
+    [
+        ("graphar_cuda.h", _cuda.PROTOTYPES),
+        ("torch_ops/graphar_op.h", native_op.PROTOTYPES),
+    ],
+)
 def test_prototypes_match_the_header(header: str, prototypes: dict) -> None:
     """Each export's argument count in a library's header equals the ctypes prototype's."""
     text = re.sub(r"\s+", " ", _text(header))

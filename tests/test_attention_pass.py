@@ -74,15 +74,17 @@ class <lambda>(torch.nn.Module):
         )
 
     def test_causal_and_scale_travel_with_the_op(self) -> None:
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25),
-                                            *_qkv(), config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(
+            lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25), *_qkv(), config=PIPELINE
+        )
         self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2, 'flash')", after)
 
     def test_gqa_with_a_kernel_that_takes_it(self) -> None:
         # The CPU flash kernel takes fewer K/V heads itself; the op runs SDPA with enable_gqa.
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4),
-                                            config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(
+            lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4), config=PIPELINE
+        )
         self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
 
@@ -135,8 +137,11 @@ class <lambda>(torch.nn.Module):
             return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
         # The same repeat as other code writes it: repeat_interleave, and the new dim counted from the end.
-        for repeat in (repeat_kv, lambda x, n: x.repeat_interleave(n, dim=1),
-                       lambda x, n: x.unsqueeze(-3).expand(-1, -1, n, -1, -1).flatten(1, 2)):  # fmt: skip
+        for repeat in (
+            repeat_kv,
+            lambda x, n: x.repeat_interleave(n, dim=1),
+            lambda x, n: x.unsqueeze(-3).expand(-1, -1, n, -1, -1).flatten(1, 2),
+        ):
 
             def hf(q, k, v):
                 qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
@@ -145,16 +150,16 @@ class <lambda>(torch.nn.Module):
 
             _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
             self.assertEqual(counts, {"ulysses_attention": 1})
-            self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')",
-                          after)  # fmt: skip
+            self.assertIn(
+                "graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after
+            )
 
     def test_dynamic_sequence_and_batch(self) -> None:
         # A second shape under default torch.compile recompiles with symbolic sizes: the rewrite holds.
         qkv = _qkv()
         for t in qkv:
             torch._dynamo.mark_dynamic(t, (0, 1))
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv,
-                                            config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv, config=PIPELINE)
         self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertExpectedInline(
             after,
@@ -170,8 +175,9 @@ class <lambda>(torch.nn.Module):
         # Every size symbolic (heads too): Q, K and V cannot be packed; with the option on, their
         # exchanges (heads at dim 1 read as scattering dim 2) must not become output exchanges.
         with self.assertLogs("graphar", "INFO") as logs:
-            _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *_qkv(),
-                                                config=PIPELINE, dynamic=True)  # fmt: skip
+            _, after, counts = post_grad_graphs(
+                lambda q, k, v: _attention(q, k, v, is_causal=True), *_qkv(), config=PIPELINE, dynamic=True
+            )
         self.assertEqual(counts.get("ulysses_attention", 0), 0)
         self.assertEqual(after.count("graphar.heads_to_seq_all_to_all.default("), 1)
         self.assertIn("left alone: alone, an exchange scattering dim 2 gains nothing", "\n".join(logs.output))
@@ -189,8 +195,9 @@ class <lambda>(torch.nn.Module):
 
     def test_mask_is_left_alone(self) -> None:
         mask = torch.ones(12, 12, dtype=torch.bool).tril()
-        self._left_alone(lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias",
-                         *_qkv())  # fmt: skip
+        self._left_alone(
+            lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias", *_qkv()
+        )
 
     def test_strided_slices_of_the_exchange_are_left_alone(self) -> None:
         def every_other_kv_head(q, k, v):  # hand-written: K and V take every other head of theirs
@@ -207,8 +214,9 @@ class <lambda>(torch.nn.Module):
             kh, vh = (x.unsqueeze(1).expand(-1, 2, -1, -1, -1).flatten(1, 2) for x in (kh, vh))
             return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2))
 
-        self._left_alone(tiled, "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1",
-                         *_qkv(8, 4))  # fmt: skip
+        self._left_alone(
+            tiled, "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1", *_qkv(8, 4)
+        )
 
     def test_heads_that_do_not_split_are_left_alone(self) -> None:
         self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))

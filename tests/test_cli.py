@@ -40,9 +40,14 @@ def test_bench_without_a_benchmark_exits_2(capsys: pytest.CaptureFixture[str]) -
     assert "required: BENCHMARK" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "options"), [("allreduce", ["--sizes", "--dtype", "--modes"]),
-                                               ("decode", ["--batches", "--layers", "--steps", "--replays"]),
-                                               ("ulysses", ["--shapes"])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("allreduce", ["--sizes", "--dtype", "--modes"]),
+        ("decode", ["--batches", "--layers", "--steps", "--replays"]),
+        ("ulysses", ["--shapes"]),
+    ],
+)
 def test_each_benchmark_keeps_its_options(name: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["bench", name, "--help"]) == 0
     out = capsys.readouterr().out

@@ -329,10 +329,15 @@ class _FakeComm:
     def ipc_handle(self, base: int) -> bytes:
         return base.to_bytes(8, "little") * 8  # a handle that names its allocation
 
-    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
-                         own_ptrs: Sequence[int]) -> None:  # fmt: skip
-        self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
-                           list(own_ptrs))  # fmt: skip
+    def fill_graph_slots(
+        self,
+        slots: Sequence[int],
+        handles: bytes,
+        offsets: Sequence[int],
+        staged: Sequence[bool],
+        own_ptrs: Sequence[int],
+    ) -> None:
+        self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged], list(own_ptrs))
 
     def forget_graph_slots(self, slots: Sequence[int]) -> None:
         self.forgotten += slots
@@ -365,11 +370,15 @@ def _register_on_two_ranks(calls_per_rank, allreduces=None) -> tuple[list[_FakeC
 def test_graph_registration_is_call_major_with_staged_entries() -> None:
     segments = [torch.empty(256) for _ in range(2)]  # stand-ins for the ranks' allocations
     calls = [
-        [ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
-         ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
-        [ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
-         ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],  # a recycled slot
-    ]  # fmt: skip
+        [
+            ar.GraphCall(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
+            ar.GraphCall(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2)),
+        ],
+        [
+            ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
+            ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2)),
+        ],  # a recycled slot
+    ]
     comms, errors = _register_on_two_ranks(calls)
     assert not errors
     slots, count, handles, offsets, staged, own = comms[0].registered
@@ -387,8 +396,9 @@ def test_a_dead_graphs_inputs_stay_until_every_rank_closed_its_mappings() -> Non
     registration at which every rank says it let that graph go (after closing its unused mappings)."""
     x = torch.empty(64)
     call = ar.GraphCall(1, x, x.data_ptr(), False, (256, 2, 1))
-    allreduces = [ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB)))
-                  for r in (0, 1)]  # fmt: skip
+    allreduces = [
+        ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB))) for r in (0, 1)
+    ]
     comms, errors = _register_on_two_ranks([[call], [call]], allreduces)  # registration 0
     assert not errors
     allreduces[0].release_graph(0, [1], (x,))  # graph 0 died on rank 0 only

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Above everything: the command line, the demo, the doctor, the benchmarks.
     ("tools", ("graphar.__main__", "graphar.demo", "graphar.doctor", "graphar.doctor_probe", "graphar._launch",
                "graphar.benchmarks")),
-)  # fmt: skip
+)  # fmt: skip  # a table: one layer a row
 
 # Edges allowed against the rules above, each with its reason. Each must still exist (else remove it).
 EXCEPTIONS: dict[tuple[str, str], str] = {

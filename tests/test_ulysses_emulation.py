@@ -49,8 +49,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class _FakeIpc:
     """graphar.comm.exchange.IpcExchange for one emulated rank: host buffers, no GPU."""
 
-    def __init__(self, exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None],
-                 world_size: int, push: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None],
+        world_size: int,
+        push: bool,
+    ) -> None:
         self._exchange_bytes = exchange_bytes
         self.world_size = world_size
         self.push = push

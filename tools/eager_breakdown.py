@@ -64,8 +64,18 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     ar = comm.allreduce
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
     stream = torch._C._cuda_getCurrentRawStream(comm.device)
-    args = abi.ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
-                                    abi.ALGO_CODES[kernel], abi.PATH_EAGER, 0, ar.pdl, 0)  # fmt: skip
+    args = abi.ALL_REDUCE_ARGS.pack(
+        x.data_ptr(),
+        out.data_ptr(),
+        nbytes,
+        stream,
+        abi.DTYPE_CODES[x.dtype],
+        abi.ALGO_CODES[kernel],
+        abi.PATH_EAGER,
+        0,
+        ar.pdl,
+        0,
+    )
     return {
         "comm.check()": comm.check,
         "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
@@ -90,7 +100,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
          if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else UNFUSED_NORM_STEP):
             lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
-    }  # fmt: skip
+    }  # fmt: skip  # a table: one timed step a row, a long name's step on the line under it
 
 
 def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
@@ -142,8 +152,10 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=16 * 1024)
     p.add_argument("--algo", default=None, help="force a kernel (default: the policy's)")
     args = p.parse_args()
-    print(f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
-          f"{torch.cuda.get_device_name()}; torch {torch.__version__}")  # fmt: skip
+    print(
+        f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
+    )
     mp.spawn(_worker, args=(2, free_port(), args.bytes, args.algo), nprocs=2, join=True)
     return 0
 

@@ -140,8 +140,16 @@ def column_status(col: Column | None, name: str, x: torch.Tensor, reasons: dict[
     return status
 
 
-def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tensor, s: Settings,
-            mm: list[torch.Tensor], reasons: dict[str, str], name: str) -> common.Cell:  # fmt: skip
+def measure(
+    col: Column,
+    mode: str,
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    s: Settings,
+    mm: list[torch.Tensor],
+    reasons: dict[str, str],
+    name: str,
+) -> common.Cell:
     def step(i: int) -> None:
         col.op(inputs[i % len(inputs)], out)
 
@@ -151,16 +159,22 @@ def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tenso
 
     if mode == "eager":
         # One call first, agreed: a rank whose call raises must not leave its peer in the timed loop.
-        return ranks.measured(lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters),
-                               "the eager call", reasons, name)  # fmt: skip
+        return ranks.measured(
+            lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters), "the eager call", reasons, name
+        )
     fn = step_with_matmul if mode == "graph-mm" else step
-    return ranks.measured(lambda: common.capture(fn, s.ops, context=col.context),
-                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
-                           f"{mode} capture", reasons, name)  # fmt: skip
+    return ranks.measured(
+        lambda: common.capture(fn, s.ops, context=col.context),
+        lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
+        f"{mode} capture",
+        reasons,
+        name,
+    )
 
 
-def run_size(c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
-             ) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_size(
+    c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     """(mode, nbytes, column) -> cell; every rank takes the columns in one order and the same
     decisions (each goes through a collective), so their collectives match."""
     dtype = DTYPES[s.dtype]
@@ -176,8 +190,9 @@ def run_size(c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], re
         status = column_status(col, name, plain[0], reasons)
         for mode in s.modes:
             if name in column_names(mode):
-                cells[(mode, nbytes, name)] = status or measure(col, mode, symm if col.symmetric else plain, out, s,
-                                                                mm, reasons, name)  # fmt: skip
+                cells[(mode, nbytes, name)] = status or measure(
+                    col, mode, symm if col.symmetric else plain, out, s, mm, reasons, name
+                )
                 torch.cuda.synchronize()
     return cells
 
@@ -257,10 +272,15 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     """Latency against size, log-log: one line per column and mode (colour: column, dash: mode)."""
     lines = [
-        plot.Line(f"{name}, {mode}", plot.points(s.sizes, [results[(mode, nbytes, name)] for nbytes in s.sizes]),
-                  colour_key=name, dash_key=mode)
-        for mode in s.modes for name in column_names(mode)
-    ]  # fmt: skip
+        plot.Line(
+            f"{name}, {mode}",
+            plot.points(s.sizes, [results[(mode, nbytes, name)] for nbytes in s.sizes]),
+            colour_key=name,
+            dash_key=mode,
+        )
+        for mode in s.modes
+        for name in column_names(mode)
+    ]
     ticks = [(nbytes, common.format_bytes(nbytes)) for nbytes in s.sizes]
     title = (
         f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
@@ -269,8 +289,9 @@ def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     return [plot.LineChart(title, "message size", "latency, us", lines, ticks)]
 
 
-def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header(",".join(s.modes), world_size, gpu)
     title = "All-reduce latency (us)"
     text = common.report(title, info, tables(results, s), notes(s, reasons))

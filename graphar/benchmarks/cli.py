@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     benchmarks = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module in BENCHMARKS.items():
         summary = module.__doc__.splitlines()[0]
-        sub = benchmarks.add_parser(name, help=summary, description=module.__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sub = benchmarks.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(sub)
         sub.set_defaults(benchmark_module=module, benchmark_parser=sub)
 

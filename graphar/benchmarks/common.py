@@ -92,15 +92,20 @@ def progress(text: str) -> None:
         print(f"[{time.time() - _progress.start:6.1f} s] {text}", flush=True)
 
 
-def add_arguments(p: argparse.ArgumentParser, quick_help: str,
-                  world_size_help: str = "GPUs to use (default: all visible)") -> None:  # fmt: skip
+def add_arguments(
+    p: argparse.ArgumentParser, quick_help: str, world_size_help: str = "GPUs to use (default: all visible)"
+) -> None:
     """The options every benchmark has; each adds its own after these."""
     p.add_argument("--world-size", type=int, default=None, help=world_size_help)
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--dry-run", action="store_true", help="format a table (and plot) of fake numbers on CPU")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
-                        "of a source checkout, else the current folder)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
+        "of a source checkout, else the current folder)",
+    )
 
 
 def _raise_recompile_limit() -> None:
@@ -111,8 +116,9 @@ def _raise_recompile_limit() -> None:
             setattr(torch._dynamo.config, name, DYNAMO_RECOMPILE_LIMIT)
 
 
-def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float,
-           args: tuple) -> None:  # fmt: skip
+def _entry(
+    rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float, args: tuple
+) -> None:
     global _progress
     _progress = _Progress(start, rank == 0)
     _raise_recompile_limit()
@@ -169,8 +175,12 @@ def main(
     return 0
 
 
-def main_one_gpu(args: argparse.Namespace, settings: Any, dry_run: Callable[[Any, Path | None], None],
-                 worker: Callable[[Any, Path | None], None]) -> int:  # fmt: skip
+def main_one_gpu(
+    args: argparse.Namespace,
+    settings: Any,
+    dry_run: Callable[[Any, Path | None], None],
+    worker: Callable[[Any, Path | None], None],
+) -> int:
     """A one-GPU benchmark's entry point: `--dry-run` formats fake numbers on the CPU, else
     worker(settings, out) runs here, on the current GPU, with no process group (a world of one)."""
     if args.dry_run:
@@ -274,8 +284,12 @@ def time_host(run: Callable[[int], object], *, iters: int, repeats: int = 3, war
     return statistics.median(samples)
 
 
-def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], Mapping[Any, Cell]],
-              write: Callable[[dict[Any, Cell], list[U], bool], None]) -> None:  # fmt: skip
+def run_units(
+    units: Sequence[U],
+    label: Callable[[U], str],
+    run: Callable[[U], Mapping[Any, Cell]],
+    write: Callable[[dict[Any, Cell], list[U], bool], None],
+) -> None:
     """Collective: run(unit) on every rank, unit by unit (a size, a shape, a batch); after each, rank 0
     passes the cells so far (max over ranks), the units done and whether they are all to
     write(cells, done, final). The report on disk always holds every finished unit: a run cut at its
@@ -291,8 +305,9 @@ def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], 
 Writer = Callable[..., None]  # a benchmark's write(cells, s, world_size, reasons, gpu, path, final)
 
 
-def reporter(name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
-             ) -> Callable[[dict[Any, Cell], list, bool], None]:  # fmt: skip
+def reporter(
+    name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
+) -> Callable[[dict[Any, Cell], list, bool], None]:
     """`run_units`' write for the benchmark `name`: its report so far, settings `s` with only the units
     done in `s.<field>`, to its results file for this GPU and world size (`results_path`; alone: for
     this GPU, and `write` gets world size 1)."""
@@ -374,8 +389,12 @@ def git_commit() -> str:
     git = ["git", "-C", str(checkout)]
     try:
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        changes = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!bench/results"], capture_output=True, text=True, check=True)  # fmt: skip
+        changes = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "n/a"
     return head.stdout.strip() + (" + uncommitted changes" if changes.stdout.strip() else "")
@@ -415,8 +434,9 @@ def dry_run_dir() -> Path:
     return Path(tempfile.gettempdir()) / "graphar-bench-dry-run"
 
 
-def results_path(name: str, gpu: str, world_size: int | None, out: Path | None, default_dir: Path | None = None
-                 ) -> Path:  # fmt: skip
+def results_path(
+    name: str, gpu: str, world_size: int | None, out: Path | None, default_dir: Path | None = None
+) -> Path:
     """`results_file` named <name>-<gpu>-ws<N>.md, or <name>-<gpu>.md for a one-GPU benchmark (world_size None)."""
     suffix = "" if world_size is None else f"-ws{world_size}"
     return results_file(f"{name}-{gpu_slug(gpu)}{suffix}.md", out, default_dir)

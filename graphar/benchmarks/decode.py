@@ -158,8 +158,9 @@ class Block(nn.Module):
         return x
 
 
-def compiled_step(blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str, dynamic: bool = False,
-                  **options: object) -> Step:  # fmt: skip
+def compiled_step(
+    blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str, dynamic: bool = False, **options: object
+) -> Step:
     compiled = [torch.compile(block, backend=backend, dynamic=dynamic, options=options or None) for block in blocks]
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -258,8 +259,11 @@ def run_batch(runs: Runs, b: int, s: Settings, gen: torch.Generator) -> dict[tup
     cells = checks(runs, x, b)
     for v in VARIANTS:
         run = runs[v]
-        cells[(b, v)] = run if isinstance(run, str) else common.time_gpu(
-            lambda: [run[b](x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)  # fmt: skip
+        cells[(b, v)] = (
+            run
+            if isinstance(run, str)
+            else common.time_gpu(lambda: [run[b](x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)
+        )
     return cells
 
 
@@ -332,12 +336,17 @@ def notes(s: Settings, world_size: int, reasons: dict[str, str]) -> list[str]:
 
 def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.BarChart:
     bars = {label: [cells[(b, v)] for b in s.batches] for v, label in LABELS.items()}
-    return plot.BarChart(f"{s.shape.layers} blocks, median of {s.replays} samples, max over ranks",
-                         "us per decode step", [f"batch {b}" for b in s.batches], bars)  # fmt: skip
+    return plot.BarChart(
+        f"{s.shape.layers} blocks, median of {s.replays} samples, max over ranks",
+        "us per decode step",
+        [f"batch {b}" for b in s.batches],
+        bars,
+    )
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header("decode, CUDA graphs", world_size, gpu)
     sections = [("per decode step, us", table(cells, s))]
     title = "Decode step (TP, Llama-style)"

@@ -99,8 +99,9 @@ def verdict(fn: Callable[[], str | None], what: str, reasons: dict[str, str], ke
     return agree(status)
 
 
-def measured(prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str],
-             key: str) -> Cell:  # fmt: skip
+def measured(
+    prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str], key: str
+) -> Cell:
     """Collective: prepare() (a capture, a compile: what can fail on one rank alone), then time_it(its
     value) where it worked on every rank, else "err" on every rank (the reason in reasons[key]). The
     timing holds collectives, so it runs on all ranks or none; an exception there ends the run."""

@@ -75,8 +75,11 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
         shapes = [parse_shape(s) for s in args.shapes.split(",")] if args.shapes else None
     except ValueError:
         p.error(f"--shapes {args.shapes!r}: expected comma-separated b x s x h x d, e.g. 1x4096x24x128")
-    return Settings(shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
-                    max_ops=10 if args.quick else 20, replays=5 if args.quick else 7)  # fmt: skip
+    return Settings(
+        shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
+        max_ops=10 if args.quick else 20,
+        replays=5 if args.quick else 7,
+    )
 
 
 def shape_label(shape: tuple[int, int, int, int]) -> str:
@@ -88,16 +91,20 @@ def qkv_bytes(shape: tuple[int, int, int, int], world_size: int) -> int:
     return 3 * b * (s // world_size) * h * d * DTYPE.itemsize
 
 
-def time_graph(step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
-               ) -> common.Cell:  # fmt: skip
+def time_graph(
+    step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
+) -> common.Cell:
     ops = max(2, min(s.max_ops, GRAPH_BYTES // max(nbytes, 1)))
-    return ranks.measured(lambda: common.capture(step, ops),
-                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
-                           "capture", reasons, key)  # fmt: skip
+    return ranks.measured(
+        lambda: common.capture(step, ops),
+        lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
+        "capture",
+        reasons,
+        key,
+    )
 
 
-def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tuple[str, bool]], ex: Any
-                    ) -> str | None:  # fmt: skip
+def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tuple[str, bool]], ex: Any) -> str | None:
     """ "WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
     path's bits. Every exchange runs, whatever an earlier one gave: each is a collective its peers run."""
     from graphar import ulysses
@@ -112,8 +119,9 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
     return None if all(right) else "WRONG"
 
 
-def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings,
-              reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_shape(
+    shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings, reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
     from graphar import ulysses
     from graphar.comm.registry import communicator
@@ -131,8 +139,12 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
 
     ex = communicator(ipc_group).exchange
     groups = [(nccl_group, False), (ipc_group, False), (ipc_group, True)]  # IPC pull first sizes the buffers
-    status = ranks.verdict(lambda: wrong_exchanges(qkv[0], outs[0], groups, ex), "the exchange check", reasons,
-                            f"check at {shape_label(shape)}")  # fmt: skip
+    status = ranks.verdict(
+        lambda: wrong_exchanges(qkv[0], outs[0], groups, ex),
+        "the exchange check",
+        reasons,
+        f"check at {shape_label(shape)}",
+    )
     if status is not None:
         return {(shape, k): status for k in TIMED} | {(shape, "pack"): "-", (shape, "copy"): "-"}
 
@@ -296,15 +308,25 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     """Time per shape by transport, for each exchange (log scale: the shapes span 20x in bytes)."""
     groups = [shape_label(shape) for shape in s.shapes]
-    panels = (("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH)),
-              ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)))  # fmt: skip
-    return [plot.BarChart(f"{what}: b, s, h, d; CUDA graphs, max over ranks", "us per op", groups,
-                          {k: [results[(shape, k)] for shape in s.shapes] for k in keys}, log=True)
-            for what, keys in panels]  # fmt: skip
+    panels = (
+        ("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH)),
+        ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)),
+    )
+    return [
+        plot.BarChart(
+            f"{what}: b, s, h, d; CUDA graphs, max over ranks",
+            "us per op",
+            groups,
+            {k: [results[(shape, k)] for shape in s.shapes] for k in keys},
+            log=True,
+        )
+        for what, keys in panels
+    ]
 
 
-def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header("graph", world_size, gpu)
     title = "Ulysses all-to-all (us)"
     text = common.report(title, info, tables(results, s, world_size), notes(s, reasons))

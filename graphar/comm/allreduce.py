@@ -37,7 +37,7 @@ from graphar.comm.abi import (
     PATH_ZERO_COPY,
     PUSH_ALGOS,
     Segments,
-)  # fmt: skip
+)
 from graphar.errors import GrapharCommError
 
 logger = logging.getLogger("graphar")
@@ -92,8 +92,14 @@ class CommCalls(Protocol):
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
-    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
-                         own_ptrs: Sequence[int]) -> None: ...  # fmt: skip
+    def fill_graph_slots(
+        self,
+        slots: Sequence[int],
+        handles: bytes,
+        offsets: Sequence[int],
+        staged: Sequence[bool],
+        own_ptrs: Sequence[int],
+    ) -> None: ...
     def forget_graph_slots(self, slots: Sequence[int]) -> None: ...  # no CUDA call: safe from a finalizer
     def close_unused_mappings(self) -> None: ...  # waits for the device when there is any
 
@@ -239,8 +245,11 @@ class AllReduce:
         kind = re.sub(r"\d+", "N", reason or "")
         if reason is not None and kind not in self._fallbacks_said:
             self._fallbacks_said.add(kind)
-            logger.info("graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
-                        self.group_name, reason)  # fmt: skip
+            logger.info(
+                "graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
+                self.group_name,
+                reason,
+            )
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
         """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL).
@@ -269,8 +278,11 @@ class AllReduce:
         if capture is not None and chosen not in PUSH_ALGOS:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce(ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code,
-                                                    algo_code, path, slot, self._pdl, 0))  # fmt: skip
+        comm.launch_all_reduce(
+            ALL_REDUCE_ARGS.pack(
+                x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, algo_code, path, slot, self._pdl, 0
+            )
+        )
         self._calls += 1
         return out
 
@@ -297,17 +309,29 @@ class AllReduce:
         if row_bytes % 16 or row_bytes > _cuda.NORM_MAX_ROW_BYTES or x.nbytes > self._policy.fused_norm_max:
             return None
         for t, shape in ((residual, x.shape), (weight, x.shape[-1:])):
-            if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None
-                                  or t.dtype != x.dtype):  # fmt: skip
+            if t is not None and (
+                t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None or t.dtype != x.dtype
+            ):
                 return None
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce_norm(NORM_ARGS.pack(
-            x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
-            normed.data_ptr(), summed.data_ptr(), x.nbytes, row_bytes, stream, eps, DTYPE_CODES[x.dtype],
-            int(weight_first), self._pdl,
-        ))  # fmt: skip
+        comm.launch_all_reduce_norm(
+            NORM_ARGS.pack(
+                x.data_ptr(),
+                0 if residual is None else residual.data_ptr(),
+                0 if weight is None else weight.data_ptr(),
+                normed.data_ptr(),
+                summed.data_ptr(),
+                x.nbytes,
+                row_bytes,
+                stream,
+                eps,
+                DTYPE_CODES[x.dtype],
+                int(weight_first),
+                self._pdl,
+            )
+        )
         self._calls += 1
         return normed, summed
 
@@ -354,8 +378,9 @@ class AllReduce:
         # Mappings that only dead graphs read are closed before this rank says which graphs it let go.
         self.comm.close_unused_mappings()
         released, self._released = self._released, []
-        everyone = self.comm.all_gather((self._shared(calls), released),
-                                        f"graph registration on group {self.group_name!r}")  # fmt: skip
+        everyone = self.comm.all_gather(
+            (self._shared(calls), released), f"graph registration on group {self.group_name!r}"
+        )
         self._drop_inputs_closed_everywhere([ids for _, ids in everyone])
         counts = [len(shared) for shared, _ in everyone]
         if len(set(counts)) != 1:
@@ -366,8 +391,13 @@ class AllReduce:
                 raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
         flat = [everyone[r][0][i] for i in range(len(calls)) for r in range(len(everyone))]
-        self.comm.fill_graph_slots([c.slot for c in calls], b"".join(e.handle for e in flat), [e.offset for e in flat],
-                                   [e.staged for e in flat], [c.tensor.data_ptr() for c in calls])  # fmt: skip
+        self.comm.fill_graph_slots(
+            [c.slot for c in calls],
+            b"".join(e.handle for e in flat),
+            [e.offset for e in flat],
+            [e.staged for e in flat],
+            [c.tensor.data_ptr() for c in calls],
+        )
 
     def _drop_inputs_closed_everywhere(self, released_by_rank: Sequence[Sequence[int]]) -> None:
         """Registrations every rank has let go of (and closed its mappings for): their inputs may go."""

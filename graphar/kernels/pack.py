@@ -398,8 +398,16 @@ def _launch(
     shifts = _shifts(pairs) or ()
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
     # The interpreter runs no PTX: there the kernel runs on one device and needs no fence.
-    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
-                     FENCE=bool(shifts) and not _interpreting(), GUARDED=guard is not None)  # fmt: skip
+    constants = dict(
+        D=d,
+        D_PAD=d_pad,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        IDX64=idx64,
+        SHIFTED=bool(shifts),
+        FENCE=bool(shifts) and not _interpreting(),
+        GUARDED=guard is not None,
+    )
     return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), guard, rows, s], constants
 
 

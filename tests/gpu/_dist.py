@@ -53,8 +53,15 @@ def _share_one_gpu() -> None:
     set_up._not_worth_setting_up = lambda group: None if settings.AUTO_INIT.get() else "GRAPHAR_AUTO_INIT=0"
 
 
-def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-           env: dict[str, str], error_dir: str) -> None:  # fmt: skip
+def _entry(
+    fn: Callable[..., None],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    error_dir: str,
+) -> None:
     # Tests set their communicators up with graphar.init; a group without one is their NCCL case.
     os.environ.update({"GRAPHAR_AUTO_INIT": "0", **env})
     try:

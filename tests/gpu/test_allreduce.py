@@ -18,7 +18,7 @@ from _dist import (
     nccl_sum,
     run_workers,
     set_barrier_counters,
-)  # fmt: skip
+)
 
 import graphar
 from graphar import GrapharCommError
