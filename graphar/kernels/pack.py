@@ -67,31 +67,12 @@ if triton is not None:
 
     @triton.jit
     def _copy_tile(
-        dst,
-        src,
-        heads,
-        row_block,
-        head_block,
-        j,
-        shift,
-        live,
-        s_j,
-        s_b,
-        s_s,
-        s_h,
-        d_j,
-        d_b,
-        d_s,
-        d_h,
-        rows,
-        seq,
-        D: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        IDX64: tl.constexpr,
+        dst, src, heads, row_block, head_block, j, shift, live,
+        s_j, s_b, s_s, s_h, d_j, d_b, d_s, d_h,
+        rows, seq,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
         SHIFTED: tl.constexpr,
-    ):
+    ):  # fmt: skip  # arguments in rows: pointers, strides, sizes, constexprs
         r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
         l = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         e = tl.arange(0, D_PAD)
@@ -120,59 +101,15 @@ if triton is not None:
     # type and recompile), and specialised only on divisibility, which keeps the stores vectorised.
     @triton.jit(do_not_specialize=["rows", "seq"])
     def _relayout_kernel(
-        dst0,
-        src0,
-        heads0,
-        s0_j,
-        s0_b,
-        s0_s,
-        s0_h,
-        d0_j,
-        d0_b,
-        d0_s,
-        d0_h,
-        dst1,
-        src1,
-        heads1,
-        s1_j,
-        s1_b,
-        s1_s,
-        s1_h,
-        d1_j,
-        d1_b,
-        d1_s,
-        d1_h,
-        dst2,
-        src2,
-        heads2,
-        s2_j,
-        s2_b,
-        s2_s,
-        s2_h,
-        d2_j,
-        d2_b,
-        d2_s,
-        d2_h,
-        shift0: tl.int64,
-        shift1: tl.int64,
-        shift2: tl.int64,
-        shift3: tl.int64,
-        shift4: tl.int64,
-        shift5: tl.int64,
-        shift6: tl.int64,
-        shift7: tl.int64,
-        guard,
-        rows,
-        seq,
-        D: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        IDX64: tl.constexpr,
-        SHIFTED: tl.constexpr,
-        FENCE: tl.constexpr,
-        GUARDED: tl.constexpr,
-    ):
+        dst0, src0, heads0, s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+        dst1, src1, heads1, s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
+        dst2, src2, heads2, s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
+        shift0: tl.int64, shift1: tl.int64, shift2: tl.int64, shift3: tl.int64,
+        shift4: tl.int64, shift5: tl.int64, shift6: tl.int64, shift7: tl.int64,
+        guard, rows, seq,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
+        SHIFTED: tl.constexpr, FENCE: tl.constexpr, GUARDED: tl.constexpr,
+    ):  # fmt: skip  # arguments in rows: one per tensor, the shifts, sizes, constexprs
         row_block = tl.program_id(0)
         j = tl.program_id(1)
         block = tl.program_id(2)
@@ -181,106 +118,22 @@ if triton is not None:
             live = (tl.load(guard, volatile=True) == 0).to(tl.int32)
         shift = 0
         if SHIFTED:  # shift_j without indexing the arguments by a runtime j
-            shift = tl.where(
-                j == 0,
-                shift0,
-                tl.where(
-                    j == 1,
-                    shift1,
-                    tl.where(
-                        j == 2,
-                        shift2,
-                        tl.where(
-                            j == 3,
-                            shift3,
-                            tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7))),
-                        ),
-                    ),
-                ),
-            )
+            shift = tl.where(j == 0, shift0, tl.where(j == 1, shift1, tl.where(j == 2, shift2, tl.where(
+                j == 3, shift3, tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7)))))))  # fmt: skip  # a flat chain of 8 cases
         blocks0 = tl.cdiv(heads0, BLOCK_H)
         blocks1 = tl.cdiv(heads1, BLOCK_H)
         if block < blocks0:
-            _copy_tile(
-                dst0,
-                src0,
-                heads0,
-                row_block,
-                block,
-                j,
-                shift,
-                live,
-                s0_j,
-                s0_b,
-                s0_s,
-                s0_h,
-                d0_j,
-                d0_b,
-                d0_s,
-                d0_h,
-                rows,
-                seq,
-                D,
-                D_PAD,
-                BLOCK_R,
-                BLOCK_H,
-                IDX64,
-                SHIFTED,
-            )
+            _copy_tile(dst0, src0, heads0, row_block, block, j, shift, live,
+                       s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         elif block < blocks0 + blocks1:
-            _copy_tile(
-                dst1,
-                src1,
-                heads1,
-                row_block,
-                block - blocks0,
-                j,
-                shift,
-                live,
-                s1_j,
-                s1_b,
-                s1_s,
-                s1_h,
-                d1_j,
-                d1_b,
-                d1_s,
-                d1_h,
-                rows,
-                seq,
-                D,
-                D_PAD,
-                BLOCK_R,
-                BLOCK_H,
-                IDX64,
-                SHIFTED,
-            )
+            _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, shift, live,
+                       s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         else:
-            _copy_tile(
-                dst2,
-                src2,
-                heads2,
-                row_block,
-                block - blocks0 - blocks1,
-                j,
-                shift,
-                live,
-                s2_j,
-                s2_b,
-                s2_s,
-                s2_h,
-                d2_j,
-                d2_b,
-                d2_s,
-                d2_h,
-                rows,
-                seq,
-                D,
-                D_PAD,
-                BLOCK_R,
-                BLOCK_H,
-                IDX64,
-                SHIFTED,
-            )
+            _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, live,
+                       s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         if FENCE:
             # Stores into a peer's buffer are announced by the next kernel (the all-to-all's entry barrier),
             # whose release orders only what its own thread has seen. fence.sc.sys (membar.sys) holds this
