@@ -376,8 +376,8 @@ def test_graph_registration_is_call_major_with_staged_entries() -> None:
         ],
         [
             ar.GraphCall(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
-            ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2)),
-        ],  # a recycled slot
+            ar.GraphCall(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2)),  # a recycled slot
+        ],
     ]
     comms, errors = _register_on_two_ranks(calls)
     assert not errors

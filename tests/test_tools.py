@@ -84,25 +84,22 @@ def _soak():  # the tool's module
 def test_the_soak_plans_the_issues_cases_and_counts() -> None:
     soak = _soak()
     full, quick = soak.plan(quick=False), soak.plan(quick=True)
-    assert (
-        [c.name for c in full]
-        == [c.name for c in quick]
-        == [
-            "replay-push-oneshot",
-            "replay-push-twoshot",
-            "replay-1stage",
-            "replay-2stage",
-            "exchange-pull",
-            "exchange-push",
-            "two-streams-1stage",
-            "two-streams-2stage",
-            "two-streams-push-oneshot",
-            "two-streams-push-twoshot",
-            "two-streams-norm",
-            "two-streams-exchange-pull",
-            "two-streams-exchange-push",
-        ]
-    )
+    names = [
+        "replay-push-oneshot",
+        "replay-push-twoshot",
+        "replay-1stage",
+        "replay-2stage",
+        "exchange-pull",
+        "exchange-push",
+        "two-streams-1stage",
+        "two-streams-2stage",
+        "two-streams-push-oneshot",
+        "two-streams-push-twoshot",
+        "two-streams-norm",
+        "two-streams-exchange-pull",
+        "two-streams-exchange-push",
+    ]
+    assert [c.name for c in full] == [c.name for c in quick] == names
     calls = {c.name: c.calls for c in full}
     assert all(calls[f"replay-{k}"] >= 10**6 for k in ("push-oneshot", "push-twoshot", "1stage", "2stage"))
     assert all(c.calls >= 10**5 for c in full if c.kind == soak.TWO_STREAMS)

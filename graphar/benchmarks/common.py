@@ -103,8 +103,10 @@ def add_arguments(
         "--out",
         type=Path,
         default=None,
-        help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
-        "of a source checkout, else the current folder)",
+        help=(
+            "results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
+            "of a source checkout, else the current folder)"
+        ),
     )
 
 

@@ -65,13 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tiles",
         default=None,
-        help=f"kernel launches to sweep, T:W = _TILE_ELEMENTS:num_warps (default {DEFAULT_TILES}; "
-        "--quick: 8192:8; '' for none)",
+        help=(
+            f"kernel launches to sweep, T:W = _TILE_ELEMENTS:num_warps (default {DEFAULT_TILES}; "
+            "--quick: 8192:8; '' for none)"
+        ),
     )
     common.add_arguments(
         p,
-        quick_help="5 shapes (GQA, an odd and an unaligned local sequence, b > 1), one "
-        "tile sweep, fewer ops and replays",
+        quick_help=(
+            "5 shapes (GQA, an odd and an unaligned local sequence, b > 1), one tile sweep, fewer ops and replays"
+        ),
         world_size_help="ranks P the layouts are for (default 2)",
     )
 

@@ -156,13 +156,17 @@ class Communicator:
             "replays): order them, e.g. one stream per communicator or events between the streams"
         )
         return {
-            abi.TIMED_OUT: f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s "
-            "(GRAPHAR_TIMEOUT_S)",
-            abi.PEER_GAVE_UP: f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive "
-            "in time)",
+            abi.TIMED_OUT: (
+                f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s (GRAPHAR_TIMEOUT_S)"
+            ),
+            abi.PEER_GAVE_UP: (
+                f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive in time)"
+            ),
             abi.CONCURRENT: f"two of its kernels ran at once on this rank (found at the {where}): {unordered}",
-            abi.OUT_OF_STEP: f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
-            f"an eager call, or the reverse): {unordered}",
+            abi.OUT_OF_STEP: (
+                f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
+                f"an eager call, or the reverse): {unordered}"
+            ),
         }.get(r.cause, f"the kernels recorded an unknown failure {r.cause} at the {where}")
 
     def mark_broken(self, reason: str) -> None:
