@@ -37,8 +37,10 @@ class BuildPyWithCuda(build_py):
         if cuda.settings.SKIP_CUDA_BUILD.get():
             print("graphar: GRAPHAR_SKIP_CUDA_BUILD is set; the CUDA library is not built")
         elif cuda.find_nvcc() is None:
-            print("graphar: nvcc not found (PATH, CUDA_HOME); the CUDA library is not built "
-                  "(built on first use where nvcc exists)")
+            print(
+                "graphar: nvcc not found (PATH, CUDA_HOME); the CUDA library is not built "
+                "(built on first use where nvcc exists)"
+            )
         else:
             print(f"graphar: built {_build(cuda, package_dir)}")
 
@@ -49,8 +51,10 @@ def _build(cuda: ModuleType, package_dir: Path) -> Path:
     except cuda.GrapharUnavailable as e:
         # SystemExit, not an exception: an editable install ignores exceptions from build_py. pip
         # shows the message, as the output of a failed build.
-        raise SystemExit(f"graphar: {e}\nSet GRAPHAR_CUDA_ARCHS to targets this nvcc supports, or "
-                         "GRAPHAR_SKIP_CUDA_BUILD=1 to install without the CUDA library.") from e
+        raise SystemExit(
+            f"graphar: {e}\nSet GRAPHAR_CUDA_ARCHS to targets this nvcc supports, or "
+            "GRAPHAR_SKIP_CUDA_BUILD=1 to install without the CUDA library."
+        ) from e
 
 
 setup(

@@ -52,14 +52,15 @@ def _import_passes_from_checkout() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["graphar.passes"] = module
     spec.loader.exec_module(module)
-    setattr(sys.modules[__name__], "passes", module)
+    sys.modules[__name__].passes = module
 
 
 _import_passes_from_checkout()
 
-from graphar import settings
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
-from graphar.backend import graphar_backend, install, register as _register_backend, uninstall
+from graphar import settings
+from graphar.backend import graphar_backend, install, uninstall
+from graphar.backend import register as _register_backend
 from graphar.comm.registry import shutdown
 from graphar.comm.set_up import init
 from graphar.config import Config

@@ -13,13 +13,25 @@ from graphar.benchmarks import cli as bench
 
 # name, module, one-line summary for the list of commands
 COMMANDS = (
-    ("demo", demo, "compile a tensor-parallel MLP and a Ulysses attention block with backend='graphar', "
-                   "show each rewrite and its transport, check the outputs against eager"),
-    ("doctor", doctor, "say whether graphar's custom all-reduce and IPC all-to-all are on here, and if not, "
-                       "why: versions, CUDA library, GPUs, peer access, NVLink, allocator"),
-    ("bench", bench, "time graphar against NCCL: allreduce, attention, capture, decode, norm or ulysses; on one "
-                     "GPU: chunking, pack; compile: its compile time (CPU); a table and a plot"),
-)  # fmt: skip
+    (
+        "demo",
+        demo,
+        "compile a tensor-parallel MLP and a Ulysses attention block with backend='graphar', "
+        "show each rewrite and its transport, check the outputs against eager",
+    ),
+    (
+        "doctor",
+        doctor,
+        "say whether graphar's custom all-reduce and IPC all-to-all are on here, and if not, "
+        "why: versions, CUDA library, GPUs, peer access, NVLink, allocator",
+    ),
+    (
+        "bench",
+        bench,
+        "time graphar against NCCL: allreduce, attention, capture, decode, norm or ulysses; on one "
+        "GPU: chunking, pack; compile: its compile time (CPU); a table and a plot",
+    ),
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,8 +41,9 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = top.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for name, module, summary in COMMANDS:
-        command = commands.add_parser(name, help=summary, description=module.__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        command = commands.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return top

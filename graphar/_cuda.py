@@ -65,11 +65,10 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_all_reduce": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_push_limits": (c_int, [c_void_p, POINTER(c_uint64), POINTER(c_uint64)]),
     "graphar_comm_all_reduce_norm": (c_int, [c_void_p, c_void_p]),
-    "graphar_comm_norm_loopback": (
-        c_int, [c_void_p, c_void_p, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)]
-    ),
+    "graphar_comm_norm_loopback": (c_int, [c_void_p, c_void_p, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)]),
     "graphar_norm_grid": (
-        c_int, [c_uint64, c_uint64, c_int, c_uint64, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)]
+        c_int,
+        [c_uint64, c_uint64, c_int, c_uint64, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)],
     ),
     "graphar_comm_exchange_lease": (c_int, [c_void_p, c_int, c_uint64, POINTER(c_uint64)]),
     "graphar_comm_exchange_alloc": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_uint64), c_void_p]),
@@ -304,8 +303,10 @@ def pci_bus_id(device: int) -> str:
 def graph_edges(graph: object) -> tuple[int, int]:
     """(all edges, programmatic edges) of a torch.cuda.CUDAGraph captured with keep_graph=True."""
     total, programmatic = c_uint64(), c_uint64()
-    check(library().graphar_graph_edges(graph.raw_cuda_graph(), ctypes.byref(total), ctypes.byref(programmatic)),
-          "graph edges")  # fmt: skip
+    check(
+        library().graphar_graph_edges(graph.raw_cuda_graph(), ctypes.byref(total), ctypes.byref(programmatic)),
+        "graph edges",
+    )
     return total.value, programmatic.value
 
 

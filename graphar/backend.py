@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch._inductor import config as inductor_config
 
 from graphar.config import MODES, Config
+from graphar.errors import SettingError
 from graphar.passes import GrapharPass
 from graphar.passes.manager import watch_compiles
-from graphar.errors import SettingError
 
 BACKEND_NAME = "graphar"
 

@@ -9,9 +9,9 @@ value and what is allowed. Everything in it that changes the rewritten graph is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from graphar import settings
 from graphar.errors import SettingError
@@ -75,7 +75,7 @@ class Config:
         return self.attention_chunks == AUTO or self.attention_chunks > 1
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
+    def from_options(cls, options: Mapping[str, Any] | None) -> Config:
         """Split `torch.compile` options into graphar's fields and Inductor's patches (checked to exist)."""
         options = dict(options or {})
         names = {f.name for f in dataclasses.fields(cls)} - {"inductor"}

@@ -133,8 +133,10 @@ def rewrites(graph: torch.fx.Graph, backend: str) -> list[str]:
         collective = "all_reduce" if op == "graphar::all_reduce" else "all_to_all_single"
         count = f"{len(inputs)} x " if len(inputs) > 1 else ""
         shapes = ", ".join(dict.fromkeys("x".join(map(str, t.shape)) for t in inputs))
-        lines.append(f"{count}{collective} (group {group!r}, {shapes} {SHORT[inputs[0].dtype]}) -> {op}: "
-                     f"{_transport(op, len(inputs), group, backend)}")
+        lines.append(
+            f"{count}{collective} (group {group!r}, {shapes} {SHORT[inputs[0].dtype]}) -> {op}: "
+            f"{_transport(op, len(inputs), group, backend)}"
+        )
     return lines
 
 
@@ -185,8 +187,13 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, choices=WORLD_SIZES, default=2,
-                        help="processes to spawn, one GPU each when there are that many (default: 2)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        choices=WORLD_SIZES,
+        default=2,
+        help="processes to spawn, one GPU each when there are that many (default: 2)",
+    )
 
 
 def main(world_size: int = 2) -> int:

@@ -178,10 +178,15 @@ def library_report(capabilities: list[str]) -> bool:
         items += [("architectures in it", _archs_text(*archs))] if shown else []
         items += [(f"GPUs of sm_{cc}", coverage(cc, *archs)) for cc in dict.fromkeys(capabilities)]
     if loaded is None:
-        items.append(("to build it", "`pip install -e .` in a checkout (or pip install from source) with nvcc on PATH "
-                      "or CUDA_HOME set; GRAPHAR_CUDA_ARCHS=<this GPU's, e.g. 90a> builds for it alone. Without a "
-                      "build at install, graphar builds it on first use where nvcc exists, into GRAPHAR_CACHE_DIR "
-                      "or ~/.cache/graphar"))  # fmt: skip
+        items.append(
+            (
+                "to build it",
+                "`pip install -e .` in a checkout (or pip install from source) with nvcc on PATH "
+                "or CUDA_HOME set; GRAPHAR_CUDA_ARCHS=<this GPU's, e.g. 90a> builds for it alone. Without a "
+                "build at install, graphar builds it on first use where nvcc exists, into GRAPHAR_CACHE_DIR "
+                "or ~/.cache/graphar",
+            )
+        )
     _items("graphar's CUDA library", items)
     return loaded is not None
 
@@ -194,8 +199,14 @@ def gpus() -> list[dict[str, str]]:
     found = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        found.append({"name": p.name, "cc": f"{p.major}{p.minor}", "memory": f"{p.total_memory / 2**30:.0f} GiB",
-                      "bus": f"{p.pci_domain_id:04X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"})  # fmt: skip
+        found.append(
+            {
+                "name": p.name,
+                "cc": f"{p.major}{p.minor}",
+                "memory": f"{p.total_memory / 2**30:.0f} GiB",
+                "bus": f"{p.pci_domain_id:04X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0",
+            }
+        )
     return found
 
 
@@ -245,12 +256,19 @@ def allocator_report() -> None:
     name = names[0] if names else "PYTORCH_CUDA_ALLOC_CONF"
     conf = os.environ.get(name, "")
     expandable = re.search(r"expandable_segments\s*:\s*(true|1)", conf, re.IGNORECASE) is not None
-    _items("Allocator", [
-        (name, conf or "unset"),
-        ("expandable segments", "on: graphar.init still sets up, but legacy CUDA IPC cannot share such memory, so "
-         "all-reduces captured with graphar.graph copy their inputs in (staged) instead of zero copy"
-         if expandable else "off (zero-copy all-reduces under graphar.graph can share torch's tensors)"),
-    ])  # fmt: skip
+    _items(
+        "Allocator",
+        [
+            (name, conf or "unset"),
+            (
+                "expandable segments",
+                "on: graphar.init still sets up, but legacy CUDA IPC cannot share such memory, so "
+                "all-reduces captured with graphar.graph copy their inputs in (staged) instead of zero copy"
+                if expandable
+                else "off (zero-copy all-reduces under graphar.graph can share torch's tensors)",
+            ),
+        ],
+    )
 
 
 # ---- what graphar does for the group -------------------------------------------------------------------
@@ -277,21 +295,43 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
     items += [("graphar's warning", w) for w in first["warnings"]]
     if on:
         auto = settings.AUTO_INIT.get()
-        items.append(("set up", "at each group's first eager collective, or by graphar.init(group)" if auto
-                      else "only by graphar.init(group) (GRAPHAR_AUTO_INIT=0)"))  # fmt: skip
+        items.append(
+            (
+                "set up",
+                "at each group's first eager collective, or by graphar.init(group)"
+                if auto
+                else "only by graphar.init(group) (GRAPHAR_AUTO_INIT=0)",
+            )
+        )
         items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
         push = first["push"]
-        items.append(("push kernels", f"one-shot up to {_size(push['one_shot'])}, fused norm up to "
-                      f"{_size(push['fused_norm'])}, programmatic dependent launch "
-                      f"{'on' if push['pdl'] else 'off (GRAPHAR_PDL=0, or a GPU before Hopper)'}"))  # fmt: skip
+        items.append(
+            (
+                "push kernels",
+                f"one-shot up to {_size(push['one_shot'])}, fused norm up to "
+                f"{_size(push['fused_norm'])}, programmatic dependent launch "
+                f"{'on' if push['pdl'] else 'off (GRAPHAR_PDL=0, or a GPU before Hopper)'}",
+            )
+        )
         plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
         items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
         python = [r for r, f in enumerate(facts) if not f["native_op"]]
-        items.append(("eager calls of the op", f"the Python kernel on ranks {python} (more host time per call; "
-                      "GRAPHAR_NATIVE_OP, or graphar's warning says why)" if python else "its C++ kernel"))  # fmt: skip
+        items.append(
+            (
+                "eager calls of the op",
+                f"the Python kernel on ranks {python} (more host time per call; "
+                "GRAPHAR_NATIVE_OP, or graphar's warning says why)"
+                if python
+                else "its C++ kernel",
+            )
+        )
         staged = [r for r, f in enumerate(facts) if not f.get("shareable", True)]
-        items.append(("graphar.graph inputs", f"staged (copied in) on ranks {staged}: expandable segments"
-                      if staged else "zero copy"))  # fmt: skip
+        items.append(
+            (
+                "graphar.graph inputs",
+                f"staged (copied in) on ranks {staged}: expandable segments" if staged else "zero copy",
+            )
+        )
     ulysses = f"CUDA IPC, {first['alltoall']} (GRAPHAR_ALLTOALL_ALGO)" if on else "NCCL (no communicator)"
     items.append(("Ulysses exchange", ulysses))
     _items(f"What graphar does for the group of {world_size} GPUs (the world group of the spawned processes)", items)
@@ -299,10 +339,12 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="GPUs in the group to check (default: all visible)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=180.0,
-                        help="seconds the spawned check may take (default: 180)")  # fmt: skip
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="GPUs in the group to check (default: all visible)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds the spawned check may take (default: 180)"
+    )
 
 
 def _finish(code: int, why: str) -> int:
@@ -322,8 +364,11 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.world_size or len(found)
     if len(found) < 2 or not 2 <= world_size <= len(found):
         gpu_report(found, {})
-        return _finish(EXIT_NO_GPU, f"the custom paths need 2 GPUs or more in the group; {len(found)} visible"
-                       + (f", --world-size {world_size}" if args.world_size else ""))  # fmt: skip
+        return _finish(
+            EXIT_NO_GPU,
+            f"the custom paths need 2 GPUs or more in the group; {len(found)} visible"
+            + (f", --world-size {world_size}" if args.world_size else ""),
+        )
     if not library:
         gpu_report(found, {})
         return _finish(EXIT_NO_LIBRARY, "graphar's CUDA library is unavailable (see above); NCCL serves everything")
@@ -333,5 +378,9 @@ def run(args: argparse.Namespace) -> int:
     if failure is not None:
         return _finish(EXIT_FAILED, failure)
     code = group_report(world_size, facts)
-    return _finish(code, "custom all-reduce and IPC all-to-all ON" if code == EXIT_ON else
-                   "custom all-reduce and IPC all-to-all OFF for the group; NCCL serves them")  # fmt: skip
+    return _finish(
+        code,
+        "custom all-reduce and IPC all-to-all ON"
+        if code == EXIT_ON
+        else "custom all-reduce and IPC all-to-all OFF for the group; NCCL serves them",
+    )

@@ -27,7 +27,6 @@ PLAN_SIZES = (16 * KB, 64 * KB, 256 * KB, 512 * KB, 1 * MB, 2 * MB, 8 * MB, 16 *
 PROBE_BYTES = 64 * KB  # a pair probe's IPC buffers: the probe is the same at any size
 
 
-
 class _Warnings(logging.Handler):
     """Collects the graphar logger's warnings: graphar.init says there why it turned a group off."""
 
@@ -67,8 +66,13 @@ def _probe_pairs(rank: int, world_size: int, log: _Warnings) -> dict[str, str]:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     log = _Warnings()
     logging.getLogger("graphar").addHandler(log)
     try:
@@ -78,7 +82,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
         if comm is not None:
             facts["max_bytes"] = comm.max_bytes
             kernels = comm.allreduce.policy
-            facts["plan"] = {n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes}
+            facts["plan"] = {
+                n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes
+            }
             pdl = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
             facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max, "pdl": pdl}
             facts["alltoall"] = "push" if comm.exchange.push else "pull"

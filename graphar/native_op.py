@@ -61,11 +61,24 @@ def cuda_include() -> Path | None:
 def build_command(cxx: str, src: Path, out: Path, cuda_headers: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     return [
-        cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}",
-        f"-I{cuda_headers}", str(src / SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-lc10_cuda", "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out),
-    ]  # fmt: skip
+        cxx,
+        "-O2",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{torch_dir / 'include'}",
+        f"-I{cuda_headers}",
+        str(src / SOURCE),
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-lc10_cuda",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-o",
+        str(out),
+    ]
 
 
 def _build() -> Path:
@@ -80,9 +93,10 @@ def _build() -> Path:
     sources = f"{_cuda.source_hash(src, ('.cpp', '.h'))}|{_cuda.source_hash(src.parent, ('.h',))}"
     key = f"op|{sources}|{torch.__version__}|{torch.version.git_version}|{_cuda.compiler_version(cxx)}|{headers}"
     return _cuda.cached_build(
-        key, LIB_NAME, lambda folder: _cuda.build_atomically(folder / LIB_NAME,
-                                                             lambda tmp: build_command(cxx, src, tmp, headers))
-    )  # fmt: skip
+        key,
+        LIB_NAME,
+        lambda folder: _cuda.build_atomically(folder / LIB_NAME, lambda tmp: build_command(cxx, src, tmp, headers)),
+    )
 
 
 _lock = threading.Lock()
@@ -112,15 +126,26 @@ def _load() -> ctypes.CDLL | None:
         if lib.graphar_op_install() != 0:
             raise GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
     except (OSError, GrapharUnavailable) as e:
-        logger.warning("graphar: eager all-reduces run graphar::all_reduce's Python kernel (more host time per "
-                       "call): its C++ kernel cannot be had: %s", e)  # fmt: skip
+        logger.warning(
+            "graphar: eager all-reduces run graphar::all_reduce's Python kernel (more host time per "
+            "call): its C++ kernel cannot be had: %s",
+            e,
+        )
         return None
     return lib
 
 
 def group_state(
-    *, comm: int, lib: ctypes.CDLL, failed: int, max_bytes: int, device: int, rank: int, segments: abi.Segments,
-    fused_norm_max: int, pdl: bool,
+    *,
+    comm: int,
+    lib: ctypes.CDLL,
+    failed: int,
+    max_bytes: int,
+    device: int,
+    rank: int,
+    segments: abi.Segments,
+    fused_norm_max: int,
+    pdl: bool,
 ) -> abi.OpGroup:
     """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of
     its error record, `segments` the eager kernel choice, `fused_norm_max` the fused norm's limit."""
@@ -130,11 +155,20 @@ def group_state(
     def address(fn: object) -> int:
         return ctypes.cast(fn, c_void_p).value
 
-    state = abi.OpGroup(comm=comm, all_reduce=address(lib.graphar_comm_all_reduce),
-                        last_error=address(lib.graphar_last_error), failed=failed, max_bytes=max_bytes,
-                        all_reduce_norm=address(lib.graphar_comm_all_reduce_norm), fused_norm_max=fused_norm_max,
-                        norm_max_row_bytes=_cuda.NORM_MAX_ROW_BYTES, rows=len(segments), device=device, rank=rank,
-                        pdl=int(pdl))  # fmt: skip
+    state = abi.OpGroup(
+        comm=comm,
+        all_reduce=address(lib.graphar_comm_all_reduce),
+        last_error=address(lib.graphar_last_error),
+        failed=failed,
+        max_bytes=max_bytes,
+        all_reduce_norm=address(lib.graphar_comm_all_reduce_norm),
+        fused_norm_max=fused_norm_max,
+        norm_max_row_bytes=_cuda.NORM_MAX_ROW_BYTES,
+        rows=len(segments),
+        device=device,
+        rank=rank,
+        pdl=int(pdl),
+    )
     for i, (bound, algo) in enumerate(segments):
         state.bounds[i] = bound
         state.algos[i] = 0 if algo is None else abi.ALGO_CODES[algo]

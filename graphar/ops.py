@@ -85,8 +85,12 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 # For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
 # and hands it every call it does not serve itself. So for all_reduce_add_rms_norm below.
-_define("all_reduce(Tensor x, str group_name) -> Tensor", all_reduce, lambda x, group_name: x.new_empty(x.shape),
-        keys=("CompositeExplicitAutograd",))  # fmt: skip
+_define(
+    "all_reduce(Tensor x, str group_name) -> Tensor",
+    all_reduce,
+    lambda x, group_name: x.new_empty(x.shape),
+    keys=("CompositeExplicitAutograd",),
+)
 
 
 def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -100,7 +104,8 @@ def _qkv_all_to_all_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
 
 
 _define(
-    "qkv_all_to_all(Tensor q, Tensor k, Tensor v, str group_name) -> Tensor", qkv_all_to_all,
+    "qkv_all_to_all(Tensor q, Tensor k, Tensor v, str group_name) -> Tensor",
+    qkv_all_to_all,
     _qkv_all_to_all_fake,
 )
 
@@ -115,7 +120,8 @@ def _heads_to_seq_all_to_all_fake(o: torch.Tensor, group_name: str) -> torch.Ten
 
 
 _define(
-    "heads_to_seq_all_to_all(Tensor o, str group_name) -> Tensor", heads_to_seq_all_to_all,
+    "heads_to_seq_all_to_all(Tensor o, str group_name) -> Tensor",
+    heads_to_seq_all_to_all,
     _heads_to_seq_all_to_all_fake,
 )
 
@@ -131,14 +137,21 @@ def _packed_all_to_all_single_fake(xs: list[torch.Tensor], group_name: str) -> l
 
 
 _define(
-    "packed_all_to_all_single(Tensor[] xs, str group_name) -> Tensor[]", packed_all_to_all_single,
+    "packed_all_to_all_single(Tensor[] xs, str group_name) -> Tensor[]",
+    packed_all_to_all_single,
     _packed_all_to_all_single_fake,
 )
 
 
 def _ulysses_attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
-    scale: float | None = None, chunks: int = 2, kernel: str | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunks: int = 2,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name)  # the exchange's checks
     return q.new_empty(q.shape)
@@ -147,12 +160,16 @@ def _ulysses_attention_fake(
 _define(
     "ulysses_attention(Tensor q, Tensor k, Tensor v, str group_name, bool is_causal=False, float? scale=None, "
     "int chunks=2, str? kernel=None) -> Tensor",
-    overlap.ulysses_attention, _ulysses_attention_fake,
+    overlap.ulysses_attention,
+    _ulysses_attention_fake,
 )
 
 
 def unfused_add_rms_norm(
-    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    summed: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
     weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add and RMSNorm as the matched graph computes them, rounding for rounding: the norm
@@ -180,7 +197,11 @@ def add_rms_norm_dtypes(
 
 
 def all_reduce_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
     weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(sum of `x` over the group + `residual`) * `weight`; returns (normed, sum + residual).
@@ -212,7 +233,11 @@ def add_rms_norm(
 
 
 def _all_reduce_add_rms_norm_fake(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, group_name: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
     weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     normed, summed = add_rms_norm_dtypes(x, residual, weight, weight_first)
@@ -222,5 +247,7 @@ def _all_reduce_add_rms_norm_fake(
 _define(
     "all_reduce_add_rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps, str group_name, "
     "bool weight_first=False) -> (Tensor, Tensor)",
-    all_reduce_add_rms_norm, _all_reduce_add_rms_norm_fake, keys=("CompositeExplicitAutograd",),
+    all_reduce_add_rms_norm,
+    _all_reduce_add_rms_norm_fake,
+    keys=("CompositeExplicitAutograd",),
 )

@@ -90,8 +90,13 @@ def seconds(value: Any, what: str, zero_unbounded: bool = True) -> float:
     """A bound on a wait in seconds as `what` gives it (GRAPHAR_TIMEOUT_S, graphar.init(timeout_s=),
     GRAPHAR_EXCHANGE_TIMEOUT_S): a finite number >= 0, 0 meaning unbounded, or > 0 where zero is not
     allowed (`zero_unbounded` False); SettingError naming `what` otherwise."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
-            or (value == 0 and not zero_unbounded)):  # fmt: skip
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero_unbounded)
+    ):
         least = ">= 0" if zero_unbounded else "> 0"
         raise errors.SettingError(f"{what}={value!r}: expected a number of seconds {least}")
     return float(value)
@@ -122,17 +127,22 @@ def _flag(raw: str) -> bool:
 
 
 MAX_ALLREDUCE_BYTES = Setting(
-    "GRAPHAR_MAX_ALLREDUCE_BYTES", 8 * MB, lambda raw: byte_limit(int(raw), "GRAPHAR_MAX_ALLREDUCE_BYTES"),
+    "GRAPHAR_MAX_ALLREDUCE_BYTES",
+    8 * MB,
+    lambda raw: byte_limit(int(raw), "GRAPHAR_MAX_ALLREDUCE_BYTES"),
     "a positive multiple of 16 (bytes)",
     "default of the `max_all_reduce_bytes` option and of `graphar.init(max_bytes=)`: the largest "
     "all-reduce the custom kernels serve, and the size of their IPC buffers",
-)  # fmt: skip
+)
 ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")  # the all-reduce kernels (graphar.comm.abi)
 ALLREDUCE_ALGO = Setting(
-    "GRAPHAR_ALLREDUCE_ALGO", None, _choice(*ALGOS), ", ".join(f"'{a}'" for a in ALGOS),
+    "GRAPHAR_ALLREDUCE_ALGO",
+    None,
+    _choice(*ALGOS),
+    ", ".join(f"'{a}'" for a in ALGOS),
     "force one all-reduce kernel (a call it cannot take runs on NCCL); unset, graphar picks from its measured "
     "table by GPU, world size, size and capture mode",
-)  # fmt: skip
+)
 
 
 def _switch(name: str, default: bool, meaning: str) -> Setting[bool]:
@@ -140,17 +150,19 @@ def _switch(name: str, default: bool, meaning: str) -> Setting[bool]:
 
 
 AUTO_INIT = _switch(
-    "GRAPHAR_AUTO_INIT", True,
+    "GRAPHAR_AUTO_INIT",
+    True,
     "set up a group's IPC communicator at its first eager collective on CUDA tensors when `graphar.init` was not "
-    "called for it, so `backend=\"graphar\"` alone turns the custom paths on; off, groups without `graphar.init` "
+    'called for it, so `backend="graphar"` alone turns the custom paths on; off, groups without `graphar.init` '
     "keep NCCL",
-)  # fmt: skip
+)
 PDL = _switch(
-    "GRAPHAR_PDL", True,
+    "GRAPHAR_PDL",
+    True,
     "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later, where the CUDA "
     "library holds code for the GPU's architecture: `GRAPHAR_CUDA_ARCHS`), so that a kernel's start overlaps the "
     "end of the kernel before it",
-)  # fmt: skip
+)
 
 
 def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]:
@@ -159,53 +171,83 @@ def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]
 
 
 NATIVE_OP = _switch(
-    "GRAPHAR_NATIVE_OP", True,
+    "GRAPHAR_NATIVE_OP",
+    True,
     "serve eager calls of graphar::all_reduce and graphar::all_reduce_add_rms_norm from their C++ kernels, built "
     "on first use for the installed torch with the host compiler ($CXX, else c++); off, or where they cannot be "
     "built, their Python kernels serve every call (more host time per call)",
-)  # fmt: skip
+)
 BLOCK_LIMIT = _blocks(
-    "GRAPHAR_BLOCK_LIMIT", None, "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)"
+    "GRAPHAR_BLOCK_LIMIT",
+    None,
+    "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
 )
 ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.comm.exchange)
 ALLTOALL_ALGO = Setting(
-    "GRAPHAR_ALLTOALL_ALGO", "pull", _choice(*ALLTOALL_ALGOS), ", ".join(f"'{a}'" for a in ALLTOALL_ALGOS),
+    "GRAPHAR_ALLTOALL_ALGO",
+    "pull",
+    _choice(*ALLTOALL_ALGOS),
+    ", ".join(f"'{a}'" for a in ALLTOALL_ALGOS),
     "how the Ulysses exchanges over CUDA IPC cross the link: each rank reads its chunks from its peers' "
     "buffers (pull), or the pack stores each chunk straight into its rank's buffer (push); every rank "
     "must set the same",
-)  # fmt: skip
-PULL_BLOCKS = _blocks("GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)")
+)
+PULL_BLOCKS = _blocks(
+    "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)"
+)
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
 TIMEOUT_S = Setting(
-    "GRAPHAR_TIMEOUT_S", 60.0, lambda raw: seconds(float(raw), "GRAPHAR_TIMEOUT_S"), "a number of seconds >= 0",
+    "GRAPHAR_TIMEOUT_S",
+    60.0,
+    lambda raw: seconds(float(raw), "GRAPHAR_TIMEOUT_S"),
+    "a number of seconds >= 0",
     "bound on every spin-wait for a peer in graphar's kernels; 0 = unbounded. A peer that never "
     "arrives raises GrapharTimeoutError naming the group, the barrier and the peer",
-)  # fmt: skip
+)
 EXCHANGE_TIMEOUT_S = Setting(
-    "GRAPHAR_EXCHANGE_TIMEOUT_S", 300.0,
-    lambda raw: seconds(float(raw), "GRAPHAR_EXCHANGE_TIMEOUT_S", zero_unbounded=False), "a number of seconds > 0",
-    "bound on each set-up exchange over the group's store (`graphar.init`, graph registration, "
-    "exchange-buffer growth)",
-)  # fmt: skip
+    "GRAPHAR_EXCHANGE_TIMEOUT_S",
+    300.0,
+    lambda raw: seconds(float(raw), "GRAPHAR_EXCHANGE_TIMEOUT_S", zero_unbounded=False),
+    "a number of seconds > 0",
+    "bound on each set-up exchange over the group's store (`graphar.init`, graph registration, exchange-buffer growth)",
+)
 CACHE_DIR = Setting(
-    "GRAPHAR_CACHE_DIR", None, str, "a folder path",
+    "GRAPHAR_CACHE_DIR",
+    None,
+    str,
+    "a folder path",
     "where graphar builds its CUDA library and its op library on first use; unset, $XDG_CACHE_HOME/graphar or "
     "~/.cache/graphar",
-)  # fmt: skip
+)
 CUDA_ARCHS = Setting(
-    "GRAPHAR_CUDA_ARCHS", ("90a", "80"), _archs, "compute capabilities like '90a;80'",
+    "GRAPHAR_CUDA_ARCHS",
+    ("90a", "80"),
+    _archs,
+    "compute capabilities like '90a;80'",
     "targets of the CUDA library's build (setup.py and the build on first use)",
-)  # fmt: skip
+)
 SKIP_CUDA_BUILD = _switch(
-    "GRAPHAR_SKIP_CUDA_BUILD", False,
+    "GRAPHAR_SKIP_CUDA_BUILD",
+    False,
     "install without building the CUDA library (it is then built on first use where nvcc exists)",
-)  # fmt: skip
+)
 
 ALL: tuple[Setting[Any], ...] = (
-    MAX_ALLREDUCE_BYTES, ALLREDUCE_ALGO, AUTO_INIT, PDL, NATIVE_OP, BLOCK_LIMIT, ALLTOALL_ALGO, PULL_BLOCKS, TIMEOUT_S, EXCHANGE_TIMEOUT_S,
-    CACHE_DIR, CUDA_ARCHS, SKIP_CUDA_BUILD,
-)  # fmt: skip
+    MAX_ALLREDUCE_BYTES,
+    ALLREDUCE_ALGO,
+    AUTO_INIT,
+    PDL,
+    NATIVE_OP,
+    BLOCK_LIMIT,
+    ALLTOALL_ALGO,
+    PULL_BLOCKS,
+    TIMEOUT_S,
+    EXCHANGE_TIMEOUT_S,
+    CACHE_DIR,
+    CUDA_ARCHS,
+    SKIP_CUDA_BUILD,
+)
 
 
 def check_all() -> None:

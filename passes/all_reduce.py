@@ -121,9 +121,14 @@ def _warn_over_communicator_limit(match: _AllReduceMatch) -> None:
     else:
         return  # no communicator will serve these calls: nothing to compare with
     if statically_known_true(match.nbytes > limit):
-        log.warning("graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes; graphar.init(max_bytes=) or "
-                    "GRAPHAR_MAX_ALLREDUCE_BYTES): it will run on the collective", match.all_reduce.name, match.nbytes,
-                    match.group_name, limit)  # fmt: skip
+        log.warning(
+            "graphar: %s (%s bytes) is over the IPC buffers of group %r (%d bytes; graphar.init(max_bytes=) or "
+            "GRAPHAR_MAX_ALLREDUCE_BYTES): it will run on the collective",
+            match.all_reduce.name,
+            match.nbytes,
+            match.group_name,
+            limit,
+        )
 
 
 # Collectives graphar has no op for (sequence parallelism's, FSDP's): named in the log, so that a user

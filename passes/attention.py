@@ -46,8 +46,12 @@ _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 # Inductor's attention kernels, by the name graphar.comm.overlap gives their SDPA backend.
-_KERNEL_NAMES = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_efficient_attention": "efficient",
-                 "_scaled_dot_product_cudnn_attention": "cudnn", "_scaled_dot_product_flash_attention_for_cpu": "flash"}
+_KERNEL_NAMES = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash",
+}
 
 
 def _sdpa_kernels() -> dict[Any, dict[str, int]]:
@@ -59,8 +63,9 @@ def _sdpa_kernels() -> dict[Any, dict[str, int]]:
         if op is None:
             continue
         args = [a.name for a in op.default._schema.arguments]
-        kernels[op.default] = {key: args.index(key) for key in ("attn_bias", "attn_mask", "dropout_p", "is_causal",
-                                                                  "scale") if key in args}  # fmt: skip
+        kernels[op.default] = {
+            key: args.index(key) for key in ("attn_bias", "attn_mask", "dropout_p", "is_causal", "scale") if key in args
+        }
     return kernels
 
 
@@ -98,9 +103,10 @@ class _AttentionMatch:
         graph = self.output.graph
         q, k, v, group = self.exchange.args
         with graph.inserting_before(self.output):
-            new = graph.call_function(graphar_ops.ulysses_attention.default,
-                                      (q, k, v, group, bool(self.option("is_causal", False)),
-                                       self.option("scale"), chunks, self.kernel))  # fmt: skip
+            new = graph.call_function(
+                graphar_ops.ulysses_attention.default,
+                (q, k, v, group, bool(self.option("is_causal", False)), self.option("scale"), chunks, self.kernel),
+            )
         new.meta.update({key: self.output.meta[key] for key in ("val", "stack_trace") if key in self.output.meta})
         self.output.replace_all_uses_with(new)
         position = {node: i for i, node in enumerate(graph.nodes)}
@@ -110,8 +116,13 @@ class _AttentionMatch:
 
 def is_attention_output(node: Any) -> bool:
     """Whether `node` is the first output of one of Inductor's attention kernels."""
-    return (isinstance(node, torch.fx.Node) and node.target == operator.getitem and node.args[1] == 0
-            and isinstance(node.args[0], torch.fx.Node) and node.args[0].target in SDPA_KERNELS)  # fmt: skip
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.target == operator.getitem
+        and node.args[1] == 0
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].target in SDPA_KERNELS
+    )
 
 
 def _is_permute(node: Any) -> bool:
@@ -210,8 +221,14 @@ def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
         if reason is not None:
             log.info("graphar: attention before %s left unpipelined: %s", output.name, reason)
             continue
-        log.info("graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %s chunks)",
-                 match.exchange.name, match.sdpa.name, output.name, match.group_name, config.attention_chunks)
+        log.info(
+            "graphar: %s + %s + %s -> graphar::ulysses_attention (group %r, up to %s chunks)",
+            match.exchange.name,
+            match.sdpa.name,
+            output.name,
+            match.group_name,
+            config.attention_chunks,
+        )
         match.replace_with_graphar(chunks)
         count += 1
     return count

@@ -45,9 +45,17 @@ Layout = tuple[tuple[Mode, ...], ...]
 
 # Ops that keep the row-major order of the elements: their result is the input reshaped.
 ORDER_KEEPING = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-    aten.alias.default, aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.flatten.using_ints, aten.unflatten.int,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
 }
 # Ops that reorder the dims.
 PERMUTING = {aten.permute.default, aten.transpose.int, aten.t.default}
@@ -202,8 +210,9 @@ def ulysses_relayout(x_shape: Sequence[Size], p: int, scatter_dim: int) -> tuple
     return tuple(shape), canonical(modes)
 
 
-def all_to_all_received(sent: Sequence[Mode], source_numel: Size, p: int, shape: Sequence[Size]
-                        ) -> tuple[Layout, Size] | None:
+def all_to_all_received(
+    sent: Sequence[Mode], source_numel: Size, p: int, shape: Sequence[Size]
+) -> tuple[Layout, Size] | None:
     """What an equal-split all_to_all_single over p ranks receives, given the flat modes `sent` of what
     each rank sends over its source X: the layout of the result (of `shape`) over the global tensor in
     which rank i's X starts at offset i * source_numel, and the stride in X between the blocks sent to
@@ -216,15 +225,20 @@ def all_to_all_received(sent: Sequence[Mode], source_numel: Size, p: int, shape:
     return (layout, s0 * (n0 // p)) if layout is not None else None
 
 
-def is_ulysses_relayout(layout: Layout, shape: Sequence[Size], x_shape: Sequence[Size], p: int, scatter_dim: int,
-                        block_stride: Size) -> bool:
+def is_ulysses_relayout(
+    layout: Layout, shape: Sequence[Size], x_shape: Sequence[Size], p: int, scatter_dim: int, block_stride: Size
+) -> bool:
     """Whether a result of `shape` and `layout`, received at offset j * block_stride of every X by rank
     j (`all_to_all_received`), is X with dim `scatter_dim` split over the ranks and the other of dims
     1, 2 gathered from them: rank j gets the j-th block of X's `scatter_dim`."""
     expected_shape, modes = ulysses_relayout(x_shape, p, scatter_dim)
-    block = (x_shape[scatter_dim] // p) * math.prod(x_shape[scatter_dim + 1:])
-    return (divides(p, x_shape[scatter_dim]) and known(block_stride == block) and same(shape, expected_shape)
-            and same_modes(canonical(flat(layout)), modes))
+    block = (x_shape[scatter_dim] // p) * math.prod(x_shape[scatter_dim + 1 :])
+    return (
+        divides(p, x_shape[scatter_dim])
+        and known(block_stride == block)
+        and same(shape, expected_shape)
+        and same_modes(canonical(flat(layout)), modes)
+    )
 
 
 def viewable(t: torch.Tensor, shape: Sequence[Size]) -> bool:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,7 @@ def hashed_files() -> tuple[str, ...]:
     rules = (graphar.comm.overlap, graphar.comm.fused_norm, graphar._cuda, graphar.comm.policy)
     return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, *(m.__file__ for m in rules))
 
+
 class _Report:
     """What `report()` has moved from counters["inductor"] into counters["graphar"] so far."""
 
@@ -153,7 +155,7 @@ def report(*_: Any) -> None:
     new = {}
     for key, total in inductor.items():
         if key.startswith(_PREFIX) and total != _report.moved.get(key, 0):
-            new[key[len(_PREFIX):]] = total - _report.moved.get(key, 0)
+            new[key[len(_PREFIX) :]] = total - _report.moved.get(key, 0)
             _report.moved[key] = total
     if new:
         for name, count in new.items():

@@ -234,8 +234,9 @@ def _match(ar: torch.fx.Node) -> _NormMatch | str:
     if match.norm.weight is not None and depends_on(match.norm.weight, match.norm.h):
         return "the norm's weight is computed from its input"
     # The op sums x from before any upcast, in promote(x, residual): a wider upcast changes h's dtype.
-    normed, summed = add_rms_norm_dtypes(_val(match.x), _val(match.residual), _val(match.norm.weight),
-                                         match.norm.weight_first)
+    normed, summed = add_rms_norm_dtypes(
+        _val(match.x), _val(match.residual), _val(match.norm.weight), match.norm.weight_first
+    )
     if match.norm.out.meta["val"].dtype != normed:
         return f"the norm's output is {match.norm.out.meta['val'].dtype}, the fused op's would be {normed}"
     if match.norm.h.meta["val"].dtype != summed:
@@ -272,9 +273,12 @@ def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:
         match.replace_with_fused()
         count += 1
     if eps_inputs:  # the user asked for fuse_norm: say once per graph why it did nothing, and the cure
-        log.warning("graphar: %d all-reduce + RMSNorm not fused: their eps is an input of the graph, not a constant "
-                    "(torch.compile(dynamic=True) passes float attributes as inputs); "
-                    "torch._dynamo.config.specialize_float = True keeps them constants", eps_inputs)  # fmt: skip
+        log.warning(
+            "graphar: %d all-reduce + RMSNorm not fused: their eps is an input of the graph, not a constant "
+            "(torch.compile(dynamic=True) passes float attributes as inputs); "
+            "torch._dynamo.config.specialize_float = True keeps them constants",
+            eps_inputs,
+        )
     if count:
         # The sum's users that came before the norm's end now read the fused op placed there.
         stable_topological_sort(graph)

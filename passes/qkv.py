@@ -47,8 +47,19 @@ from graphar.config import Config
 
 from .attention import is_attention_output
 from .layout import (
-    Size, all_to_all_received, apply, compose, contiguous, divides, flat, is_layout_op,
-    is_ulysses_relayout, known, same, shape_of, tieable,
+    Size,
+    all_to_all_received,
+    apply,
+    compose,
+    contiguous,
+    divides,
+    flat,
+    is_layout_op,
+    is_ulysses_relayout,
+    known,
+    same,
+    shape_of,
+    tieable,
 )
 from .qkv_rewrite import Rewriter
 
@@ -140,8 +151,11 @@ def _equal_splits(all_to_all: torch.fx.Node, world_size: int) -> bool:
     if out_splits is None and in_splits is None:
         return True
     equal = [shape[0] // world_size] * world_size
-    sizes = [[n.meta["val"] if isinstance(n, torch.fx.Node) else n for n in splits]  # ints, or nodes of SymInts
-             for splits in (out_splits, in_splits) if splits is not None]
+    sizes = [
+        [n.meta["val"] if isinstance(n, torch.fx.Node) else n for n in splits]  # ints, or nodes of SymInts
+        for splits in (out_splits, in_splits)
+        if splits is not None
+    ]
     return len(sizes) == 2 and all(same(split, equal) for split in sizes)
 
 
@@ -184,8 +198,9 @@ def _read_relayouts(match: _AllToAllMatch) -> None:
         log.info("graphar qkv: %s is not a Ulysses relayout of a 4-D tensor", match.all_to_all.name)
 
 
-def _relayout_results(match: _AllToAllMatch, send: list[torch.fx.Node], receive: list[torch.fx.Node]
-                      ) -> dict[int, list[torch.fx.Node]]:
+def _relayout_results(
+    match: _AllToAllMatch, send: list[torch.fx.Node], receive: list[torch.fx.Node]
+) -> dict[int, list[torch.fx.Node]]:
     """For X = send[0] (then the send-side ops up to the all_to_all's input): by scattered dim, the
     nodes of `receive` that equal the relayout of X, in order."""
     x_shape, p = shape_of(send[0]), match.world_size
@@ -225,15 +240,20 @@ class _GraphOrder:
             self.upstream[node] = mask
 
     def independent(self, members: Sequence[_AllToAllMatch]) -> bool:
-        return not any(self.upstream[a.rewrite_input] & self.bit[b.wait]
-                       for a in members for b in members if a is not b)
+        return not any(
+            self.upstream[a.rewrite_input] & self.bit[b.wait] for a in members for b in members if a is not b
+        )
 
 
 def _qkv_packable(a: _AllToAllMatch, b: _AllToAllMatch) -> bool:
     """Relayouts of one kind, group and dtype, whose heads are numbers (the slices of the packed
     result need them) and whose other sizes are equal, or may be tied (`tieable`)."""
-    return (a.packing_key() == b.packing_key() and isinstance(a.heads, int) and isinstance(b.heads, int)
-            and all(known(x == y) or tieable(x, y) for x, y in zip(a.sizes_but_heads(), b.sizes_but_heads())))
+    return (
+        a.packing_key() == b.packing_key()
+        and isinstance(a.heads, int)
+        and isinstance(b.heads, int)
+        and all(known(x == y) or tieable(x, y) for x, y in zip(a.sizes_but_heads(), b.sizes_but_heads()))
+    )
 
 
 def _tie(triplet: Sequence[_AllToAllMatch]) -> None:
@@ -246,9 +266,9 @@ def _tie(triplet: Sequence[_AllToAllMatch]) -> None:
                 raise AssertionError(f"graphar qkv: {a} == {b} was tieable but its guard failed")
 
 
-def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
-                   packable: Callable[[_AllToAllMatch, _AllToAllMatch], bool]
-                   ) -> tuple[list[list[_AllToAllMatch]], list[_AllToAllMatch]]:
+def _form_triplets(
+    matches: list[_AllToAllMatch], order: _GraphOrder, packable: Callable[[_AllToAllMatch, _AllToAllMatch], bool]
+) -> tuple[list[list[_AllToAllMatch]], list[_AllToAllMatch]]:
     """Greedy, in graph order: each match joins the first two later ones it can be packed with.
     Returns the triplets and the matches left out of them."""
     matches = sorted(matches, key=lambda m: order.position[m.all_to_all])
@@ -257,7 +277,7 @@ def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
         if id(first) in used:
             continue
         triplet = [first]
-        for candidate in matches[i + 1:]:
+        for candidate in matches[i + 1 :]:
             if id(candidate) in used or not packable(first, candidate):
                 continue
             if order.independent([*triplet, candidate]):
@@ -265,8 +285,11 @@ def _form_triplets(matches: list[_AllToAllMatch], order: _GraphOrder,
                 if len(triplet) == 3:
                     break
             else:
-                log.info("graphar qkv: %s and %s not packed: one depends on the other",
-                         triplet[-1].all_to_all.name, candidate.all_to_all.name)
+                log.info(
+                    "graphar qkv: %s and %s not packed: one depends on the other",
+                    triplet[-1].all_to_all.name,
+                    candidate.all_to_all.name,
+                )
         if len(triplet) == 3:
             triplets.append(triplet)
             used.update(id(m) for m in triplet)
@@ -286,12 +309,16 @@ def rewrite_qkv_triplets(graph: torch.fx.Graph, config: Config) -> int:
     # Scattering dim 2 (heads at dim 1), heads_to_seq_all_to_all reads X transposed: one copy more,
     # worth it only for an attention's output that passes/attention.py then folds into the pipelined op.
     overlap = config.pipelines_attention
-    outputs = [m for m in unpacked
-               if 1 in m.relayouts or (overlap and 2 in m.relayouts and is_attention_output(m.relayouts[2].source))]
+    outputs = [
+        m
+        for m in unpacked
+        if 1 in m.relayouts or (overlap and 2 in m.relayouts and is_attention_output(m.relayouts[2].source))
+    ]
     for match in unpacked:
         if match not in outputs:
-            log.info("graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing",
-                     match.all_to_all.name)
+            log.info(
+                "graphar qkv: %s left alone: alone, an exchange scattering dim 2 gains nothing", match.all_to_all.name
+            )
     rewriter = Rewriter(graph)
     count = 0
     for triplet in qkv_triplets:

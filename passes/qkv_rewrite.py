@@ -22,8 +22,11 @@ aten = torch.ops.aten
 
 def _returned(node: torch.fx.Node) -> bool:
     """Whether the graph returns `node` or a view of it."""
-    return any(user.op == "output" or (isinstance(user.meta.get("val"), torch.Tensor) and user.meta["val"]._is_view()
-                                       and _returned(user)) for user in node.users)
+    return any(
+        user.op == "output"
+        or (isinstance(user.meta.get("val"), torch.Tensor) and user.meta["val"]._is_view() and _returned(user))
+        for user in node.users
+    )
 
 
 class Rewriter:
@@ -99,8 +102,12 @@ class Rewriter:
                 start += heads
         for match, y in zip(triplet, ys):
             self.replace(match, match.relayout.results, y)
-        log.info("graphar qkv: %s packed into %s on group %r", [m.all_to_all.name for m in triplet], packed.name,
-                 first.group_name)
+        log.info(
+            "graphar qkv: %s packed into %s on group %r",
+            [m.all_to_all.name for m in triplet],
+            packed.name,
+            first.group_name,
+        )
         return True
 
     def output(self, match: _AllToAllMatch) -> bool:
@@ -132,19 +139,24 @@ class Rewriter:
     def packed(self, triplet: list[_AllToAllMatch]) -> bool:
         """Three all-to-alls that are no relayout, as one exchange of the three buffers::
 
-            before:  w_i = wait_tensor(all_to_all_single(t_i, splits_i, splits_i, group))   # i = 0, 1, 2
-            after:   packed = graphar.packed_all_to_all_single([t_0, t_1, t_2], group)
-                     w_i = packed[i]
+        before:  w_i = wait_tensor(all_to_all_single(t_i, splits_i, splits_i, group))   # i = 0, 1, 2
+        after:   packed = graphar.packed_all_to_all_single([t_0, t_1, t_2], group)
+                 w_i = packed[i]
         """
         inputs = [self.current(m.sent) for m in triplet]
         if not self.readable(inputs, triplet[0]):
             return False
         with self.graph.inserting_before(self.after_last(inputs)):
-            packed = new_node(self.graph, torch.ops.graphar.packed_all_to_all_single.default, inputs,
-                               triplet[0].group_name)
+            packed = new_node(
+                self.graph, torch.ops.graphar.packed_all_to_all_single.default, inputs, triplet[0].group_name
+            )
             outs = [new_node(self.graph, operator.getitem, packed, i) for i in range(len(triplet))]
         for match, out in zip(triplet, outs):
             self.replace(match, [match.wait], out)
-        log.info("graphar qkv: %s packed into %s on group %r", [m.all_to_all.name for m in triplet], packed.name,
-                 triplet[0].group_name)
+        log.info(
+            "graphar qkv: %s packed into %s on group %r",
+            [m.all_to_all.name for m in triplet],
+            packed.name,
+            triplet[0].group_name,
+        )
         return True

@@ -8,7 +8,8 @@ graphar's pass installed, and returns the graph just before and just after graph
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class _RecordingPass(GrapharPass):
         facts = _shape_facts(shape_env)
         super().__call__(graph)
         self.after = readable(graph)
-        self.new_facts = _shape_facts(shape_env)[len(facts):]
+        self.new_facts = _shape_facts(shape_env)[len(facts) :]
 
 
 def init_fake_world(world_size: int, rank: int = 0) -> None:
@@ -76,8 +77,9 @@ def all_post_grad_graphs(
 
     def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]):
         recorder = _RecordingPass(config or Config())
-        with inductor_config.patch(post_grad_custom_post_pass=recorder), V.set_fake_mode(
-            detect_fake_mode(example_inputs)
+        with (
+            inductor_config.patch(post_grad_custom_post_pass=recorder),
+            V.set_fake_mode(detect_fake_mode(example_inputs)),
         ):
             post_grad_passes(gm, is_inference=True)
         results.append((recorder.before, recorder.after, recorder.counts))

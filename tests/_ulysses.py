@@ -33,8 +33,9 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 class UlyssesBlock(torch.nn.Module):
     """Q/K/V projections, sequence -> heads, attention (or `exact_attention`), heads -> sequence."""
 
-    def __init__(self, heads: int, kv_heads: int, d: int, weight: Callable[[int, int], torch.Tensor],
-                 exact: bool) -> None:
+    def __init__(
+        self, heads: int, kv_heads: int, d: int, weight: Callable[[int, int], torch.Tensor], exact: bool
+    ) -> None:
         super().__init__()
         hidden = heads * d
         self.wq, self.wk, self.wv = (weight(hidden, h * d) for h in (heads, kv_heads, kv_heads))
@@ -49,8 +50,9 @@ class UlyssesBlock(torch.nn.Module):
         if self.exact:
             o = exact_attention(q, k, v)
         else:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               enable_gqa=heads != kv_heads).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=heads != kv_heads
+            ).transpose(1, 2)
         return heads_to_seq_unpacked(o).reshape(b, s, heads * d)
 
 

@@ -35,29 +35,43 @@ def test_dtype_codes() -> None:
 
 def test_algorithm_codes() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    names = {abi.ONE_STAGE: "GRAPHAR_ONE_STAGE", abi.TWO_STAGE: "GRAPHAR_TWO_STAGE",
-             abi.PUSH_ONE_SHOT: "GRAPHAR_PUSH_ONE_SHOT", abi.PUSH_TWO_SHOT: "GRAPHAR_PUSH_TWO_SHOT"}  # fmt: skip
+    names = {
+        abi.ONE_STAGE: "GRAPHAR_ONE_STAGE",
+        abi.TWO_STAGE: "GRAPHAR_TWO_STAGE",
+        abi.PUSH_ONE_SHOT: "GRAPHAR_PUSH_ONE_SHOT",
+        abi.PUSH_TWO_SHOT: "GRAPHAR_PUSH_TWO_SHOT",
+    }
     assert {algo: codes[name] for algo, name in names.items()} == abi.ALGO_CODES
     assert tuple(abi.ALGO_CODES) == settings.ALGOS  # GRAPHAR_ALLREDUCE_ALGO names every kernel
 
 
 def test_all_to_all_flags() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_A2A_")
-    assert codes == {"GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED, "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED,
-                     "GRAPHAR_A2A_LAST": abi.A2A_LAST}
+    assert codes == {
+        "GRAPHAR_A2A_PUSHED": abi.A2A_PUSHED,
+        "GRAPHAR_A2A_OWN_PLACED": abi.A2A_OWN_PLACED,
+        "GRAPHAR_A2A_LAST": abi.A2A_LAST,
+    }
 
 
 def test_launch_paths() -> None:
     codes = _enum(_text("graphar_cuda.h"), "GRAPHAR_")
-    python = {"GRAPHAR_EAGER": abi.PATH_EAGER, "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
-              "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY, "GRAPHAR_STAGED": abi.PATH_STAGED,
-              "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY}  # fmt: skip
+    python = {
+        "GRAPHAR_EAGER": abi.PATH_EAGER,
+        "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
+        "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY,
+        "GRAPHAR_STAGED": abi.PATH_STAGED,
+        "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY,
+    }
     assert {name: codes[name] for name in python} == python
 
 
 def test_return_codes() -> None:
     defines = dict(re.findall(r"#define (GRAPHAR_E?\w+) \((-\d+)\)", _text("graphar_cuda.h")))
-    assert {name: int(v) for name, v in defines.items()} == {"GRAPHAR_EINVAL": abi.EINVAL, "GRAPHAR_CAPTURING": abi.CAPTURING}
+    assert {name: int(v) for name, v in defines.items()} == {
+        "GRAPHAR_EINVAL": abi.EINVAL,
+        "GRAPHAR_CAPTURING": abi.CAPTURING,
+    }
 
 
 def test_barrier_where_codes_are_all_named() -> None:
@@ -68,9 +82,11 @@ def test_barrier_where_codes_are_all_named() -> None:
 def test_failure_causes() -> None:
     cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
     assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {
-        "kTimedOut": str(abi.TIMED_OUT), "kPeerGaveUp": str(abi.PEER_GAVE_UP), "kConcurrent": str(abi.CONCURRENT),
+        "kTimedOut": str(abi.TIMED_OUT),
+        "kPeerGaveUp": str(abi.PEER_GAVE_UP),
+        "kConcurrent": str(abi.CONCURRENT),
         "kOutOfStep": str(abi.OUT_OF_STEP),
-    }  # fmt: skip
+    }
 
 
 def test_max_blocks() -> None:
@@ -84,10 +100,13 @@ def test_error_record_layout() -> None:
     assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
 
 
-@pytest.mark.parametrize("name, fields, packed", [
-    ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
-    ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, fields, packed",
+    [
+        ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
+        ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
+    ],
+)
 def test_argument_structs(name: str, fields: tuple, packed) -> None:
     body = re.search(rf"typedef struct {name} \{{([^}}]*)\}}", _text("graphar_cuda.h")).group(1)
     code = {"uint64_t": "Q", "int32_t": "i", "float": "f"}
@@ -110,13 +129,17 @@ def test_ipc_handle_size() -> None:
     assert int(value) == _cuda.IPC_HANDLE_BYTES
 
 
-@pytest.mark.parametrize("header, prototypes", [
-    ("graphar_cuda.h", _cuda.PROTOTYPES), ("torch_ops/graphar_op.h", native_op.PROTOTYPES),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "header, prototypes",
+    [
+        ("graphar_cuda.h", _cuda.PROTOTYPES),
+        ("torch_ops/graphar_op.h", native_op.PROTOTYPES),
+    ],
+)
 def test_prototypes_match_the_header(header: str, prototypes: dict) -> None:
     """Each export's argument count in a library's header equals the ctypes prototype's."""
     text = re.sub(r"\s+", " ", _text(header))
-    declared = {name: args for name, args in re.findall(r"\b(graphar_\w+)\(([^)]*)\);", text)}
+    declared = dict(re.findall(r"\b(graphar_\w+)\(([^)]*)\);", text))
     assert set(declared) == set(prototypes)
     for name, (_, argtypes) in prototypes.items():
         count = 0 if declared[name].strip() in ("", "void") else declared[name].count(",") + 1
@@ -135,4 +158,3 @@ def test_op_group_layout() -> None:
     scalar = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
     want = [(name, scalar[t] * abi.OP_MAX_ROWS if array else scalar[t]) for t, name, array in declared]
     assert [(n, f) for n, f in abi.OpGroup._fields_] == want
-

@@ -43,7 +43,9 @@ class AllReducePassTest(TestCase):
     def test_one_all_reduce(self) -> None:
         before, after, counts = post_grad_graphs(_mlp, *_inputs())
         self.assertEqual(counts["all_reduce"], 1)
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1: "f32[16, 32]", arg2_1: "f32[32, 16]"):
         mm: "f32[4, 32]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -52,8 +54,11 @@ class <lambda>(torch.nn.Module):
         all_reduce: "f32[4, 16]" = torch.ops._c10d_functional.all_reduce.default(mm_1, 'sum', '0');  mm_1 = None
         wait_tensor: "f32[4, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
         return (wait_tensor,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1: "f32[16, 32]", arg2_1: "f32[32, 16]"):
         mm: "f32[4, 32]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -61,7 +66,8 @@ class <lambda>(torch.nn.Module):
         mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(relu, arg2_1);  relu = arg2_1 = None
         all_reduce_default: "f32[4, 16]" = torch.ops.graphar.all_reduce.default(mm_1, '0');  mm_1 = None
         return (all_reduce_default,)
-""")
+""",
+        )
 
     def test_several_all_reduces_functional_and_bf16(self) -> None:
         def two_layers(x, w1, w2):
@@ -70,7 +76,9 @@ class <lambda>(torch.nn.Module):
 
         before, after, counts = post_grad_graphs(two_layers, *_inputs(torch.bfloat16))
         self.assertEqual(counts["all_reduce"], 3)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 16]", arg1_1: "bf16[16, 32]", arg2_1: "bf16[32, 16]"):
         mm: "bf16[4, 32]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = None
@@ -83,7 +91,8 @@ class <lambda>(torch.nn.Module):
         mm_3: "bf16[4, 16]" = torch.ops.aten.mm.default(relu_1, arg2_1);  relu_1 = arg2_1 = None
         all_reduce_default_2: "bf16[4, 16]" = torch.ops.graphar.all_reduce.default(mm_3, '0');  mm_3 = None
         return (all_reduce_default_2,)
-""")
+""",
+        )
 
     def test_in_place_on_graph_input_keeps_copy_epilogue(self) -> None:
         def in_place(x):
@@ -92,7 +101,9 @@ class <lambda>(torch.nn.Module):
 
         before, after, counts = post_grad_graphs(in_place, torch.randn(8, 8))
         self.assertEqual(counts["all_reduce"], 1)
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 8]"):
         all_reduce: "f32[8, 8]" = torch.ops._c10d_functional.all_reduce.default(arg0_1, 'sum', '0')
@@ -100,15 +111,19 @@ class <lambda>(torch.nn.Module):
         add: "f32[8, 8]" = torch.ops.aten.add.Tensor(wait_tensor, 1)
         copy_: "f32[8, 8]" = torch.ops.aten.copy_.default(arg0_1, wait_tensor);  arg0_1 = wait_tensor = copy_ = None
         return (add,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 8]"):
         all_reduce_default: "f32[8, 8]" = torch.ops.graphar.all_reduce.default(arg0_1, '0')
         add: "f32[8, 8]" = torch.ops.aten.add.Tensor(all_reduce_default, 1)
         copy_: "f32[8, 8]" = torch.ops.aten.copy_.default(arg0_1, all_reduce_default);  arg0_1 = all_reduce_default = copy_ = None
         return (add,)
-""")
+""",
+        )
 
     def test_subgroup(self) -> None:
         pair = dist.new_group([0, 1])
@@ -119,14 +134,17 @@ class <lambda>(torch.nn.Module):
 
         before, after, counts = post_grad_graphs(on_pair, torch.randn(8, 8))
         self.assertEqual(counts["all_reduce"], 1)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 8]"):
         all_reduce_default: "f32[8, 8]" = torch.ops.graphar.all_reduce.default(arg0_1, '1')
         mul: "f32[8, 8]" = torch.ops.aten.mul.Tensor(all_reduce_default, 2)
         copy_: "f32[8, 8]" = torch.ops.aten.copy_.default(arg0_1, all_reduce_default);  arg0_1 = all_reduce_default = copy_ = None
         return (mul,)
-""")
+""",
+        )
 
     def test_non_sum_reduce_untouched(self) -> None:
         def maximum(x, w1, w2):
@@ -137,14 +155,17 @@ class <lambda>(torch.nn.Module):
         before, after, counts = post_grad_graphs(maximum, *_inputs())
         self.assertEqual(counts["all_reduce"], 0)
         self.assertEqual(before, after)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1: "f32[16, 32]"):
         mm: "f32[4, 32]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
         all_reduce: "f32[4, 32]" = torch.ops._c10d_functional.all_reduce.default(mm, 'max', '0');  mm = None
         wait_tensor: "f32[4, 32]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
         return (wait_tensor,)
-""")
+""",
+        )
 
     def test_excluded_group_untouched(self) -> None:
         pair = dist.new_group([0, 1])
@@ -156,7 +177,9 @@ class <lambda>(torch.nn.Module):
         config = Config(exclude_groups=(pair.group_name,))
         before, after, counts = post_grad_graphs(both, torch.randn(8, 8), config=config)
         self.assertEqual(counts["all_reduce"], 1)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 8]"):
         all_reduce: "f32[8, 8]" = torch.ops._c10d_functional.all_reduce.default(arg0_1, 'sum', '1');  arg0_1 = None
@@ -164,7 +187,8 @@ class <lambda>(torch.nn.Module):
         mul: "f32[8, 8]" = torch.ops.aten.mul.Tensor(wait_tensor, 2);  wait_tensor = None
         all_reduce_default: "f32[8, 8]" = torch.ops.graphar.all_reduce.default(mul, '0');  mul = None
         return (all_reduce_default,)
-""")
+""",
+        )
 
     def test_unsupported_dtype_and_size_over_limit_untouched(self) -> None:
         def ints_and_big(x, n):
@@ -193,10 +217,15 @@ class <lambda>(torch.nn.Module):
             with FakeTensorMode():
                 x.meta["val"] = torch.empty(16, 32, device=device)
             reduce = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
-            return pass_module._AllReduceMatch(reduce, graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,)))
+            return pass_module._AllReduceMatch(
+                reduce, graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,))
+            )
 
         with mock.patch.dict(os.environ, {"GRAPHAR_MAX_ALLREDUCE_BYTES": "1024"}):
-            with mock.patch.object(set_up, "_not_worth_setting_up", lambda group: None), self.assertLogs("graphar", "WARNING") as said:
+            with (
+                mock.patch.object(set_up, "_not_worth_setting_up", lambda group: None),
+                self.assertLogs("graphar", "WARNING") as said,
+            ):
                 pass_module._warn_over_communicator_limit(match("cuda"))
             with self.assertNoLogs("graphar", level="WARNING"):
                 pass_module._warn_over_communicator_limit(match("cpu"))
@@ -217,13 +246,16 @@ class <lambda>(torch.nn.Module):
         torch._dynamo.mark_dynamic(x, 0)
         _, after, counts = post_grad_graphs(layer, x, w, config=Config(max_all_reduce_bytes=1 << 20))
         self.assertEqual(counts["all_reduce"], 1)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s77)", arg1_1: "f32[s77, 16]", arg2_1: "f32[16, 16]"):
         mm: "f32[s77, 16]" = torch.ops.aten.mm.default(arg1_1, arg2_1);  arg1_1 = arg2_1 = None
         all_reduce_default: "f32[s77, 16]" = torch.ops.graphar.all_reduce.default(mm, '0');  mm = None
         return (all_reduce_default,)
-""")
+""",
+        )
 
         x = torch.randn(20000, 16)  # 64 bytes a row: over 1 MiB from 16385 rows
         torch._dynamo.mark_dynamic(x, 0, min=16385, max=1 << 20)
@@ -236,14 +268,18 @@ class <lambda>(torch.nn.Module):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (WORLD,))
-        mlp = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False))
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False)
+        )
         parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         before, after, counts = post_grad_graphs(mlp, torch.randn(4, 16))
         self.assertEqual(counts["all_reduce"], 1)
         self.assertIn("graphar.all_reduce.default", after)
         if not torch.__version__.startswith("2.13"):
             return  # DTensor's graph signature differs between torch versions; the snapshots are 2.13's (CI's)
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1, arg2_1: "f32[8, 16]", arg3_1, arg4_1: "f32[16, 8]", arg5_1):
         permute: "f32[16, 8]" = torch.ops.aten.permute.default(arg2_1, [1, 0]);  arg2_1 = None
@@ -254,8 +290,11 @@ class <lambda>(torch.nn.Module):
         all_reduce: "f32[4, 16]" = torch.ops._c10d_functional.all_reduce.default(mm_1, 'sum', '0');  mm_1 = None
         wait_tensor: "f32[4, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
         return (wait_tensor,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1, arg2_1: "f32[8, 16]", arg3_1, arg4_1: "f32[16, 8]", arg5_1):
         permute: "f32[16, 8]" = torch.ops.aten.permute.default(arg2_1, [1, 0]);  arg2_1 = None
@@ -265,7 +304,8 @@ class <lambda>(torch.nn.Module):
         mm_1: "f32[4, 16]" = torch.ops.aten.mm.default(relu, permute_1);  relu = permute_1 = None
         all_reduce_default: "f32[4, 16]" = torch.ops.graphar.all_reduce.default(mm_1, '0');  mm_1 = None
         return (all_reduce_default,)
-""")
+""",
+        )
 
     def test_every_rank_rewrites_the_same_graph(self) -> None:
         pair = dist.new_group([0, 1])

@@ -50,7 +50,9 @@ class AttentionPassTest(TestCase):
         block = UlyssesBlock(8, 8, 16, _weight, exact=False)
         _, after, counts = post_grad_graphs(block, torch.randn(1, 6, 128), config=PIPELINE)
         self.assertEqual(counts, {"ulysses_attention": 1})  # no exchange left: they are in it
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 6, 128]", arg1_1: "f32[128, 128]", arg2_1: "f32[128, 128]", arg3_1: "f32[128, 128]"):
         view: "f32[6, 128]" = torch.ops.aten.view.default(arg0_1, [6, 128])
@@ -68,18 +70,21 @@ class <lambda>(torch.nn.Module):
         ulysses_attention_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.ulysses_attention.default(view_2, view_10, view_18, '0', False, None, 2, 'flash');  view_2 = view_10 = view_18 = None
         view_41: "f32[1, 6, 128]" = torch.ops.aten.view.default(ulysses_attention_default, [1, 6, 128]);  ulysses_attention_default = None
         return (view_41,)
-""")
+""",
+        )
 
     def test_causal_and_scale_travel_with_the_op(self) -> None:
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25),
-                                            *_qkv(), config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(
+            lambda q, k, v: _attention(q, k, v, is_causal=True, scale=0.25), *_qkv(), config=PIPELINE
+        )
         self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', True, 0.25, 2, 'flash')", after)
 
     def test_gqa_with_a_kernel_that_takes_it(self) -> None:
         # The CPU flash kernel takes fewer K/V heads itself; the op runs SDPA with enable_gqa.
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4),
-                                            config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(
+            lambda q, k, v: _attention(q, k, v, enable_gqa=True), *_qkv(8, 4), config=PIPELINE
+        )
         self.assertEqual(counts, {"ulysses_attention": 1})
         self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after)
 
@@ -109,7 +114,9 @@ class <lambda>(torch.nn.Module):
         qkv = [torch.randn(1, 8, 6, 16, generator=gen) for _ in range(3)]
         _, after, counts = post_grad_graphs(xdit, *qkv, config=PIPELINE)
         self.assertEqual(counts, {"ulysses_attention": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 8, 6, 16]", arg1_1: "f32[1, 8, 6, 16]", arg2_1: "f32[1, 8, 6, 16]"):
         permute_default: "f32[1, 6, 8, 16]" = torch.ops.aten.permute.default(arg0_1, [0, 2, 1, 3]);  arg0_1 = None
@@ -119,7 +126,8 @@ class <lambda>(torch.nn.Module):
         permute_default_7: "f32[1, 8, 6, 16]" = torch.ops.aten.permute.default(ulysses_attention_default, [0, 2, 1, 3]);  ulysses_attention_default = None
         clone_default: "f32[1, 8, 6, 16]" = torch.ops.aten.clone.default(permute_default_7, memory_format = torch.contiguous_format);  permute_default_7 = None
         return (clone_default,)
-""")
+""",
+        )
         _, after, counts = post_grad_graphs(xdit, *qkv)  # without the overlap, the output stays on NCCL
         self.assertEqual(counts, {"qkv_all_to_all": 1})
 
@@ -129,8 +137,12 @@ class <lambda>(torch.nn.Module):
             return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
         # The same repeat as other code writes it: repeat_interleave, and the new dim counted from the end.
-        for repeat in (repeat_kv, lambda x, n: x.repeat_interleave(n, dim=1),
-                       lambda x, n: x.unsqueeze(-3).expand(-1, -1, n, -1, -1).flatten(1, 2)):  # fmt: skip
+        for repeat in (
+            repeat_kv,
+            lambda x, n: x.repeat_interleave(n, dim=1),
+            lambda x, n: x.unsqueeze(-3).expand(-1, -1, n, -1, -1).flatten(1, 2),
+        ):
+
             def hf(q, k, v):
                 qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
                 o = F.scaled_dot_product_attention(qh, repeat(kh, 2), repeat(vh, 2)).transpose(1, 2)
@@ -138,30 +150,34 @@ class <lambda>(torch.nn.Module):
 
             _, after, counts = post_grad_graphs(hf, *_qkv(8, 4), config=PIPELINE)
             self.assertEqual(counts, {"ulysses_attention": 1})
-            self.assertIn("graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')",
-                          after)  # fmt: skip
+            self.assertIn(
+                "graphar.ulysses_attention.default(arg0_1, arg1_1, arg2_1, '0', False, None, 2, 'flash')", after
+            )
 
     def test_dynamic_sequence_and_batch(self) -> None:
         # A second shape under default torch.compile recompiles with symbolic sizes: the rewrite holds.
         qkv = _qkv()
         for t in qkv:
             torch._dynamo.mark_dynamic(t, (0, 1))
-        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv,
-                                            config=PIPELINE)  # fmt: skip
+        _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *qkv, config=PIPELINE)
         self.assertEqual(counts, {"ulysses_attention": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s25)", arg1_1: "f32[1, s25, 8, 16]", arg2_1: "Sym(s25)", arg3_1: "f32[1, s25, 8, 16]", arg4_1: "Sym(s25)", arg5_1: "f32[1, s25, 8, 16]"):
         ulysses_attention_default: "f32[1, s25, 8, 16]" = torch.ops.graphar.ulysses_attention.default(arg1_1, arg3_1, arg5_1, '0', True, None, 2, 'flash');  arg1_1 = arg3_1 = arg5_1 = None
         return (ulysses_attention_default,)
-""")
+""",
+        )
 
     def test_exchanges_not_around_an_attention_stay_as_they_were(self) -> None:
         # Every size symbolic (heads too): Q, K and V cannot be packed; with the option on, their
         # exchanges (heads at dim 1 read as scattering dim 2) must not become output exchanges.
         with self.assertLogs("graphar", "INFO") as logs:
-            _, after, counts = post_grad_graphs(lambda q, k, v: _attention(q, k, v, is_causal=True), *_qkv(),
-                                                config=PIPELINE, dynamic=True)  # fmt: skip
+            _, after, counts = post_grad_graphs(
+                lambda q, k, v: _attention(q, k, v, is_causal=True), *_qkv(), config=PIPELINE, dynamic=True
+            )
         self.assertEqual(counts.get("ulysses_attention", 0), 0)
         self.assertEqual(after.count("graphar.heads_to_seq_all_to_all.default("), 1)
         self.assertIn("left alone: alone, an exchange scattering dim 2 gains nothing", "\n".join(logs.output))
@@ -179,8 +195,9 @@ class <lambda>(torch.nn.Module):
 
     def test_mask_is_left_alone(self) -> None:
         mask = torch.ones(12, 12, dtype=torch.bool).tril()
-        self._left_alone(lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias",
-                         *_qkv())  # fmt: skip
+        self._left_alone(
+            lambda q, k, v: _attention(q, k, v, attn_mask=mask), "the attention has a mask or bias", *_qkv()
+        )
 
     def test_strided_slices_of_the_exchange_are_left_alone(self) -> None:
         def every_other_kv_head(q, k, v):  # hand-written: K and V take every other head of theirs
@@ -197,8 +214,9 @@ class <lambda>(torch.nn.Module):
             kh, vh = (x.unsqueeze(1).expand(-1, 2, -1, -1, -1).flatten(1, 2) for x in (kh, vh))
             return heads_to_seq_unpacked(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2))
 
-        self._left_alone(tiled, "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1",
-                         *_qkv(8, 4))  # fmt: skip
+        self._left_alone(
+            tiled, "an attention input is not a slice of a Q/K/V exchange with heads moved to dim 1", *_qkv(8, 4)
+        )
 
     def test_heads_that_do_not_split_are_left_alone(self) -> None:
         self._left_alone(_attention, "2 Q and 2 K/V heads do not split into 2 or more chunks per rank", *_qkv(2, 2))

@@ -23,8 +23,8 @@ import graphar
 from graphar.backend import graphar_backend
 from graphar.comm import ulysses_shapes
 from graphar.config import Config
-from graphar.passes import GrapharPass, manager
 from graphar.errors import SettingError
+from graphar.passes import GrapharPass, manager
 
 
 @pytest.fixture
@@ -117,8 +117,11 @@ def _files_the_fakes_import() -> set[str]:
     a branch no test call takes counts too."""
     tree = ast.parse(Path(graphar.ops.__file__).read_text())
     helpers = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    todo: list[ast.AST] = [call.args[2] for call in ast.walk(tree)
-                           if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_define"]
+    todo: list[ast.AST] = [
+        call.args[2]
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "_define"
+    ]
     seen: set[str] = set()
     modules: list[str] = []
     while todo:
@@ -176,8 +179,11 @@ def test_uuid_changes_when_a_file_that_decides_an_output_shape_changes(fake_worl
     for i, path in enumerate(sorted(files)):
         edited = tmp_path / f"{i}.py"
         edited.write_text(Path(path).read_text() + "# edited\n")
-        monkeypatch.setattr(manager, "hashed_files",
-                            lambda: tuple(str(edited) if str(Path(f).resolve()) == path else f for f in hashed()))
+        monkeypatch.setattr(
+            manager,
+            "hashed_files",
+            lambda: tuple(str(edited) if str(Path(f).resolve()) == path else f for f in hashed()),
+        )
         assert GrapharPass(Config()).uuid() != before, f"{path} decides an op's output shape and is not hashed"
 
 

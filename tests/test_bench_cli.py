@@ -27,17 +27,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from graphar._launch import end_worker, free_port
 from graphar.__main__ import main
+from graphar._launch import end_worker, free_port
 from graphar.benchmarks import allreduce, cli, common, plot, ranks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
-HEADINGS = {"allreduce": "# All-reduce latency (us)", "attention": "# Ulysses attention block",
-            "capture": "# Capture cost of BatchGraphs", "chunking": "# Chunking tax", "compile": "# Compile time",
-            "decode": "# Decode step", "norm": "# Fused all-reduce", "norm-local": "# Fused norm, local part",
-            "pack": "# Ulysses pack kernel",
-            "ulysses": "# Ulysses all-to-all"}
+HEADINGS = {
+    "allreduce": "# All-reduce latency (us)",
+    "attention": "# Ulysses attention block",
+    "capture": "# Capture cost of BatchGraphs",
+    "chunking": "# Chunking tax",
+    "compile": "# Compile time",
+    "decode": "# Decode step",
+    "norm": "# Fused all-reduce",
+    "norm-local": "# Fused norm, local part",
+    "pack": "# Ulysses pack kernel",
+    "ulysses": "# Ulysses all-to-all",
+}
 
 
 def assert_real_png(path: Path) -> None:
@@ -75,8 +82,9 @@ def test_decode_checks_every_graphar_variant_against_inductor(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("name", list(HEADINGS))
-def test_a_report_where_nothing_was_measured_is_written(name: str, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_report_where_nothing_was_measured_is_written(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first partial report of a run whose first unit failed: every cell a string, no point to plot."""
     module = cli.BENCHMARKS[name]
     calls: list[tuple] = []
@@ -84,7 +92,7 @@ def test_a_report_where_nothing_was_measured_is_written(name: str, tmp_path: Pat
     assert main(["bench", name, "--dry-run", "--quick", "--out", str(tmp_path / "x.md")]) == 0
     monkeypatch.undo()
     cells, *rest = calls[0]
-    module.write({key: "err" for key in cells}, *rest, final=False)
+    module.write(dict.fromkeys(cells, "err"), *rest, final=False)
     assert (tmp_path / "x.md").read_text().startswith(HEADINGS[name])
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "x.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -134,8 +142,9 @@ def test_results_go_to_bench_results_of_a_checkout_else_the_current_folder(
 
 
 def test_the_all_reduce_chart_is_built_from_the_results_not_the_markdown() -> None:
-    s = allreduce.Settings(sizes=[16 << 10, 16 << 20], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
-                           eager_iters=1)  # fmt: skip
+    s = allreduce.Settings(
+        sizes=[16 << 10, 16 << 20], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1, eager_iters=1
+    )
     results = {(mode, n, name): 10.0 for mode in s.modes for n in s.sizes for name in allreduce.column_names(mode)}
     results[("graph", 16 << 20, allreduce.G_AUTO)] = "-"  # refused: a gap in its line
     results.update({("eager", n, allreduce.NCCL): "n/a" for n in s.sizes})  # unavailable: no points
@@ -168,8 +177,12 @@ def test_a_bad_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_checkout_scripts_run_the_packaged_benchmarks(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "ulysses.py"), "--dry-run", "--quick", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ulysses.py"), "--dry-run", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "ulysses-cpu-ws2.md").read_text().startswith(HEADINGS["ulysses"])
     assert f"written to {tmp_path / 'ulysses-cpu-ws2.md'}" in out.stdout
@@ -181,8 +194,13 @@ def test_the_compile_benchmark_times_both_backends_and_the_pass_on_the_cpu(tmp_p
     pytest.importorskip("matplotlib")
     out = tmp_path / "compile.md"
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile workers to start
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "compile.py"), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "compile.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     text = out.read_text()
     assert text.startswith(HEADINGS["compile"])
@@ -193,8 +211,11 @@ def test_the_compile_benchmark_times_both_backends_and_the_pass_on_the_cpu(tmp_p
         inductor_s, graphar_s, passes_s = map(float, row[2:5])
         assert inductor_s > 0 and graphar_s > passes_s > 0
         assert float(row[5].rstrip("%")) == pytest.approx(100 * passes_s / graphar_s, abs=0.5)
-    assert [row[7] for row in rows] == ["all_reduce 4 |", "all_reduce 8 |",
-                                        "heads_to_seq_all_to_all 2, qkv_all_to_all 2 |"]  # fmt: skip
+    assert [row[7] for row in rows] == [
+        "all_reduce 4 |",
+        "all_reduce 8 |",
+        "heads_to_seq_all_to_all 2, qkv_all_to_all 2 |",
+    ]
     assert_real_png(out.with_suffix(".png"))
 
 
@@ -246,8 +267,12 @@ def _agreement_worker(rank: int, port: int) -> None:
         assert ranks.rewritten({"all_reduce_add_rms_norm": 1}, "all_reduce_add_rms_norm", reasons, "(e)") is None
         # After each unit, rank 0 gets the cells so far (max over ranks) to write.
         written: list[tuple] = []
-        common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit + rank)},
-                         lambda cells, done, final: written.append((dict(cells), done, final)))  # fmt: skip
+        common.run_units(
+            [1, 2],
+            str,
+            lambda unit: {(unit, "t"): float(unit + rank)},
+            lambda cells, done, final: written.append((dict(cells), done, final)),
+        )
         expected = [({(1, "t"): 2.0}, [1], False), ({(1, "t"): 2.0, (2, "t"): 3.0}, [1, 2], True)]
         assert written == (expected if rank == 0 else [])
         # A benchmark's report so far: its settings cut to the units done, to its results file.
@@ -278,12 +303,15 @@ def test_alone_the_helpers_serve_a_world_of_one(tmp_path: Path) -> None:
     assert reasons == {"col": "capture raised on rank 0: RuntimeError: capture failed"}
     assert ranks.verdict(lambda: "WRONG", "check", reasons, "c") == "WRONG"
     written: list[tuple] = []
-    report = common.reporter("t", _Units([1, 2]), "units", lambda cells, *rest: written.append((dict(cells), *rest)),
-                             reasons, tmp_path)  # fmt: skip
+    report = common.reporter(
+        "t", _Units([1, 2]), "units", lambda cells, *rest: written.append((dict(cells), *rest)), reasons, tmp_path
+    )
     common.run_units([1, 2], str, lambda unit: {(unit, "t"): float(unit)}, report)
     path = tmp_path / f"t-{common.gpu_slug(common.gpu_name())}.md"
     assert [(w[0], w[1], w[2], w[5], w[6]) for w in written] == [
-        ({(1, "t"): 1.0}, _Units([1]), 1, path, False), ({(1, "t"): 1.0, (2, "t"): 2.0}, _Units([1, 2]), 1, path, True)]
+        ({(1, "t"): 1.0}, _Units([1]), 1, path, False),
+        ({(1, "t"): 1.0, (2, "t"): 2.0}, _Units([1, 2]), 1, path, True),
+    ]
 
 
 def test_reports_name_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,9 +40,14 @@ def test_bench_without_a_benchmark_exits_2(capsys: pytest.CaptureFixture[str]) -
     assert "required: BENCHMARK" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "options"), [("allreduce", ["--sizes", "--dtype", "--modes"]),
-                                               ("decode", ["--batches", "--layers", "--steps", "--replays"]),
-                                               ("ulysses", ["--shapes"])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("allreduce", ["--sizes", "--dtype", "--modes"]),
+        ("decode", ["--batches", "--layers", "--steps", "--replays"]),
+        ("ulysses", ["--shapes"]),
+    ],
+)
 def test_each_benchmark_keeps_its_options(name: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["bench", name, "--help"]) == 0
     out = capsys.readouterr().out
@@ -69,8 +74,9 @@ def test_unknown_command_says_so_and_exits_2(capsys: pytest.CaptureFixture[str])
 
 
 def test_demo_help_helps_without_running_the_demo() -> None:
-    out = subprocess.run([sys.executable, "-m", "graphar", "demo", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "graphar", "demo", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m graphar demo")
     assert "--world-size" in out.stdout

@@ -18,10 +18,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from graphar import graphs
-from graphar.comm import abi
+from graphar.comm import abi, policy, registry, set_up
 from graphar.comm import allreduce as ar
 from graphar.comm import communicator as cm
-from graphar.comm import policy, registry, set_up
 from graphar.comm.rendezvous import StoreExchange
 from graphar.errors import GrapharCommError, GrapharCudaError, SettingError
 
@@ -156,8 +155,12 @@ def test_init_on_a_group_that_cannot_use_it(caplog) -> None:
         assert len(warnings) == 1 and "not NCCL" in warnings[0].getMessage()
         assert registry.communicator(dist.group.WORLD.group_name) is None
         # Held to the rules of GRAPHAR_MAX_ALLREDUCE_BYTES and GRAPHAR_TIMEOUT_S (graphar.settings).
-        for bad, match in (({"max_bytes": 24}, "max_bytes=24"), ({"max_bytes": 4096.0}, "max_bytes=4096.0"),
-                           ({"timeout_s": -1}, "timeout_s=-1"), ({"timeout_s": float("inf")}, "timeout_s=inf")):
+        for bad, match in (
+            ({"max_bytes": 24}, "max_bytes=24"),
+            ({"max_bytes": 4096.0}, "max_bytes=4096.0"),
+            ({"timeout_s": -1}, "timeout_s=-1"),
+            ({"timeout_s": float("inf")}, "timeout_s=inf"),
+        ):
             with pytest.raises(SettingError, match=match):
                 set_up.init(**bad)
     finally:
@@ -264,7 +267,9 @@ def test_first_eager_collective_on_cuda_runs_init_once_per_group(fresh_registry,
     inside a capture (warned once; the next eager call does); anew for a new group of the same name."""
     inits: list[dist.ProcessGroup] = []
     monkeypatch.setattr(set_up, "_not_worth_setting_up", lambda group: None)
-    monkeypatch.setattr(set_up, "init", lambda group: inits.append(group) or set_up._settled.__setitem__(group.group_name, group))
+    monkeypatch.setattr(
+        set_up, "init", lambda group: inits.append(group) or set_up._settled.__setitem__(group.group_name, group)
+    )
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -325,10 +330,15 @@ class _FakeComm:
     def ipc_handle(self, base: int) -> bytes:
         return base.to_bytes(8, "little") * 8  # a handle that names its allocation
 
-    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
-                         own_ptrs: Sequence[int]) -> None:  # fmt: skip
-        self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged],
-                           list(own_ptrs))  # fmt: skip
+    def fill_graph_slots(
+        self,
+        slots: Sequence[int],
+        handles: bytes,
+        offsets: Sequence[int],
+        staged: Sequence[bool],
+        own_ptrs: Sequence[int],
+    ) -> None:
+        self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged], list(own_ptrs))
 
     def forget_graph_slots(self, slots: Sequence[int]) -> None:
         self.forgotten += slots

@@ -41,14 +41,18 @@ _OUTPUTS = {
     "graphar_comm_probe": lambda lib, h, phase, bad: bad.__setitem__(0, lib.bad_peer),
     "graphar_comm_exchange_lease": lambda lib, h, mode, stream, lease: lease.__setitem__(0, 7),
     "graphar_comm_failed_flag": lambda lib, h, flag: flag.__setitem__(0, FLAG),
-    "graphar_comm_exchange_alloc": lambda lib, h, n, keep, ptr, out: (ptr.__setitem__(0, BUFFER),
-                                                                      _write(out, b"x" * _cuda.IPC_HANDLE_BYTES)),
+    "graphar_comm_exchange_alloc": lambda lib, h, n, keep, ptr, out: (
+        ptr.__setitem__(0, BUFFER),
+        _write(out, b"x" * _cuda.IPC_HANDLE_BYTES),
+    ),
     "graphar_comm_exchange_open": _fill_exchange_open,
-    "graphar_pointer_info": lambda lib, ptr, base, size, capable: (base.__setitem__(0, ptr - 16),
-                                                                   capable.__setitem__(0, 1)),
+    "graphar_pointer_info": lambda lib, ptr, base, size, capable: (
+        base.__setitem__(0, ptr - 16),
+        capable.__setitem__(0, 1),
+    ),
     "graphar_ipc_handle": lambda lib, base, out: _write(out, b"i" * _cuda.IPC_HANDLE_BYTES),
     "graphar_comm_graph_mappings": lambda lib, h, open_, unused: (open_.__setitem__(0, 3), unused.__setitem__(0, 1)),
-}  # fmt: skip
+}
 
 
 class _Library:
@@ -83,8 +87,18 @@ def library(monkeypatch) -> _Library:
 
 
 def _communicator() -> Communicator:
-    return Communicator(group_name="g", rank=0, world_size=2, device=0, max_bytes=MB, timeout_s=1.5, blocks=36,
-                        forced_algo=None, capability_major=9, store=None)  # fmt: skip
+    return Communicator(
+        group_name="g",
+        rank=0,
+        world_size=2,
+        device=0,
+        max_bytes=MB,
+        timeout_s=1.5,
+        blocks=36,
+        forced_algo=None,
+        capability_major=9,
+        store=None,
+    )
 
 
 def test_made_open_with_the_library_s_limits(library: _Library) -> None:
@@ -115,11 +129,21 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     without_handle = {"graphar_pointer_info", "graphar_ipc_handle"}
     assert all(args[0] == HANDLE for name, args in library.calls if name not in without_handle)
     assert library.names() == [
-        "graphar_comm_handles", "graphar_comm_open", "graphar_comm_probe", "graphar_comm_exchange_lease",
-        "graphar_comm_all_to_all", "graphar_comm_failed_flag", "graphar_comm_exchange_alloc",
-        "graphar_comm_exchange_open", "graphar_pointer_info", "graphar_ipc_handle", "graphar_comm_register_graph",
-        "graphar_comm_forget_graph_slots", "graphar_comm_close_unused_mappings", "graphar_comm_graph_mappings",
-    ]  # fmt: skip
+        "graphar_comm_handles",
+        "graphar_comm_open",
+        "graphar_comm_probe",
+        "graphar_comm_exchange_lease",
+        "graphar_comm_all_to_all",
+        "graphar_comm_failed_flag",
+        "graphar_comm_exchange_alloc",
+        "graphar_comm_exchange_open",
+        "graphar_pointer_info",
+        "graphar_ipc_handle",
+        "graphar_comm_register_graph",
+        "graphar_comm_forget_graph_slots",
+        "graphar_comm_close_unused_mappings",
+        "graphar_comm_graph_mappings",
+    ]
     library.bad_peer = 1
     assert comm.probe(1) == "P2P store/load with rank 1 did not round-trip"
 
@@ -187,12 +211,19 @@ def _asked(module: Any) -> set[str]:
     """What `module` reads of `self.comm` or of a local `comm`."""
     tree = ast.parse(Path(inspect.getfile(module)).read_text())
     return {
-        n.attr for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and (
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and (
             (isinstance(n.value, ast.Name) and n.value.id == "comm")
-            or (isinstance(n.value, ast.Attribute) and n.value.attr == "comm"
-                and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"))
-    }  # fmt: skip
+            or (
+                isinstance(n.value, ast.Attribute)
+                and n.value.attr == "comm"
+                and isinstance(n.value.value, ast.Name)
+                and n.value.value.id == "self"
+            )
+        )
+    }
 
 
 @pytest.mark.parametrize("module, protocol", [(allreduce, allreduce.CommCalls), (exchange, exchange.ExchangeCalls)])

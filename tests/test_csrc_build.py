@@ -75,8 +75,14 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
     for body in (one, two):
         # fused copy-in entry and 2stage middle: release store / acquire spin; plain entry and 1stage
         # exit: volatile; every spin bounded by the global timer; never a trap
-        for instruction in ("st.release.sys.global.u32", "ld.acquire.sys.global.u32", "st.volatile.global.u32",
-                            "ld.volatile.global.u32", "%globaltimer", "bar.red.or.pred"):  # fmt: skip
+        for instruction in (
+            "st.release.sys.global.u32",
+            "ld.acquire.sys.global.u32",
+            "st.volatile.global.u32",
+            "ld.volatile.global.u32",
+            "%globaltimer",
+            "bar.red.or.pred",
+        ):
             assert instruction in body
         assert "trap" not in body and ".local" not in body
         assert "ld.global.v4.u32" in body or "ld.v4.u32" in body  # 16-byte packs
@@ -92,8 +98,14 @@ def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) 
     exchange's last copy then gives the exchange's lease back (all_to_all.cuh exchange_lease)."""
     _, out, _ = build
     ptx = _ptx(out)
-    for fragment in ("one_stageI13__nv_bfloat16Li2E", "two_stageIfLi8E", "push_one_shotI13__nv_bfloat16Li2E",
-                     "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E", "gather_all_to_allILi4E"):  # fmt: skip
+    for fragment in (
+        "one_stageI13__nv_bfloat16Li2E",
+        "two_stageIfLi8E",
+        "push_one_shotI13__nv_bfloat16Li2E",
+        "push_two_shotIfLi8E",
+        "push_one_shot_normI6__halfLi4E",
+        "gather_all_to_allILi4E",
+    ):
         body = _ptx_function(ptx, fragment)
         claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.index("red.release.gpu.global.add.u64")
         shared = [body.find(op) for op in ("st.volatile", "st.release", "ld.volatile.global.v4", "st.global.v4")]
@@ -113,8 +125,9 @@ def test_push_ptx_waits_for_the_previous_kernel_first(build) -> None:
         # PDL: griddepcontrol.wait before any global access (the input, the epoch, the slots), then the
         # early launch of the next kernel; slots stored and polled whole with volatile 16-byte accesses
         wait = body.index("griddepcontrol.wait")
-        first_access = min(body.index(op) for op in ("ld.global", "st.global", "ld.volatile", "st.volatile")
-                           if op in body)  # fmt: skip
+        first_access = min(
+            body.index(op) for op in ("ld.global", "st.global", "ld.volatile", "st.volatile") if op in body
+        )
         assert wait < first_access < len(body), fragment
         assert wait < body.index("griddepcontrol.launch_dependents"), fragment
         for instruction in ("st.volatile.global.v4.u32", "ld.volatile.global.v4.u32", "%globaltimer"):
@@ -137,11 +150,26 @@ def test_fused_norm_ptx_reduces_in_a_fixed_order(build) -> None:
         assert sorted(atomics) == ["atom", "red"], (fragment, atomics)  # the claim and its release
 
 
-def _norm_grid(lib: ctypes.CDLL, tokens: int, hidden: int, itemsize: int = 2, block_limit: int = 64,
-               scratch_words: int = 1 << 20, max_split: int = 0) -> tuple[int, int, int]:  # fmt: skip
+def _norm_grid(
+    lib: ctypes.CDLL,
+    tokens: int,
+    hidden: int,
+    itemsize: int = 2,
+    block_limit: int = 64,
+    scratch_words: int = 1 << 20,
+    max_split: int = 0,
+) -> tuple[int, int, int]:
     blocks, threads, split = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    rc = lib.graphar_norm_grid(tokens * hidden * itemsize, hidden * itemsize, block_limit, scratch_words, max_split,
-                               ctypes.byref(blocks), ctypes.byref(threads), ctypes.byref(split))  # fmt: skip
+    rc = lib.graphar_norm_grid(
+        tokens * hidden * itemsize,
+        hidden * itemsize,
+        block_limit,
+        scratch_words,
+        max_split,
+        ctypes.byref(blocks),
+        ctypes.byref(threads),
+        ctypes.byref(split),
+    )
     assert rc == 0, lib.graphar_last_error()
     return blocks.value, threads.value, split.value
 
@@ -169,8 +197,9 @@ def test_the_fused_norm_spreads_a_few_tokens_over_many_blocks(build) -> None:
     assert _norm_grid(lib, 64, 32768) == (64, 512, 1)  # the longest rows: 8 packs per thread
     assert _norm_grid(lib, 1, 4096, block_limit=36) == (32, 32, 32)  # before Hopper: 36 blocks, whole segments
     blocks = ctypes.c_int()
-    assert lib.graphar_norm_grid(72, 24, 64, 0, 0, ctypes.byref(blocks), ctypes.byref(blocks),
-                                 ctypes.byref(blocks)) == -1  # rows of 24 bytes  # fmt: skip
+    assert (
+        lib.graphar_norm_grid(72, 24, 64, 0, 0, ctypes.byref(blocks), ctypes.byref(blocks), ctypes.byref(blocks)) == -1
+    )  # rows of 24 bytes
     assert b"rows of 24" in lib.graphar_last_error()
 
 
@@ -238,8 +267,9 @@ def test_library_without_gpu() -> None:
 # ---- the op library (csrc/torch_ops): graphar::all_reduce's C++ kernel ----------------------------
 
 
-@pytest.mark.skipif(native_op.compiler() is None or native_op.cuda_include() is None,
-                    reason="no host compiler or CUDA headers")  # fmt: skip
+@pytest.mark.skipif(
+    native_op.compiler() is None or native_op.cuda_include() is None, reason="no host compiler or CUDA headers"
+)
 def test_op_library_compiles_against_this_torch(tmp_path) -> None:
     """The build command compiles the kernel against the installed torch's headers (compile only: a
     CPU torch has no libc10_cuda to link, nor the one generated header its CUDA builds carry)."""
@@ -247,9 +277,13 @@ def test_op_library_compiles_against_this_torch(tmp_path) -> None:
     if not (Path(torch.__file__).parent / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
         stub.mkdir(parents=True)
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    command = native_op.build_command(native_op.compiler(), native_op.source_dir(), tmp_path / "op.o",
-                                      native_op.cuda_include())  # fmt: skip
-    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + ["-c", f"-I{tmp_path / 'stub'}"]
+    command = native_op.build_command(
+        native_op.compiler(), native_op.source_dir(), tmp_path / "op.o", native_op.cuda_include()
+    )
+    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + [
+        "-c",
+        f"-I{tmp_path / 'stub'}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     exported = subprocess.run(["nm", "-g", "--defined-only", str(tmp_path / "op.o")], capture_output=True, text=True)
@@ -275,16 +309,41 @@ def test_group_state_carries_the_policy_rows() -> None:
     """The published state: the eager rows as (bound, code) arrays (None: 0, no kernel), the fused
     norm's limits, the CUDA library's entry points by address; more rows than the struct holds raise."""
     proto = ctypes.CFUNCTYPE(ctypes.c_int)
-    functions = {name: proto(lambda: 0) for name in ("graphar_comm_all_reduce", "graphar_comm_all_reduce_norm",
-                                                     "graphar_last_error")}  # fmt: skip
+    functions = {
+        name: proto(lambda: 0)
+        for name in ("graphar_comm_all_reduce", "graphar_comm_all_reduce_norm", "graphar_last_error")
+    }
     lib = types.SimpleNamespace(**functions)
     segments = ((64 << 10, "push-oneshot"), (1 << 20, "1stage"), (1 << 62, None))
-    state = native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=8 << 20, device=1, rank=0,
-                                  segments=segments, fused_norm_max=512 << 10, pdl=True)  # fmt: skip
+    state = native_op.group_state(
+        comm=7,
+        lib=lib,
+        failed=1234,
+        max_bytes=8 << 20,
+        device=1,
+        rank=0,
+        segments=segments,
+        fused_norm_max=512 << 10,
+        pdl=True,
+    )
     assert (state.rows, list(state.bounds[:3]), list(state.algos[:3])) == (3, [64 << 10, 1 << 20, 1 << 62], [3, 1, 0])
     assert (state.comm, state.failed, state.fused_norm_max, state.norm_max_row_bytes, state.pdl) == (
-        7, 1234, 512 << 10, _cuda.NORM_MAX_ROW_BYTES, 1)  # fmt: skip
+        7,
+        1234,
+        512 << 10,
+        _cuda.NORM_MAX_ROW_BYTES,
+        1,
+    )
     assert state.all_reduce == ctypes.cast(functions["graphar_comm_all_reduce"], ctypes.c_void_p).value
     with pytest.raises(ValueError, match=f"at most {abi.OP_MAX_ROWS}"):
-        native_op.group_state(comm=7, lib=lib, failed=1234, max_bytes=1, device=1, rank=0, segments=segments * 6,
-                              fused_norm_max=0, pdl=False)  # fmt: skip
+        native_op.group_state(
+            comm=7,
+            lib=lib,
+            failed=1234,
+            max_bytes=1,
+            device=1,
+            rank=0,
+            segments=segments * 6,
+            fused_norm_max=0,
+            pdl=False,
+        )

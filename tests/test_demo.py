@@ -13,8 +13,9 @@ FALLBACK = "gloo fallback (no graphar communicator on this group)"
 @pytest.fixture(scope="module")
 def demo() -> str:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the gloo path, also on a machine with GPUs
-    out = subprocess.run([sys.executable, "-m", "graphar", "demo"], capture_output=True, text=True, timeout=300,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "graphar", "demo"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 

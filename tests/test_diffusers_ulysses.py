@@ -47,8 +47,7 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
-def _ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous_kernel_inputs: bool
-                     ) -> torch.Tensor:
+def _ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous_kernel_inputs: bool) -> torch.Tensor:
     group = dist.group.WORLD
     p = dist.get_world_size(group)
     b, s_q, h, d = q.shape
@@ -66,8 +65,9 @@ def _ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguo
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous_kernel_inputs: bool
-                ) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous_kernel_inputs: bool
+    ) -> torch.Tensor:
         ctx.contiguous_kernel_inputs = contiguous_kernel_inputs
         return _ulysses_forward(q, k, v, contiguous_kernel_inputs)
 
@@ -99,7 +99,9 @@ class DiffusersUlyssesGraphTest(TestCase):
     def test_exchanges_are_rewritten(self) -> None:
         _, after, counts = post_grad_graphs(diffusers_ulysses, *_qkv(), config=ONLY_QKV)
         self.assertEqual(counts, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 6, 8, 16]", arg1_1: "f32[1, 6, 8, 16]", arg2_1: "f32[1, 6, 8, 16]"):
         qkv_all_to_all_default: "f32[1, 12, 12, 16]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
@@ -114,7 +116,8 @@ class <lambda>(torch.nn.Module):
         permute_9: "f32[1, 12, 4, 16]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[1, 6, 8, 16]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_9, '0');  permute_9 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_pipelined_for_both_kernel_input_forms(self) -> None:
         for fn in (diffusers_ulysses, diffusers_ulysses_cudnn):
@@ -137,8 +140,10 @@ class <lambda>(torch.nn.Module):
             x = diffusers_ulysses(q, k, v) + q  # a residual between the layers, as in a transformer block
             return diffusers_ulysses(x, x, x)
 
-        for config, expected in ((ONLY_QKV, {"qkv_all_to_all": 2, "heads_to_seq_all_to_all": 2}),
-                                 (PIPELINE, {"ulysses_attention": 2})):
+        for config, expected in (
+            (ONLY_QKV, {"qkv_all_to_all": 2, "heads_to_seq_all_to_all": 2}),
+            (PIPELINE, {"ulysses_attention": 2}),
+        ):
             with self.subTest(attention_chunks=config.attention_chunks):
                 _, after, counts = post_grad_graphs(two_layers, *_qkv(), config=config)
                 self.assertEqual(counts, expected)

@@ -21,16 +21,25 @@ WARNING = f"graphar: custom all-reduce off for group '0', its backend (nccl) ser
 
 def test_without_gpus_it_reports_what_it_can_and_exits_3() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GRAPHAR_CUDA_ARCHS": "90a;80"}
-    out = subprocess.run([sys.executable, "-m", "graphar", "doctor"], capture_output=True, text=True, timeout=120,
-                         env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "graphar", "doctor"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == doctor.EXIT_NO_GPU == 3, out.stdout + out.stderr
-    for line in ("graphar doctor\n", "\nVersions\n  Python: ", "\n  torch: ", "\n  Triton: ", "\n  NCCL: ",
-                 "\ngraphar's CUDA library\n",
-                 "\n  build targets (GRAPHAR_CUDA_ARCHS): machine code sm_90a, sm_80; PTX compute_80\n",
-                 "\n  loads here: not tried: no CUDA device is visible\n", "\n  to build it: ",
-                 "\nAllocator\n  PYTORCH_CUDA_ALLOC_CONF: ", "\nGPUs: none visible",
-                 "\ngraphar doctor: the custom paths need 2 GPUs or more in the group; 0 visible (exit status 3)\n"):
-        assert line in out.stdout, line  # fmt: skip
+    for line in (
+        "graphar doctor\n",
+        "\nVersions\n  Python: ",
+        "\n  torch: ",
+        "\n  Triton: ",
+        "\n  NCCL: ",
+        "\ngraphar's CUDA library\n",
+        "\n  build targets (GRAPHAR_CUDA_ARCHS): machine code sm_90a, sm_80; PTX compute_80\n",
+        "\n  loads here: not tried: no CUDA device is visible\n",
+        "\n  to build it: ",
+        "\nAllocator\n  PYTORCH_CUDA_ALLOC_CONF: ",
+        "\nGPUs: none visible",
+        "\ngraphar doctor: the custom paths need 2 GPUs or more in the group; 0 visible (exit status 3)\n",
+    ):
+        assert line in out.stdout, line
 
 
 @pytest.fixture
@@ -63,19 +72,26 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
     assert _run() == doctor.EXIT_ON
     out = capsys.readouterr().out
     matrix = out.split("graphar's IPC store/load probe of the pair\n")[1].splitlines()[:3]
-    assert [row.split() for row in matrix] == [["cuda:0", "cuda:1"], ["cuda:0", "-", "NVLink", "ok"],
-                                               ["cuda:1", "NVLink", "ok", "-"]]  # fmt: skip
-    for line in ("custom all-reduce: ON", "set up: at each group's first eager collective, or by graphar.init(group)",
-                 "size limit (GRAPHAR_MAX_ALLREDUCE_BYTES): 8 MB",
-                 "all-reduce of 16 KB: 1stage", "all-reduce of 8 MB: 1stage",
-                 "all-reduce of 256 KB: eager: push-oneshot, graph: push-oneshot, graphar.graph: 1stage",
-                 "push kernels: one-shot up to 8 MB, fused norm up to 512 KB, programmatic dependent launch on",
-                 "all-reduce of 16 MB: NCCL (over the limit)",
-                 "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",
-                 "Ulysses exchange: CUDA IPC, pull (GRAPHAR_ALLTOALL_ALGO)",
-                 "eager calls of the op: the Python kernel on ranks [1] (more host time per call;",
-                 "graphar doctor: custom all-reduce and IPC all-to-all ON (exit status 0)"):
-        assert line in out, line  # fmt: skip
+    assert [row.split() for row in matrix] == [
+        ["cuda:0", "cuda:1"],
+        ["cuda:0", "-", "NVLink", "ok"],
+        ["cuda:1", "NVLink", "ok", "-"],
+    ]
+    for line in (
+        "custom all-reduce: ON",
+        "set up: at each group's first eager collective, or by graphar.init(group)",
+        "size limit (GRAPHAR_MAX_ALLREDUCE_BYTES): 8 MB",
+        "all-reduce of 16 KB: 1stage",
+        "all-reduce of 8 MB: 1stage",
+        "all-reduce of 256 KB: eager: push-oneshot, graph: push-oneshot, graphar.graph: 1stage",
+        "push kernels: one-shot up to 8 MB, fused norm up to 512 KB, programmatic dependent launch on",
+        "all-reduce of 16 MB: NCCL (over the limit)",
+        "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",
+        "Ulysses exchange: CUDA IPC, pull (GRAPHAR_ALLTOALL_ALGO)",
+        "eager calls of the op: the Python kernel on ranks [1] (more host time per call;",
+        "graphar doctor: custom all-reduce and IPC all-to-all ON (exit status 0)",
+    ):
+        assert line in out, line
 
 
 def test_off_exits_5_with_graphar_s_reason(machine: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Above everything: the command line, the demo, the doctor, the benchmarks.
     ("tools", ("graphar.__main__", "graphar.demo", "graphar.doctor", "graphar.doctor_probe", "graphar._launch",
                "graphar.benchmarks")),
-)  # fmt: skip
+)  # fmt: skip  # a table: one layer a row
 
 # Edges allowed against the rules above, each with its reason. Each must still exist (else remove it).
 EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -142,7 +142,8 @@ def test_no_import_loop() -> None:
     reach = {a: _reach(graph, a) for a in graph}
     loops = {tuple(sorted(b for b in reach[a] if a in reach[b])) for a in graph if a in reach[a]}
     assert not loops, "modules that import each other (through the others listed with them):\n" + "\n".join(
-        map(str, sorted(loops)))
+        map(str, sorted(loops))
+    )
 
 
 @pytest.mark.parametrize("edge", sorted(EXCEPTIONS))

@@ -21,8 +21,22 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from graphar.passes.layout import (
-    Layout, accepts_strides, all_to_all_received, apply, canonical, compose, contiguous, flat, is_layout_op,
-    is_ulysses_relayout, reshape, same, same_modes, tieable, ulysses_relayout, viewable,
+    Layout,
+    accepts_strides,
+    all_to_all_received,
+    apply,
+    canonical,
+    compose,
+    contiguous,
+    flat,
+    is_layout_op,
+    is_ulysses_relayout,
+    reshape,
+    same,
+    same_modes,
+    tieable,
+    ulysses_relayout,
+    viewable,
 )
 
 P = 2
@@ -31,7 +45,7 @@ P = 2
 def offsets(layout: Layout) -> torch.Tensor:
     """The layout as a tensor: at each logical index, the offset in the source it maps to."""
     total = torch.zeros((), dtype=torch.long)
-    for k, dim in enumerate(layout):
+    for dim in layout:
         along = torch.zeros(1, dtype=torch.long)  # the dim's offsets, its modes row-major
         for size, stride in dim:
             along = (along[:, None] + torch.arange(size) * stride).flatten()
@@ -77,7 +91,9 @@ class LayoutTest(TestCase):
         chains = {
             "permute, reshape": (lambda x: x.permute(2, 0, 1).reshape(4, 6), (2, 3, 4)),
             "t, unsqueeze, flatten, unflatten, squeeze": (
-                lambda x: x.t().unsqueeze(0).flatten(1).unflatten(1, (2, 12)).squeeze(0), (6, 4)),
+                lambda x: x.t().unsqueeze(0).flatten(1).unflatten(1, (2, 12)).squeeze(0),
+                (6, 4),
+            ),
             "transpose, contiguous, view": (lambda x: x.transpose(0, 2).contiguous().view(4, 6), (2, 3, 4)),
             "seq_to_heads, send side": (lambda x: seq_to_heads(x)[0], (1, 3, 4, 2)),
         }

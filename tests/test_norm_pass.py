@@ -42,8 +42,12 @@ def _hf_block(x, w, residual, weight):
 
 
 def _inputs(dtype: torch.dtype = torch.float32, residual_dtype: torch.dtype | None = None):
-    return (torch.randn(4, 8, dtype=dtype), torch.randn(8, 16, dtype=dtype),
-            torch.randn(4, 16, dtype=residual_dtype or dtype), torch.randn(16, dtype=dtype))
+    return (
+        torch.randn(4, 8, dtype=dtype),
+        torch.randn(8, 16, dtype=dtype),
+        torch.randn(4, 16, dtype=residual_dtype or dtype),
+        torch.randn(16, dtype=dtype),
+    )
 
 
 class NormPassTest(TestCase):
@@ -69,7 +73,9 @@ class NormPassTest(TestCase):
     def test_hf_block_bf16_residual_flows_on(self) -> None:
         before, after, counts = post_grad_graphs(_hf_block, *_inputs(torch.bfloat16), config=FUSE)
         self.assertEqual(counts, {"all_reduce_add_rms_norm": 1})
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -85,8 +91,11 @@ class <lambda>(torch.nn.Module):
         convert_element_type_3: "bf16[4, 16]" = torch.ops.prims.convert_element_type.default(mul, torch.bfloat16);  mul = None
         mul_1: "bf16[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, convert_element_type_3);  arg3_1 = convert_element_type_3 = None
         return (mul_1, add)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -94,24 +103,30 @@ class <lambda>(torch.nn.Module):
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
-""")
+""",
+        )
 
     def test_hf_norm_fp32_residual_not_returned(self) -> None:
-        self.assertExpectedInline(self._fused(lambda *a: _hf_block(*a)[0], *_inputs()), """\
+        self.assertExpectedInline(
+            self._fused(lambda *a: _hf_block(*a)[0], *_inputs()),
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[16]"):
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
         all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, arg3_1, 1e-06, '0', False);  mm = arg2_1 = arg3_1 = None
         getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
         return (getitem,)
-""")
+""",
+        )
 
     def test_f_rms_norm_residual_first_bf16(self) -> None:
         def block(x, w, residual, weight):
             h = residual + _row_parallel(x, w)
             return F.rms_norm(h, (16,), weight, 1e-5), h
 
-        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16)), """\
+        self.assertExpectedInline(
+            self._fused(block, *_inputs(torch.bfloat16)),
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -119,20 +134,24 @@ class <lambda>(torch.nn.Module):
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
-""")
+""",
+        )
 
     def test_rms_norm_without_weight(self) -> None:
         def block(x, w, residual, weight):
             return F.rms_norm(residual + _row_parallel(x, w), (16,), None, 1e-5)
 
-        self.assertExpectedInline(self._fused(block, *_inputs()), """\
+        self.assertExpectedInline(
+            self._fused(block, *_inputs()),
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[4, 16]"):
         mm: "f32[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
         all_reduce_add_rms_norm_default = torch.ops.graphar.all_reduce_add_rms_norm.default(mm, arg2_1, None, 9.999999747378752e-06, '0', False);  mm = arg2_1 = None
         getitem: "f32[4, 16]" = all_reduce_add_rms_norm_default[0];  all_reduce_add_rms_norm_default = None
         return (getitem,)
-""")
+""",
+        )
 
     def test_no_residual_nn_rms_norm(self) -> None:
         norm = torch.nn.RMSNorm(16, eps=1e-5, dtype=torch.bfloat16)
@@ -141,7 +160,9 @@ class <lambda>(torch.nn.Module):
             y = _row_parallel(x, w)
             return norm(y), y
 
-        self.assertExpectedInline(self._fused(block, *_inputs(torch.bfloat16)), """\
+        self.assertExpectedInline(
+            self._fused(block, *_inputs(torch.bfloat16)),
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -149,7 +170,8 @@ class <lambda>(torch.nn.Module):
         getitem: "bf16[4, 16]" = all_reduce_add_rms_norm_default[0]
         getitem_1: "bf16[4, 16]" = all_reduce_add_rms_norm_default[1];  all_reduce_add_rms_norm_default = None
         return (getitem, getitem_1)
-""")
+""",
+        )
 
     def test_upcast_all_reduce_into_fp32_residual(self) -> None:
         """The fused kernel takes a residual of the all-reduce's dtype only: fused, every call would run
@@ -244,14 +266,23 @@ class <lambda>(torch.nn.Module):
 
     def test_upcast_all_reduce_into_narrower_residual(self) -> None:
         """The op would add x before its upcast: the sum h that flows on would be bf16, not f32."""
+
         def block(x, w, residual, weight):
             h = _row_parallel(x, w).to(torch.float32) + residual
             return _hf_rms_norm(h, weight), h
 
         x, w, residual, weight = _inputs(torch.bfloat16)
-        after = self._left_alone(block, "the residual sum is torch.float32, the fused op's would be torch.bfloat16",
-                                 x, w, residual, weight.float())
-        self.assertExpectedInline(after, """\
+        after = self._left_alone(
+            block,
+            "the residual sum is torch.float32, the fused op's would be torch.bfloat16",
+            x,
+            w,
+            residual,
+            weight.float(),
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "bf16[4, 16]", arg3_1: "f32[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -265,7 +296,8 @@ class <lambda>(torch.nn.Module):
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, rsqrt);  rsqrt = None
         mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, mul);  arg3_1 = mul = None
         return (mul_1, add)
-""")
+""",
+        )
 
     def test_eps_not_a_constant(self) -> None:
         def block(x, w, residual, weight):
@@ -293,10 +325,14 @@ class <lambda>(torch.nn.Module):
         with self.assertLogs("graphar", "WARNING") as logs:
             _, _, counts = post_grad_graphs(two_blocks, *_inputs(), config=FUSE, dynamic=True)
         self.assertEqual(counts, {"all_reduce": 2})
-        self.assertEqual([line for line in logs.output if "specialize_float" in line], [
-            "WARNING:graphar:graphar: 2 all-reduce + RMSNorm not fused: their eps is an input of the graph, not a "
-            "constant (torch.compile(dynamic=True) passes float attributes as inputs); "
-            "torch._dynamo.config.specialize_float = True keeps them constants"])
+        self.assertEqual(
+            [line for line in logs.output if "specialize_float" in line],
+            [
+                "WARNING:graphar:graphar: 2 all-reduce + RMSNorm not fused: their eps is an input of the graph, not a "
+                "constant (torch.compile(dynamic=True) passes float attributes as inputs); "
+                "torch._dynamo.config.specialize_float = True keeps them constants"
+            ],
+        )
 
 
 class UnfusedMathTest(TestCase):

@@ -24,7 +24,9 @@ def _unchunked(q, k, v, is_causal, scale):
     from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    o = F.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2]
+    )
     return heads_to_seq_unpacked(o.transpose(1, 2).contiguous())
 
 
@@ -79,8 +81,9 @@ def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
         name = dist.group.WORLD.group_name
-        for b, (hq, hk), is_causal, chunks in itertools.product((1, 2), ((8, 8), (8, 4)), (False, True),
-                                                              (1, 2, 4, overlap.AUTO_CHUNKS)):
+        for b, (hq, hk), is_causal, chunks in itertools.product(
+            (1, 2), ((8, 8), (8, 4)), (False, True), (1, 2, 4, overlap.AUTO_CHUNKS)
+        ):
             gen = torch.Generator().manual_seed(100 * rank + b)
             q = torch.randn(b, 6, hq, 16, generator=gen)
             k, v = (torch.randn(b, 6, hk, 16, generator=gen) for _ in range(2))

@@ -43,8 +43,9 @@ def _poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _heads_reference(xs: list[torch.Tensor], p: int) -> torch.Tensor:
     """[P, b, S, sum h/P, d]: rank j's head block of every tensor, side by side."""
-    return torch.cat([x.reshape(x.shape[0], x.shape[1], p, x.shape[2] // p, x.shape[3]).permute(2, 0, 1, 3, 4)
-                      for x in xs], dim=3)
+    return torch.cat(
+        [x.reshape(x.shape[0], x.shape[1], p, x.shape[2] // p, x.shape[3]).permute(2, 0, 1, 3, 4) for x in xs], dim=3
+    )
 
 
 @unittest.skipUnless(INTERPRETED, "runs in the TRITON_INTERPRET=1 subprocess of test_under_interpreter")
@@ -157,7 +158,7 @@ class PackKernelTest(unittest.TestCase):
                     reference = _heads_reference(xs, p)
                     for j, buffer in enumerate(buffers):
                         self.assertTrue(torch.equal(buffer[rank], reference[j]), f"chunk {j}")
-                        others = torch.cat([buffer[:rank], buffer[rank + 1:]])
+                        others = torch.cat([buffer[:rank], buffer[rank + 1 :]])
                         self.assertTrue(torch.isnan(others).all(), f"rank {j}'s other slots were written")
 
     def test_shifted_chunks_need_the_kernel(self) -> None:

@@ -69,8 +69,11 @@ def test_a_one_shot_row_past_the_one_shot_room_goes_two_shot(monkeypatch) -> Non
 
 def test_segments_are_the_picks(monkeypatch) -> None:
     """Every pick is a lookup in `segments`, which the C++ kernel gets: the two paths cannot disagree."""
-    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-oneshot")),
-            policy.GRAPH: ((policy.OPEN, "push-oneshot"),), policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),)}  # fmt: skip
+    rows = {
+        policy.EAGER: ((64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-oneshot")),
+        policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
+        policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),),
+    }
     monkeypatch.setitem(policy.TABLE, (9, 2), rows)
     limits = policy.Limits(max_bytes=8 * MB, push_one_shot=512 * KB)
     for p in [policy.Policy(9, 2, limits)] + [policy.Policy(9, 2, limits, forced=a) for a in abi.ALGO_CODES]:
@@ -81,10 +84,18 @@ def test_segments_are_the_picks(monkeypatch) -> None:
                 want = next((a for b, a in segments if n <= b), None)
                 assert p.pick(n, mode) == want, (p.forced, mode, n)
     assert policy.Policy(9, 2, limits).segments(policy.EAGER) == (
-        (64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-twoshot"))  # past the one-shot's room
-    assert policy.Policy(9, 2, limits).segments(policy.GRAPH) == ((512 * KB, "push-oneshot"), (policy.OPEN, "push-twoshot"))
+        (64 * KB, "push-oneshot"),
+        (MB, "1stage"),
+        (policy.OPEN, "push-twoshot"),
+    )  # past the one-shot's room
+    assert policy.Policy(9, 2, limits).segments(policy.GRAPH) == (
+        (512 * KB, "push-oneshot"),
+        (policy.OPEN, "push-twoshot"),
+    )
     assert policy.Policy(9, 2, limits, forced="push-oneshot").segments(policy.EAGER) == (
-        (512 * KB, "push-oneshot"), (policy.OPEN, None))  # fmt: skip
+        (512 * KB, "push-oneshot"),
+        (policy.OPEN, None),
+    )
 
 
 def test_forcing_makes_a_new_policy() -> None:
@@ -97,9 +108,11 @@ def test_forcing_makes_a_new_policy() -> None:
 
 
 def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None:
-    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
-            policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
-            policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),)}  # fmt: skip
+    rows = {
+        policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
+        policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
+        policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),),
+    }
     monkeypatch.setitem(policy.TABLE, (9, 2), rows)
     p = policy.Policy(9, 2, LIMITS)
     assert not p.depends_on_capture(64 * KB) and p.depends_on_capture(64 * KB + 16)
@@ -146,8 +159,11 @@ class _Capture:
 def cpu_all_reduce(monkeypatch) -> tuple[ar.AllReduce, _CpuComm]:
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked about capture"))
-    rows = {policy.EAGER: ((policy.OPEN, "push-oneshot"),), policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
-            policy.GRAPHAR_GRAPH: ((16 * KB, "push-oneshot"), (policy.OPEN, "1stage"))}  # fmt: skip
+    rows = {
+        policy.EAGER: ((policy.OPEN, "push-oneshot"),),
+        policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
+        policy.GRAPHAR_GRAPH: ((16 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
+    }
     monkeypatch.setitem(policy.TABLE, (9, 2), rows)
     comm = _CpuComm()
     return ar.AllReduce(comm, policy.Policy(9, 2, policy.Limits(MB, MB))), comm
@@ -159,9 +175,20 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
     x = torch.randn(4, 1024, dtype=torch.bfloat16)
     out = allreduce.try_all_reduce(x)
     assert out is not None and out.shape == x.shape and out.is_contiguous() and out.data_ptr() != x.data_ptr()
-    assert comm.launched == [dict(input=x.data_ptr(), output=out.data_ptr(), nbytes=x.nbytes, stream=1234,
-                                  dtype=abi.DTYPE_CODES[torch.bfloat16], algo=abi.ALGO_CODES["push-oneshot"],
-                                  path=abi.PATH_EAGER, slot=0, pdl=1, reserved=0)]  # fmt: skip
+    assert comm.launched == [
+        dict(
+            input=x.data_ptr(),
+            output=out.data_ptr(),
+            nbytes=x.nbytes,
+            stream=1234,
+            dtype=abi.DTYPE_CODES[torch.bfloat16],
+            algo=abi.ALGO_CODES["push-oneshot"],
+            path=abi.PATH_EAGER,
+            slot=0,
+            pdl=1,
+            reserved=0,
+        )
+    ]
     assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
 
 
@@ -234,20 +261,24 @@ def test_nothing_is_eligible_on_a_closed_communicator(cpu_all_reduce) -> None:
 # ---- the table and the benchmark that measured it -------------------------------------------------
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "allreduce-h200-ws2.md"
+
+
 def test_a_dry_run_report_reads_back(tmp_path: Path) -> None:
-    s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
-                                 eager_iters=1)  # fmt: skip
+    s = allreduce_bench.Settings(
+        sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1, eager_iters=1
+    )
     results = {(m, n, c): 5.0 for m in s.modes for n in s.sizes for c in allreduce_bench.column_names(m)}
     results[("graph", MB, "graphar push-twoshot")] = 1.0
     text = "\n\n".join(f"## {heading}\n\n{table}" for heading, table in allreduce_bench.tables(results, s))
     read = winners.winners_from_report(text)
-    assert read["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and read["graphar.graph"][1][1] == "push-twoshot"
+    assert (
+        read["graph"] == [(16 * KB, "1stage"), (MB, "push-twoshot")] and read["graphar.graph"][1][1] == "push-twoshot"
+    )
 
 
 def test_policy_rows_from_winners() -> None:
     won = [(16 * KB, "push-oneshot"), (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (MB, "push-twoshot")]
-    assert winners.policy_rows(won) == (
-        (64 * KB, "push-oneshot"), (256 * KB, "1stage"), (policy.OPEN, "push-twoshot"))  # fmt: skip
+    assert winners.policy_rows(won) == ((64 * KB, "push-oneshot"), (256 * KB, "1stage"), (policy.OPEN, "push-twoshot"))
 
 
 def test_h200_rows_are_the_committed_benchmark_s() -> None:
@@ -263,11 +294,14 @@ def test_h200_rows_are_the_committed_benchmark_s() -> None:
 def test_policy_rows_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("policy_rows", RESULTS.parent.parent.parent / "tools" / "policy_rows.py")
+    spec = importlib.util.spec_from_file_location(
+        "policy_rows", RESULTS.parent.parent.parent / "tools" / "policy_rows.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    s = allreduce_bench.Settings(sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1,
-                                 eager_iters=1)  # fmt: skip
+    s = allreduce_bench.Settings(
+        sizes=[16 * KB, MB], dtype="bf16", modes=["graph", "eager"], ops=1, replays=1, eager_iters=1
+    )
     results = {(m, n, c): 5.0 for m in s.modes for n in s.sizes for c in allreduce_bench.column_names(m)}
     results.update({(m, MB, "graphar push-twoshot"): 1.0 for m in s.modes})
     report = tmp_path / "allreduce.md"
@@ -288,7 +322,11 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
     allreduce.policy = allreduce.policy.forcing("1stage")
     table = ((MB, "push-oneshot"), (policy.OPEN, "push-twoshot"))  # the one-shot's room is 1 MB
     fused = 512 * KB  # off once another kernel is forced
-    assert comm.published == [(table, fused, False), (table, fused, True), (((MB, "1stage"), (policy.OPEN, None)), 0, True)]
+    assert comm.published == [
+        (table, fused, False),
+        (table, fused, True),
+        (((MB, "1stage"), (policy.OPEN, None)), 0, True),
+    ]
     comm.native = 5
     allreduce.try_all_reduce(torch.randn(64))
     assert allreduce.calls == 6  # both kernels of the op count
@@ -297,8 +335,9 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
 def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
     """Noise between near-equal kernels must not cut the policy into many rows (the C++ kernel holds
     abi.OP_MAX_ROWS of them)."""
-    s = allreduce_bench.Settings(sizes=[16 * KB << i for i in range(13)], dtype="bf16", modes=["eager"], ops=1,
-                                 replays=1, eager_iters=1)  # fmt: skip
+    s = allreduce_bench.Settings(
+        sizes=[16 * KB << i for i in range(13)], dtype="bf16", modes=["eager"], ops=1, replays=1, eager_iters=1
+    )
     results = {("eager", n, c): 9.0 for n in s.sizes for c in allreduce_bench.column_names("eager")}
     for i, n in enumerate(s.sizes):  # 1stage and the push one-shot trade places by 1%, size after size
         results[("eager", n, "graphar 1stage")] = 5.0 * (1.01 if i % 2 else 1.0)
@@ -309,7 +348,7 @@ def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
 
 
 def test_every_table_fits_the_cpp_kernel() -> None:
-    for (major, world_size), modes in policy.TABLE.items():
+    for major, world_size in policy.TABLE:
         for mode in policy.MODES:
             p = policy.Policy(major, world_size, policy.Limits(max_bytes=64 * MB, push_one_shot=16 * KB))
             assert len(p.segments(mode)) <= abi.OP_MAX_ROWS, (major, world_size, mode)

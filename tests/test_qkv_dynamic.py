@@ -12,7 +12,8 @@ appearance, so the snapshots do not depend on how torch numbers them.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,14 @@ import graphar  # noqa: F401  (registers the ops)
 from graphar.benchmarks.baselines import heads_to_seq_unpacked
 from tests._graphs import all_post_grad_graphs
 from tests.test_qkv_pass import (
-    ONLY_QKV, WORLD, FakeWorldTestCase, _qkv, normalise, three_exchanges, ulysses_dim1, ulysses_dim2,
+    ONLY_QKV,
+    WORLD,
+    FakeWorldTestCase,
+    _qkv,
+    normalise,
+    three_exchanges,
+    ulysses_dim1,
+    ulysses_dim2,
 )
 
 
@@ -40,13 +48,13 @@ def _marked(dim: int | tuple[int, ...], *tensors: torch.Tensor) -> tuple[torch.T
     return tensors
 
 
-def graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = None
-           ) -> tuple[str, str, dict[str, int], list[str]]:
+def graphs(
+    fn: Callable[..., Any], *args: Any, dynamic: bool | None = None
+) -> tuple[str, str, dict[str, int], list[str]]:
     """(before, after, graphar ops made, guards and asserts graphar's pass added) of the one graph `fn`
     compiles to."""
     recorders: list[Any] = []
-    ((before, after, counts),) = all_post_grad_graphs(fn, *args, config=ONLY_QKV, dynamic=dynamic,
-                                                      recorders=recorders)
+    ((before, after, counts),) = all_post_grad_graphs(fn, *args, config=ONLY_QKV, dynamic=dynamic, recorders=recorders)
     before, after, *facts = _symbols([normalise(before), normalise(after), *recorders[0].new_facts])
     return before, after, dict(counts), facts
 
@@ -65,7 +73,9 @@ class DynamicQkvPassTest(FakeWorldTestCase):
         before, after, made, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8)))
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s1, s2)"])  # symbols to each other, never to a number
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "f32[1, s0, 4, 8]", arg2_1: "Sym(s1)", arg3_1: "f32[1, s1, 4, 8]", arg4_1: "Sym(s2)", arg5_1: "f32[1, s2, 4, 8]"):
         view: "f32[1, s0, 2, 2, 8]" = torch.ops.aten.view.default(arg1_1, [1, arg0_1, 2, 2, 8]);  arg1_1 = None
@@ -112,8 +122,11 @@ class <lambda>(torch.nn.Module):
         permute_12: "f32[1, s0, 4, 8]" = torch.ops.aten.permute.default(view_7, [2, 1, 0, 3]);  view_7 = None
         clone_4: "f32[1, s0, 4, 8]" = torch.ops.aten.clone.default(permute_12, memory_format = torch.contiguous_format);  permute_12 = None
         return (clone_4,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s1)", arg1_1: "f32[1, s1, 4, 8]", arg2_1: "Sym(s1)", arg3_1: "f32[1, s1, 4, 8]", arg4_1: "Sym(s1)", arg5_1: "f32[1, s1, 4, 8]"):
         qkv_all_to_all_default: "f32[1, 2*s1, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg1_1, arg3_1, arg5_1, '0');  arg1_1 = arg3_1 = arg5_1 = None
@@ -128,14 +141,17 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[1, 2*s1, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[1, s1, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_heads_at_dim_1_dynamic_sequence(self) -> None:
         q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv(s=8))  # [b, h, S, d]
         _, after, made, facts = graphs(ulysses_dim1, *_marked(2, q, k, v))
         self.assertEqual(made, {"qkv_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s0, s2)"])
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "f32[1, 4, s0, 8]", arg2_1: "Sym(s0)", arg3_1: "f32[1, 4, s0, 8]", arg4_1: "Sym(s0)", arg5_1: "f32[1, 4, s0, 8]"):
         permute_default: "f32[1, s0, 4, 8]" = torch.ops.aten.permute.default(arg1_1, [0, 2, 1, 3]);  arg1_1 = None
@@ -151,13 +167,16 @@ class <lambda>(torch.nn.Module):
         _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(permute_default_3, permute_default_4, permute_default_5);  permute_default_3 = permute_default_4 = permute_default_5 = None
         getitem: "f32[1, 2, 2*s0, 8]" = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
         return (getitem,)
-""")
+""",
+        )
 
     def test_gqa_dynamic_sequence(self) -> None:
         _, after, made, facts = graphs(ulysses_dim2, *_marked(1, *_qkv(s=8, h_kv=2)))
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, ["Eq(s0, s1)", "Eq(s1, s2)"])
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s1)", arg1_1: "f32[1, s1, 4, 8]", arg2_1: "Sym(s1)", arg3_1: "f32[1, s1, 2, 8]", arg4_1: "Sym(s1)", arg5_1: "f32[1, s1, 2, 8]"):
         qkv_all_to_all_default: "f32[1, 2*s1, 4, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg1_1, arg3_1, arg5_1, '0');  arg1_1 = arg3_1 = arg5_1 = None
@@ -172,13 +191,16 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[1, 2*s1, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[1, s1, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_dynamic_batch(self) -> None:
         _, after, made, facts = graphs(ulysses_dim2, *_marked(0, *_qkv(b=2)))
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "f32[s0, 4, 4, 8]", arg2_1: "f32[s0, 4, 4, 8]", arg3_1: "Sym(s0)", arg4_1: "f32[s0, 4, 4, 8]"):
         qkv_all_to_all_default: "f32[s0, 8, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg1_1, arg2_1, arg4_1, '0');  arg1_1 = arg2_1 = arg4_1 = None
@@ -193,7 +215,8 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[s0, 8, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[s0, 4, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_dynamic_true_one_hidden_state(self) -> None:
         def block(x: torch.Tensor) -> torch.Tensor:  # Q, K and V of one hidden state share its symbols
@@ -203,7 +226,9 @@ class <lambda>(torch.nn.Module):
         _, after, made, facts = graphs(block, torch.randn(2, 8, 32), dynamic=True)
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "Sym(s1)", arg2_1: "f32[s0, s1, 32]"):
         add: "f32[s0, s1, 32]" = torch.ops.aten.add.Tensor(arg2_1, 0)
@@ -224,26 +249,32 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[s0, 2*s1, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[s0, s1, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_output_exchange_dynamic_sequence(self) -> None:
         # The sequence is divided by the world size in the user's reshape: Dynamo's guard proves it.
         _, after, made, facts = graphs(heads_to_seq_unpacked, *_marked(1, torch.randn(2, 8, 2, 8)))
         self.assertEqual(made, {"heads_to_seq_all_to_all": 1})
         self.assertEqual(facts, [])
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "f32[2, s0, 2, 8]"):
         heads_to_seq_all_to_all_default: "f32[2, (s0//2), 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(arg1_1, '0');  arg1_1 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_dim_0_not_provably_divisible_is_left_alone(self) -> None:
         args = _marked(0, torch.randn(6, 3), torch.randn(6), torch.randn(6, 5))
         before, after, made, facts = graphs(three_exchanges, *args)
         self.assertEqual((made, facts), ({}, []))
         self.assertEqual(before, after)
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "Sym(s0)", arg1_1: "f32[s0, 3]", arg2_1: "Sym(s1)", arg3_1: "f32[s1]", arg4_1: "Sym(s2)", arg5_1: "f32[s2, 5]"):
         mul: "f32[s0, 3]" = torch.ops.aten.mul.Tensor(arg1_1, 2);  arg1_1 = None
@@ -262,7 +293,8 @@ class <lambda>(torch.nn.Module):
         wait_tensor_2: "f32[2*((s2//2)), 5]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
         add_2: "f32[2*((s2//2)), 5]" = torch.ops.aten.add.Tensor(wait_tensor_2, 1);  wait_tensor_2 = None
         return (add, add_1, add_2)
-""")
+""",
+        )
 
         def checked(a, b, c):  # the same, with the divisibility stated: now provable, so packed
             for t in (a, b, c):

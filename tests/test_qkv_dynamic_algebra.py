@@ -33,16 +33,20 @@ class SymbolicFakeTest(SymbolicTestCase):
 
     def assert_like_real(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         self.assertTrue(any(isinstance(n, torch.SymInt) for n in fake.shape), fake.shape)
-        at_hints = [tuple(n.node.hint if isinstance(n, torch.SymInt) else n for n in sizes)
-                    for sizes in (fake.shape, fake.stride())]
+        at_hints = [
+            tuple(n.node.hint if isinstance(n, torch.SymInt) else n for n in sizes)
+            for sizes in (fake.shape, fake.stride())
+        ]
         self.assertEqual(at_hints, [tuple(real.shape), real.stride()])
         self.assertEqual(fake.dtype, real.dtype)
 
     def qkv(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """GQA Q, K, V `[1, S, h, 8]` sharing one symbolic S, and real ones at the hint S = 8."""
         shapes = [(1, 8, 4, 8), (1, 8, 2, 8), (1, 8, 2, 8)]
-        return (tuple(self.fake(*shape, dynamic=(1,), duck=True) for shape in shapes),
-                tuple(torch.randn(shape) for shape in shapes))
+        return (
+            tuple(self.fake(*shape, dynamic=(1,), duck=True) for shape in shapes),
+            tuple(torch.randn(shape) for shape in shapes),
+        )
 
     def test_qkv_and_output_fakes(self) -> None:
         fakes, reals = self.qkv()
@@ -71,8 +75,9 @@ class FakeCheckGuardTest(SymbolicFakeTest):
     def tearDown(self) -> None:
         dist.destroy_process_group()
         guards = [str(g.expr) for g in self.env.guards]
-        self.assertTrue(guards and all(re.fullmatch(r"Eq\(s\d+, s\d+\)|Eq\(Mod\(s\d+, 2\), 0\)", g)
-                                       for g in guards), guards)
+        self.assertTrue(
+            guards and all(re.fullmatch(r"Eq\(s\d+, s\d+\)|Eq\(Mod\(s\d+, 2\), 0\)", g) for g in guards), guards
+        )
 
     def test_qkv_of_separate_symbols_guards_them_equal(self) -> None:
         q, k, v = (self.fake(1, 8, 4, 8, dynamic=(1,)) for _ in range(3))

@@ -59,8 +59,9 @@ def _layouts(b: int, s: int, d: int) -> dict[str, list[pack.Pair]]:
     return {
         "pack_heads": pairs,
         "pack_heads pushed": pushed,
-        "gather_sequence": [(torch.empty(b, P * s, packed.shape[3], d).unflatten(1, (P, s)).permute(1, 0, 2, 3, 4),
-                             packed)],
+        "gather_sequence": [
+            (torch.empty(b, P * s, packed.shape[3], d).unflatten(1, (P, s)).permute(1, 0, 2, 3, 4), packed)
+        ],
         "pack_sequence": [(recv, o.unflatten(1, (P, s)).permute(1, 0, 2, 3, 4))],
         "gather_heads": [(torch.empty(b, s, HEADS, d).unflatten(2, (P, HEADS // P)).permute(2, 0, 1, 3, 4), recv)],
     }

@@ -11,7 +11,8 @@ creates and discards before the post-grad graph.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,8 +76,10 @@ def graphs(fn: Callable[..., Any], *args: Any) -> tuple[str, str, dict[str, int]
 
 def graphs_with_breaks(fn: Callable[..., Any], *args: Any) -> list[tuple[str, str, dict[str, int]]]:
     """(before, after, ops made) for every graph `fn` compiles to (graph breaks allowed)."""
-    return [(normalise(before), normalise(after), dict(counts))
-            for before, after, counts in all_post_grad_graphs(fn, *args, config=ONLY_QKV, fullgraph=False)]
+    return [
+        (normalise(before), normalise(after), dict(counts))
+        for before, after, counts in all_post_grad_graphs(fn, *args, config=ONLY_QKV, fullgraph=False)
+    ]
 
 
 class FakeWorldTestCase(TestCase):
@@ -93,7 +96,9 @@ class QkvPassTest(FakeWorldTestCase):
     def test_heads_at_dim_2_in_place_c10d(self) -> None:
         before, after, made = graphs(ulysses_dim2, *_qkv())
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 4, 8]", arg2_1: "f32[1, 4, 4, 8]"):
         view: "f32[1, 4, 2, 2, 8]" = torch.ops.aten.view.default(arg0_1, [1, 4, 2, 2, 8]);  arg0_1 = None
@@ -137,8 +142,11 @@ class <lambda>(torch.nn.Module):
         permute_12: "f32[1, 4, 4, 8]" = torch.ops.aten.permute.default(view_7, [2, 1, 0, 3]);  view_7 = None
         clone_4: "f32[1, 4, 4, 8]" = torch.ops.aten.clone.default(permute_12, memory_format = torch.contiguous_format);  permute_12 = None
         return (clone_4,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 4, 8]", arg2_1: "f32[1, 4, 4, 8]"):
         qkv_all_to_all_default: "f32[1, 8, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
@@ -153,12 +161,15 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[1, 8, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[1, 4, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_heads_at_dim_2_batch_2(self) -> None:
         _, after, made = graphs(ulysses_dim2, *_qkv(b=2))
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
         qkv_all_to_all_default: "f32[2, 8, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
@@ -173,12 +184,15 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[2, 8, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[2, 4, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_heads_at_dim_1_functional(self) -> None:
         before, after, made = graphs(ulysses_dim1, *(t.transpose(1, 2).contiguous() for t in _qkv(b=2)))
         self.assertEqual(made, {"qkv_all_to_all": 1})
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
         view: "f32[2, 2, 2, 4, 8]" = torch.ops.aten.view.default(arg0_1, [2, 2, 2, 4, 8]);  arg0_1 = None
@@ -208,8 +222,11 @@ class <lambda>(torch.nn.Module):
         _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(view_3, view_4, view_5);  view_3 = view_4 = view_5 = None
         getitem: "f32[2, 2, 8, 8]" = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
         return (getitem,)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
         permute_default: "f32[2, 4, 4, 8]" = torch.ops.aten.permute.default(arg0_1, [0, 2, 1, 3]);  arg0_1 = None
@@ -225,12 +242,15 @@ class <lambda>(torch.nn.Module):
         _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(permute_default_3, permute_default_4, permute_default_5);  permute_default_3 = permute_default_4 = permute_default_5 = None
         getitem: "f32[2, 2, 8, 8]" = _scaled_dot_product_flash_attention_for_cpu[0];  _scaled_dot_product_flash_attention_for_cpu = None
         return (getitem,)
-""")
+""",
+        )
 
     def test_gqa(self) -> None:
         _, after, made = graphs(ulysses_dim2, *_qkv(h=4, h_kv=2))
         self.assertEqual(made, {"qkv_all_to_all": 1, "heads_to_seq_all_to_all": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 2, 8]", arg2_1: "f32[1, 4, 2, 8]"):
         qkv_all_to_all_default: "f32[1, 8, 4, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
@@ -245,12 +265,15 @@ class <lambda>(torch.nn.Module):
         permute_3: "f32[1, 8, 2, 8]" = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
         heads_to_seq_all_to_all_default: "f32[1, 4, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(permute_3, '0');  permute_3 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_not_a_relayout_becomes_packed_all_to_all(self) -> None:
         before, after, made = graphs(three_exchanges, torch.randn(4, 3), torch.randn(6), torch.randn(2, 5, 2))
         self.assertEqual(made, {"packed_all_to_all_single": 1})
-        self.assertExpectedInline(before, """\
+        self.assertExpectedInline(
+            before,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[6]", arg2_1: "f32[2, 5, 2]"):
         mul: "f32[4, 3]" = torch.ops.aten.mul.Tensor(arg0_1, 2);  arg0_1 = None
@@ -266,8 +289,11 @@ class <lambda>(torch.nn.Module):
         wait_tensor_2: "f32[2, 5, 2]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
         add_2: "f32[2, 5, 2]" = torch.ops.aten.add.Tensor(wait_tensor_2, 1);  wait_tensor_2 = None
         return (add, add_1, add_2)
-""")
-        self.assertExpectedInline(after, """\
+""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 3]", arg1_1: "f32[6]", arg2_1: "f32[2, 5, 2]"):
         mul: "f32[4, 3]" = torch.ops.aten.mul.Tensor(arg0_1, 2);  arg0_1 = None
@@ -281,7 +307,8 @@ class <lambda>(torch.nn.Module):
         add_1: "f32[6]" = torch.ops.aten.add.Tensor(getitem_1, 1);  getitem_1 = None
         add_2: "f32[2, 5, 2]" = torch.ops.aten.add.Tensor(getitem_2, 1);  getitem_2 = None
         return (add, add_1, add_2)
-""")
+""",
+        )
 
     def assert_untouched(self, fn: Callable[..., Any], *args: Any) -> None:
         before, after, made = graphs(fn, *args)
@@ -318,7 +345,9 @@ class <lambda>(torch.nn.Module):
         results = graphs_with_breaks(broken, *_qkv())
         self.assertEqual([made for _, _, made in results], [{}, {}])
         self.assertTrue(all(before == after for before, after, _ in results))
-        self.assertExpectedInline(results[0][1], """\
+        self.assertExpectedInline(
+            results[0][1],
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[1, 4, 4, 8]", arg1_1: "f32[1, 4, 4, 8]"):
         view: "f32[1, 4, 2, 2, 8]" = torch.ops.aten.view.default(arg0_1, [1, 4, 2, 2, 8]);  arg0_1 = None
@@ -338,7 +367,8 @@ class <lambda>(torch.nn.Module):
         view_3: "f32[8, 1, 2, 8]" = torch.ops.aten.view.default(wait_tensor_1, [8, 1, 2, 8]);  wait_tensor_1 = None
         permute_3: "f32[1, 8, 2, 8]" = torch.ops.aten.permute.default(view_3, [1, 0, 2, 3]);  view_3 = None
         return (permute_2, permute_3)
-""")
+""",
+        )
 
     def test_an_exchange_of_exchanged_tensors_reads_the_first_packed_result(self) -> None:
         def two_levels(q, k, v):
@@ -347,7 +377,9 @@ class <lambda>(torch.nn.Module):
 
         _, after, made = graphs(two_levels, *_qkv(b=2))
         self.assertEqual(made, {"qkv_all_to_all": 2})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 4, 4, 8]", arg1_1: "f32[2, 4, 4, 8]", arg2_1: "f32[2, 4, 4, 8]"):
         qkv_all_to_all_default: "f32[2, 8, 6, 8]" = torch.ops.graphar.qkv_all_to_all.default(arg0_1, arg1_1, arg2_1, '0');  arg0_1 = arg1_1 = arg2_1 = None
@@ -362,21 +394,26 @@ class <lambda>(torch.nn.Module):
         sub: "f32[2, 16, 1, 8]" = torch.ops.aten.sub.Tensor(slice_tensor_3, mul);  slice_tensor_3 = mul = None
         add: "f32[2, 16, 1, 8]" = torch.ops.aten.add.Tensor(sub, slice_tensor_5);  sub = slice_tensor_5 = None
         return (add,)
-""")
+""",
+        )
 
     def test_single_output_exchange(self) -> None:
         _, after, made = graphs(heads_to_seq_unpacked, torch.randn(2, 8, 2, 8))
         self.assertEqual(made, {"heads_to_seq_all_to_all": 1})
-        self.assertExpectedInline(after, """\
+        self.assertExpectedInline(
+            after,
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 2, 8]"):
         heads_to_seq_all_to_all_default: "f32[2, 4, 4, 8]" = torch.ops.graphar.heads_to_seq_all_to_all.default(arg0_1, '0');  arg0_1 = None
         return (heads_to_seq_all_to_all_default,)
-""")
+""",
+        )
 
     def test_excluded_group_is_left_alone(self) -> None:
-        before, after, made = post_grad_graphs(ulysses_dim2, *_qkv(), config=Config(all_reduce=False,
-                                                                                   exclude_groups=("0",)))
+        before, after, made = post_grad_graphs(
+            ulysses_dim2, *_qkv(), config=Config(all_reduce=False, exclude_groups=("0",))
+        )
         self.assertEqual(made, {})
         self.assertEqual(before, after)
 

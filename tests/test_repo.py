@@ -15,7 +15,9 @@ def test_nothing_points_outside_the_repo() -> None:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     if not files:  # not a git checkout (an sdist): read what is there
         files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()]
-    texts = [f for f in files if f.endswith((".py", ".md", ".cu", ".cuh", ".h", ".sh", ".toml")) and (ROOT / f).is_file()]
+    texts = [
+        f for f in files if f.endswith((".py", ".md", ".cu", ".cuh", ".h", ".sh", ".toml")) and (ROOT / f).is_file()
+    ]
     offenders = [f for f in texts if re.search(r"\.\./shared|DESIGN\.md", (ROOT / f).read_text(errors="replace"))]
     assert offenders == [] or offenders == ["tests/test_repo.py"], offenders
 

@@ -55,7 +55,10 @@ def test_import_rejects_a_bad_variable_even_where_it_is_never_read() -> None:
     env = {"GRAPHAR_ALLREDUCE_ALGO": "3stage", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", "import graphar"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0
-    assert "SettingError: GRAPHAR_ALLREDUCE_ALGO='3stage' is not valid: expected '1stage', '2stage', 'push-oneshot'" in out.stderr
+    assert (
+        "SettingError: GRAPHAR_ALLREDUCE_ALGO='3stage' is not valid: expected '1stage', '2stage', 'push-oneshot'"
+        in out.stderr
+    )
 
 
 def test_readme_documents_every_variable() -> None:

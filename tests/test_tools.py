@@ -29,22 +29,25 @@ def test_the_harness_relaxes_only_what_exists() -> None:
 
 
 def test_the_harness_imports_and_lists_its_world_sizes() -> None:
-    out = subprocess.run([sys.executable, str(TOOLS / "one_gpu_check.py"), "--help"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "one_gpu_check.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "--world {2,4,6,8}" in out.stdout
 
 
 def test_the_smoke_run_imports_and_names_the_benchmarks() -> None:
-    out = subprocess.run([sys.executable, str(TOOLS / "one_gpu_bench.py"), "--help"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "one_gpu_bench.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "{allreduce,decode,norm,ulysses,attention,capture}" in out.stdout
 
 
 def test_the_clients_run_imports_and_needs_a_gpu() -> None:
-    out = subprocess.run([sys.executable, str(TOOLS / "one_gpu_clients.py")], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "one_gpu_clients.py")], capture_output=True, text=True, timeout=120
+    )
     assert (out.returncode, out.stdout.strip()) == (2, "no GPU"), out.stderr
 
 
@@ -70,7 +73,7 @@ def test_the_smoke_run_flags_graphar_cells_only() -> None:
 # ---- tools/soak.py (issue 33): its plan, counts, verdicts, report and launcher; the GPU cases need two GPUs
 
 
-def _soak():  # noqa: ANN202  (the tool's module)
+def _soak():  # the tool's module
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))  # soak imports one_gpu_common, as when run from tools/
     import soak
@@ -81,11 +84,22 @@ def _soak():  # noqa: ANN202  (the tool's module)
 def test_the_soak_plans_the_issues_cases_and_counts() -> None:
     soak = _soak()
     full, quick = soak.plan(quick=False), soak.plan(quick=True)
-    assert [c.name for c in full] == [c.name for c in quick] == [
-        "replay-push-oneshot", "replay-push-twoshot", "replay-1stage", "replay-2stage", "exchange-pull",
-        "exchange-push", "two-streams-1stage", "two-streams-2stage", "two-streams-push-oneshot",
-        "two-streams-push-twoshot", "two-streams-norm", "two-streams-exchange-pull", "two-streams-exchange-push",
-    ]  # fmt: skip
+    names = [
+        "replay-push-oneshot",
+        "replay-push-twoshot",
+        "replay-1stage",
+        "replay-2stage",
+        "exchange-pull",
+        "exchange-push",
+        "two-streams-1stage",
+        "two-streams-2stage",
+        "two-streams-push-oneshot",
+        "two-streams-push-twoshot",
+        "two-streams-norm",
+        "two-streams-exchange-pull",
+        "two-streams-exchange-push",
+    ]
+    assert [c.name for c in full] == [c.name for c in quick] == names
     calls = {c.name: c.calls for c in full}
     assert all(calls[f"replay-{k}"] >= 10**6 for k in ("push-oneshot", "push-twoshot", "1stage", "2stage"))
     assert all(c.calls >= 10**5 for c in full if c.kind == soak.TWO_STREAMS)
@@ -136,11 +150,13 @@ def test_the_soak_spin_compiles_to_a_loop_on_the_global_timer() -> None:
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert ptx.count("%globaltimer") == 2  # the start, and again in the loop
 
+
 def test_the_soak_counts_wrong_rows_and_nan_rows_bitwise() -> None:
     soak = _soak()
     expected = torch.tensor([[1.0, 2.0]] * 5, dtype=torch.bfloat16)
-    got = torch.tensor([[1.0, 2.0], [1.0, 3.0], [float("nan"), 2.0], [float("nan"), 3.0], [1.0, 2.0]],
-                       dtype=torch.bfloat16)  # fmt: skip
+    got = torch.tensor(
+        [[1.0, 2.0], [1.0, 3.0], [float("nan"), 2.0], [float("nan"), 3.0], [1.0, 2.0]], dtype=torch.bfloat16
+    )
     expected[4, 0], got[4, 0] = 0.0, -0.0  # equal as numbers, not as bits
     counts = torch.zeros(2, dtype=torch.int64)
     soak._count_bad(got, expected, counts)
@@ -181,17 +197,22 @@ def test_the_soak_verdicts_by_mode() -> None:
 
 def test_the_soak_merges_the_ranks_results() -> None:
     soak = _soak()
-    ranks = [soak.Result("c", calls=5, mismatches=1, nans=2, seconds=3.0, note="n"),
-             soak.Result("c", calls=5, nans=1, detected=1, seconds=4.0, note="n", error="e")]  # fmt: skip
-    assert soak.merged("c", ranks) == soak.Result("c", calls=5, mismatches=1, nans=3, detected=1, seconds=4.0,
-                                                  note="n", error="e")  # fmt: skip
+    ranks = [
+        soak.Result("c", calls=5, mismatches=1, nans=2, seconds=3.0, note="n"),
+        soak.Result("c", calls=5, nans=1, detected=1, seconds=4.0, note="n", error="e"),
+    ]
+    assert soak.merged("c", ranks) == soak.Result(
+        "c", calls=5, mismatches=1, nans=3, detected=1, seconds=4.0, note="n", error="e"
+    )
 
 
 def test_the_soak_report_has_a_row_per_case_and_a_verdict() -> None:
     soak = _soak()
     replay, streams = soak.plan(quick=True)[0], soak.plan(quick=True)[-1]
-    rows = [(replay, soak.Result(replay.name, calls=1100, seconds=2.5)),
-            (streams, soak.Result(streams.name, calls=7, mismatches=1, detected=2, note="a | b\nc"))]  # fmt: skip
+    rows = [
+        (replay, soak.Result(replay.name, calls=1100, seconds=2.5)),
+        (streams, soak.Result(streams.name, calls=7, mismatches=1, detected=2, note="a | b\nc")),
+    ]
     text = soak.report(rows, shared=True, quick=True, gpu="NVIDIA H200", planned=13)
     table = [row for row in text.splitlines() if row.startswith("| ")]
     assert table[0] == "| " + " | ".join(soak.COLUMNS) + " |"
@@ -200,14 +221,19 @@ def test_the_soak_report_has_a_row_per_case_and_a_verdict() -> None:
     assert "FAIL: two-streams-exchange-push (2 of 13 cases" in text and "2 ranks sharing one GPU" in text
     assert soak.line(streams, rows[1][1], shared=True) == (
         "two-streams-exchange-push: 7 iterations, 1 mismatches, 0 timeouts, 0 NaNs, 2 detected, 0 undetected, 0.0 s: "
-        "FAIL: 1 finite wrong (a | b\nc)")
+        "FAIL: 1 finite wrong (a | b\nc)"
+    )
     path = soak.report_path(None, gpu="NVIDIA H200", shared=True, quick=True, names="replay,exchange", dry_run=False)
     assert path.name == "soak-h200-ws2-shared-quick-replay-exchange.md" and path.parent.name == "results"
 
 
 def test_the_soak_dry_run_writes_its_report(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(TOOLS / "soak.py"), "--dry-run", "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "soak.py"), "--dry-run", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = re.findall(r"^[\w-]+: \d+ (?:calls|iterations), 0 mismatches, 0 timeouts, \d NaNs.*: ok$", out.stdout, re.M)
     assert len(lines) == 13, out.stdout
@@ -218,8 +244,9 @@ def test_the_soak_dry_run_writes_its_report(tmp_path: Path) -> None:
 def test_the_soak_needs_a_gpu_or_two() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    out = subprocess.run([sys.executable, str(TOOLS / "soak.py"), "--quick"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "soak.py"), "--quick"], capture_output=True, text=True, timeout=120
+    )
     assert (out.returncode, out.stdout.strip()) == (2, "no GPU"), out.stderr
 
 
@@ -242,8 +269,13 @@ def test_the_soak_launcher_ends_a_hang_and_a_crash_and_goes_on(monkeypatch: pyte
     cases = [soak.Case(name, soak.REPLAY, "1stage", 10, 1.0) for name in ("a-ok", "b-hang", "c-crash")]
     got: dict[str, soak.Result] = {}
     start = time.monotonic()
-    soak.soak(cases, shared=True, quick=True, record=lambda case, result: got.setdefault(case.name, result),
-              body=_stand_in_rank)  # fmt: skip
+    soak.soak(
+        cases,
+        shared=True,
+        quick=True,
+        record=lambda case, result: got.setdefault(case.name, result),
+        body=_stand_in_rank,
+    )
     assert list(got) == ["a-ok", "b-hang", "c-crash"], got
     assert got["a-ok"] == soak.Result("a-ok", calls=11, seconds=0.1)  # calls: the most of any rank
     assert got["b-hang"].hung and got["b-hang"].timeouts == 1 and got["b-hang"].calls == 0

@@ -19,9 +19,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
 
 from graphar._launch import end_worker, free_port
-from torch._dynamo.utils import counters
 
 WORLD = 2
 
@@ -97,8 +97,9 @@ def _shared_cache(rank: int, cache_dir: str) -> None:
             continue
         torch._dynamo.reset()
         counters.clear()
-        with torch._inductor.config.patch(fx_graph_cache=True), mock.patch.dict(
-            os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
+        with (
+            torch._inductor.config.patch(fx_graph_cache=True),
+            mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}),
         ):
             torch.compile(model, backend="graphar", fullgraph=True)(x)
         reports.append(dict(counters["graphar"]))

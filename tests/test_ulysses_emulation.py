@@ -47,8 +47,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class _FakeIpc:
     """graphar.comm.exchange.IpcExchange for one emulated rank: host buffers, no GPU."""
 
-    def __init__(self, exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None],
-                 world_size: int, push: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exchange_bytes: Callable[[torch.Tensor, Callable[[list[torch.Tensor]], None]], None],
+        world_size: int,
+        push: bool,
+    ) -> None:
         self._exchange_bytes = exchange_bytes
         self.world_size = world_size
         self.push = push
@@ -117,8 +121,10 @@ class EmulatedWorld:
 
         def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
             rank = state["rank"]
-            exchange_bytes(_bytes(send), lambda all_sends: _bytes(recv).copy_(
-                torch.cat([s.view(world, -1)[rank] for s in all_sends])))
+            exchange_bytes(
+                _bytes(send),
+                lambda all_sends: _bytes(recv).copy_(torch.cat([s.view(world, -1)[rank] for s in all_sends])),
+            )
 
         def ipc(send: torch.Tensor, receive: Callable[[list[torch.Tensor]], None]) -> None:
             self.ipc_calls += not state["deliver"] and state["rank"] == 0
@@ -126,10 +132,12 @@ class EmulatedWorld:
 
         fake = _FakeIpc(ipc, world, push=self.transport == "push")
         self.fake = fake
-        patches = (mock.patch.object(ulysses_shapes, "world_size", lambda name: world),
-                   mock.patch.object(torch, "empty", _poisoned_empty),
-                   mock.patch.object(bodies, "_all_to_all", all_to_all_single),
-                   mock.patch.object(bodies, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake))
+        patches = (
+            mock.patch.object(ulysses_shapes, "world_size", lambda name: world),
+            mock.patch.object(torch, "empty", _poisoned_empty),
+            mock.patch.object(bodies, "_all_to_all", all_to_all_single),
+            mock.patch.object(bodies, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake),
+        )
         results = []
         with contextlib.ExitStack() as stack:
             for patch in patches:
@@ -162,7 +170,8 @@ def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: t
         start = stage.src_offset + slot * p.chunk_bytes
         first = exchange.memory_from(out, stage.out_offset + i * p.dst_chunk_stride, 0)
         first.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1)).copy_(
-            buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes))
+            buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes)
+        )
 
 
 def _exchange(x: torch.Tensor) -> torch.Tensor:
@@ -188,10 +197,18 @@ class SeqToHeadsTest(TestCase):
     transport = "nccl"
     dtypes = DTYPES
 
-    def check(self, world: int, b: int, s_local: int, heads: tuple[int, int, int], d: int, dtype: torch.dtype,
-              heads_dim: int = 2) -> None:
+    def check(
+        self,
+        world: int,
+        b: int,
+        s_local: int,
+        heads: tuple[int, int, int],
+        d: int,
+        dtype: torch.dtype,
+        heads_dim: int = 2,
+    ) -> None:
         full = [_full(b, world * s_local, h, d, dtype) for h in heads]  # every rank's tokens, all heads
-        shard = lambda r, t: t[:, r * s_local:(r + 1) * s_local]  # noqa: E731
+        shard = lambda r, t: t[:, r * s_local : (r + 1) * s_local]  # noqa: E731
         inputs = [[shard(r, t) for t in full] for r in range(world)]
         if heads_dim == 1:
             inputs = [[x.transpose(1, 2).contiguous() for x in xs] for xs in inputs]
@@ -209,7 +226,7 @@ class SeqToHeadsTest(TestCase):
         for j in range(world):
             for c, t in enumerate(full):
                 h_local = t.shape[2] // world
-                spec = t[:, :, j * h_local:(j + 1) * h_local]
+                spec = t[:, :, j * h_local : (j + 1) * h_local]
                 self.assertTrue(torch.equal(packed[j][c], spec), f"rank {j} tensor {c}: packed != spec")
                 self.assertTrue(torch.equal(unpacked[j][c], spec), f"rank {j} tensor {c}: unpacked != spec")
 
@@ -235,8 +252,9 @@ class SeqToHeadsTest(TestCase):
         out = EmulatedWorld(2, self.transport).run(lambda r: ulysses.seq_to_heads(q, k, v, "g"))[0]
         base = out[0].untyped_storage().data_ptr()
         self.assertTrue(all(x.untyped_storage().data_ptr() == base for x in out))
-        self.assertTrue(all(x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for x in out
-                            for y in (q, k, v)))
+        self.assertTrue(
+            all(x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for x in out for y in (q, k, v))
+        )
 
 
 class HeadsToSeqTest(TestCase):
@@ -251,19 +269,18 @@ class HeadsToSeqTest(TestCase):
                         with self.subTest(world=world, b=b, dtype=dtype, transposed=transposed):
                             self.check(world, b, 4, 8, 16, dtype, transposed)
 
-    def check(self, world: int, b: int, s_local: int, heads: int, d: int, dtype: torch.dtype,
-              transposed: bool) -> None:
+    def check(self, world: int, b: int, s_local: int, heads: int, d: int, dtype: torch.dtype, transposed: bool) -> None:
         full = _full(b, world * s_local, heads, d, dtype)
         h_local = heads // world
         # Rank j holds all tokens of head block j, as attention leaves them ([b, h, s, d] transposed or not).
-        inputs = [full[:, :, j * h_local:(j + 1) * h_local] for j in range(world)]
+        inputs = [full[:, :, j * h_local : (j + 1) * h_local] for j in range(world)]
         inputs = [x.transpose(1, 2).contiguous().transpose(1, 2) if transposed else x.contiguous() for x in inputs]
         emulated = EmulatedWorld(world, self.transport)
         outs = emulated.run(lambda r: ulysses.heads_to_seq(inputs[r], "g"))
         self.assertEqual(emulated.ipc_calls, int(self.transport != "nccl"))
         self.assertEqual(emulated.fake.pushes > 0, self.transport == "push")
         for r in range(world):
-            self.assertTrue(torch.equal(outs[r], full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
+            self.assertTrue(torch.equal(outs[r], full[:, r * s_local : (r + 1) * s_local]), f"rank {r}")
             self.assertTrue(outs[r].is_contiguous())
 
     def test_into_a_run_of_heads(self) -> None:
@@ -274,14 +291,14 @@ class HeadsToSeqTest(TestCase):
             with self.subTest(b=b):
                 full = _full(b, world * s_local, heads, d, self.dtypes[0])
                 h_local = heads // world
-                inputs = [full[:, :, j * h_local:(j + 1) * h_local].contiguous() for j in range(world)]
+                inputs = [full[:, :, j * h_local : (j + 1) * h_local].contiguous() for j in range(world)]
                 bigs = [torch.full((b, s_local, 3 * heads, d), float("nan"), dtype=full.dtype) for _ in range(world)]
                 emulated = EmulatedWorld(world, self.transport)
-                emulated.run(lambda r: bodies.output_exchange(inputs[r], "g", out=bigs[r][:, :, heads:2 * heads]))
+                emulated.run(lambda r: bodies.output_exchange(inputs[r], "g", out=bigs[r][:, :, heads : 2 * heads]))
                 for r in range(world):
-                    got = bigs[r][:, :, heads:2 * heads]
-                    self.assertTrue(torch.equal(got, full[:, r * s_local:(r + 1) * s_local]), f"rank {r}")
-                    rest = torch.cat([bigs[r][:, :, :heads], bigs[r][:, :, 2 * heads:]], dim=2)
+                    got = bigs[r][:, :, heads : 2 * heads]
+                    self.assertTrue(torch.equal(got, full[:, r * s_local : (r + 1) * s_local]), f"rank {r}")
+                    rest = torch.cat([bigs[r][:, :, :heads], bigs[r][:, :, 2 * heads :]], dim=2)
                     self.assertTrue(rest.isnan().all(), f"rank {r} wrote outside its run of heads")
 
 
@@ -304,7 +321,7 @@ class PackedAllToAllSingleTest(TestCase):
                     for j in range(world):
                         for t, shape in enumerate(shapes):
                             rows = shape[0] // world
-                            spec = torch.cat([xs[i][t][j * rows:(j + 1) * rows] for i in range(world)])
+                            spec = torch.cat([xs[i][t][j * rows : (j + 1) * rows] for i in range(world)])
                             self.assertTrue(torch.equal(packed[j][t], spec))
                             self.assertTrue(torch.equal(separate[j][t], spec))
 

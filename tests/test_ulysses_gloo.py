@@ -96,8 +96,11 @@ def _worker(rank: int, port: int) -> None:
                 ("attention fp32 b=2 gqa", torch.float32, 2, 4, 2, False),
             ):
                 model = _block(heads, kv_heads, 8, dtype, exact)
-                x = (_integers(b, 6, heads * 8, dtype=dtype, seed=rank) if exact else
-                     torch.randn(b, 6, heads * 8, generator=torch.Generator().manual_seed(rank)).to(dtype))
+                x = (
+                    _integers(b, 6, heads * 8, dtype=dtype, seed=rank)
+                    if exact
+                    else torch.randn(b, 6, heads * 8, generator=torch.Generator().manual_seed(rank)).to(dtype)
+                )
                 actual, code = _compile_and_run(model, x)
                 if "graphar.heads_to_seq_all_to_all" not in code:
                     raise AssertionError(f"rank {rank} {name}: the output exchange was not rewritten")
@@ -112,7 +115,9 @@ def _worker(rank: int, port: int) -> None:
             actual, code = _compile_and_run(ReturnsExchanged(), *qkv)
             for got, expected in zip(actual, ReturnsExchanged()(*qkv)):
                 _check(rank, "returns the exchanged", expected, got, code, exact=True)
-                assert got.stride() == expected.stride(), f"rank {rank}: strides {got.stride()}, eager {expected.stride()}"
+                assert got.stride() == expected.stride(), (
+                    f"rank {rank}: strides {got.stride()}, eager {expected.stride()}"
+                )
     finally:
         dist.destroy_process_group()
     end_worker()
@@ -136,8 +141,9 @@ def separate_qkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return heads_to_seq_unpacked(exact_attention(q, k, v))
 
 
-def _rewrites_per_call(rank: int, name: str, model: Callable[..., torch.Tensor],
-                       calls: list[tuple[torch.Tensor, ...]]) -> list[dict[str, int]]:
+def _rewrites_per_call(
+    rank: int, name: str, model: Callable[..., torch.Tensor], calls: list[tuple[torch.Tensor, ...]]
+) -> list[dict[str, int]]:
     """Compile `model` once (default torch.compile: a new shape recompiles with dynamic sizes), call it
     with each argument tuple, check each output against eager; the graphar ops each call compiled in."""
     torch._dynamo.reset()
@@ -168,7 +174,10 @@ def _dynamic_worker(rank: int, port: int) -> None:
     cases = {
         "q, k, v inputs, sequence 8, 16, 24": (separate_qkv_attention, [qkv(s) for s in (8, 16, 24)], [both, both, {}]),
         "block, sequence 24, 16, 8, then batch 2, 3": (
-            block, [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)], [both, both, {}, both, {}]),
+            block,
+            [hidden(1, s) for s in (24, 16, 8)] + [hidden(b, 8) for b in (2, 3)],
+            [both, both, {}, both, {}],
+        ),
     }
     try:
         with torch.no_grad():

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 LOOPS = 7
 LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add")  # steps that launch a kernel: fewer calls per loop,
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
+LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
 UNFUSED_NORM_STEP = "torch.ops.graphar.all_reduce_add_rms_norm (unfused: the all-reduce, then "
@@ -62,8 +63,18 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     ar = comm.allreduce
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
     stream = torch._C._cuda_getCurrentRawStream(comm.device)
-    args = abi.ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, abi.DTYPE_CODES[x.dtype],
-                                    abi.ALGO_CODES[kernel], abi.PATH_EAGER, 0, ar.pdl, 0)  # fmt: skip
+    args = abi.ALL_REDUCE_ARGS.pack(
+        x.data_ptr(),
+        out.data_ptr(),
+        nbytes,
+        stream,
+        abi.DTYPE_CODES[x.dtype],
+        abi.ALGO_CODES[kernel],
+        abi.PATH_EAGER,
+        0,
+        ar.pdl,
+        0,
+    )
     return {
         "comm.check()": comm.check,
         "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
@@ -141,8 +152,10 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=16 * 1024)
     p.add_argument("--algo", default=None, help="force a kernel (default: the policy's)")
     args = p.parse_args()
-    print(f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
-          f"{torch.cuda.get_device_name()}; torch {torch.__version__}")  # fmt: skip
+    print(
+        f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
+    )
     mp.spawn(_worker, args=(2, free_port(), args.bytes, args.algo), nprocs=2, join=True)
     return 0
 

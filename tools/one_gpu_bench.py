@@ -82,8 +82,9 @@ def _refuse_captured_gloo() -> None:
         dist.all_reduce(x, op=ops[op.lower()], group=group(group_name))
         return x
 
-    def all_to_all_single(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
-                          ) -> torch.Tensor:  # fmt: skip
+    def all_to_all_single(
+        x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
+    ) -> torch.Tensor:
         out = x.new_empty((sum(out_splits), *x.shape[1:])) if out_splits else torch.empty_like(x)
         dist.all_to_all_single(out, x.contiguous(), out_splits or None, in_splits or None, group=group(group_name))
         return out
@@ -112,8 +113,11 @@ def graphar_failures(report: str) -> list[str]:
         if not lines:
             continue
         header = [c.strip() for c in lines[0].strip("|").split("|")]
-        ours = [i for i, name in enumerate(header)
-                if ("graphar" in name and "NCCL" not in name) or name in ("ranks equal", "(b) == (c) bits")]  # fmt: skip
+        ours = [
+            i
+            for i, name in enumerate(header)
+            if ("graphar" in name and "NCCL" not in name) or name in ("ranks equal", "(b) == (c) bits")
+        ]
         for line in lines[2:]:
             cells = [c.strip() for c in line.strip("|").split("|")]
             if any(word in cells[i] for i in ours if i < len(cells) for word in FAILED_CELLS):
@@ -140,8 +144,10 @@ def main() -> int:
     code = graphar_main(["bench", args.name, "--world-size", str(args.world), *rest])
     reports = sorted(Path(rest[rest.index("--out") + 1]).glob("*.md"))
     failures = [row for report in reports for row in graphar_failures(report.read_text())]
-    print(f"one-GPU smoke run of bench {args.name}, world size {args.world}: exit code {code}, reports "
-          f"{[str(r) for r in reports]}")  # fmt: skip
+    print(
+        f"one-GPU smoke run of bench {args.name}, world size {args.world}: exit code {code}, reports "
+        f"{[str(r) for r in reports]}"
+    )
     for row in failures:
         print(f"graphar failure: {row}")
     return 0 if code == 0 and reports and not failures else 1

@@ -64,7 +64,9 @@ def check_all_reduce(comm, rank: int) -> None:
         # Every kernel sums in rank order, so they round alike: from 3 ranks up another order would differ.
         nbytes = 64 * KB + 48  # shards of unequal length
         x = torch.randn(nbytes // dtype.itemsize, generator=torch.Generator().manual_seed(rank)).to(dtype).cuda()
-        sums = {algo: comm.all_reduce(x, algo=algo) for algo in ALGOS if comm.allreduce.policy.picks(nbytes, algo).eager}
+        sums = {
+            algo: comm.all_reduce(x, algo=algo) for algo in ALGOS if comm.allreduce.policy.picks(nbytes, algo).eager
+        }
         first, *others = sums
         for algo in others:
             assert torch.equal(sums[algo], sums[first]), f"all_reduce {dtype}: {algo} rounds unlike {first}"
@@ -128,8 +130,12 @@ def check_special_values(comm, rank: int) -> None:
     bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
     for dtype, ints in bits.items():
         width = torch.iinfo(ints).bits
-        pool = torch.cat([torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), 3.0], dtype=dtype),
-                          torch.tensor([-1, (1 << (width - 1)) - 1], dtype=ints).view(dtype)])  # fmt: skip
+        pool = torch.cat(
+            [
+                torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), 3.0], dtype=dtype),
+                torch.tensor([-1, (1 << (width - 1)) - 1], dtype=ints).view(dtype),
+            ]
+        )
         gen = torch.Generator().manual_seed(rank)
         x = pool[torch.randint(len(pool), (4096,), generator=gen)]
         x[:1000] = -0.0
@@ -264,8 +270,10 @@ def check_ulysses(comm, rank: int) -> None:
         comm.exchange.push = push  # both ranks alike, as the setting would be
         with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes):
             for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
-                q, k, v = (integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
-                           for i, n in enumerate((h, hkv, hkv)))  # fmt: skip
+                q, k, v = (
+                    integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
+                    for i, n in enumerate((h, hkv, hkv))
+                )
                 want = [seq_to_heads_unpacked(t.cpu(), group).cuda() for t in (q, k, v)]
                 got = ulysses.seq_to_heads(q, k, v, group.group_name)
                 what = f"push={push} stage={stage_bytes} b={b} s={s}"
@@ -325,9 +333,20 @@ def _worker(rank: int, port: int, world: int) -> None:
 
     comm = _init_relaxed()
     try:
-        checks = (check_all_reduce, check_native_op, check_compiled, check_special_values, check_fused_norm,
-                  check_compiled_fused_norm, check_graphs, check_ulysses, check_overlap, check_compiled_attention,
-                  check_pairs, check_compiled_on_fresh_pairs)  # fmt: skip
+        checks = (
+            check_all_reduce,
+            check_native_op,
+            check_compiled,
+            check_special_values,
+            check_fused_norm,
+            check_compiled_fused_norm,
+            check_graphs,
+            check_ulysses,
+            check_overlap,
+            check_compiled_attention,
+            check_pairs,
+            check_compiled_on_fresh_pairs,
+        )
         for check in checks:
             start = time.perf_counter()
             check(comm, rank)

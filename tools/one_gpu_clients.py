@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for tests.clients
 
-from tests.clients._harness import Setting, run_ranks  # noqa: E402
+from tests.clients._harness import Setting, run_ranks
 
 BF16 = dict(device="cuda", dtype=torch.bfloat16)
 # Client test module, the setting it runs in here.
@@ -54,7 +54,7 @@ def _gathers_through_the_cpu() -> None:
     H200: transformers' and torchtitan's DTensor and diffusers' unshard all hit it), a fault of this
     harness's gloo group, not of the clients: on GPUs NCCL serves these collectives, which graphar leaves
     to the group anyway. Here CUDA all-gathers and reduce-scatters go through the CPU: an all-gather moves
-the same bits; a reduce-scatter sums in fp32 there, which may round a 16-bit sum differently."""
+    the same bits; a reduce-scatter sums in fp32 there, which may round a 16-bit sum differently."""
     ops = torch.ops._c10d_functional
     lib = torch.library.Library("_c10d_functional", "IMPL")
     _kept.append(lib)

@@ -81,8 +81,9 @@ def check_compiled_attention(comm, rank: int) -> None:
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (seq_to_heads_unpacked(t) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
         return heads_to_seq_unpacked(o)
 
     gen = torch.Generator().manual_seed(rank)

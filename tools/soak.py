@@ -103,14 +103,25 @@ class Sizing:
 
 
 # The limits let the replays, then the rest, each fit one 560 s step of tools/gpu_session.sh.
-FULL = Sizing(calls={REPLAY: 10**6, EXCHANGE: 10**5, TWO_STREAMS: 10**5},
-              limit_s={REPLAY: 130.0, EXCHANGE: 50.0, TWO_STREAMS: 55.0},
-              calls_per_graph=500, replays_per_round=20, exchanges_per_round=500, max_fresh=50)  # fmt: skip
+FULL = Sizing(
+    calls={REPLAY: 10**6, EXCHANGE: 10**5, TWO_STREAMS: 10**5},
+    limit_s={REPLAY: 130.0, EXCHANGE: 50.0, TWO_STREAMS: 55.0},
+    calls_per_graph=500,
+    replays_per_round=20,
+    exchanges_per_round=500,
+    max_fresh=50,
+)
 # Ranks sharing a GPU take turns at every hand-off (milliseconds each): a hundredth of the calls or
 # fewer, and limits that keep the whole smoke run under about three minutes even where each case
 # runs to its limit.
-QUICK = Sizing(calls={REPLAY: 10**3, EXCHANGE: 100, TWO_STREAMS: 100}, limit_s=dict.fromkeys(FULL.limit_s, 8.0),
-               calls_per_graph=100, replays_per_round=2, exchanges_per_round=20, max_fresh=3)  # fmt: skip
+QUICK = Sizing(
+    calls={REPLAY: 10**3, EXCHANGE: 100, TWO_STREAMS: 100},
+    limit_s=dict.fromkeys(FULL.limit_s, 8.0),
+    calls_per_graph=100,
+    replays_per_round=2,
+    exchanges_per_round=20,
+    max_fresh=3,
+)
 
 
 def sizing(quick: bool) -> Sizing:
@@ -137,8 +148,11 @@ def plan(quick: bool) -> list[Case]:
         EXCHANGE: settings.ALLTOALL_ALGOS,
         TWO_STREAMS: (*settings.ALGOS, "norm", *(f"exchange-{t}" for t in settings.ALLTOALL_ALGOS)),
     }
-    return [Case(f"{kind}-{kernel}", kind, kernel, s.calls[kind], s.limit_s[kind])
-            for kind, names in kernels.items() for kernel in names]  # fmt: skip
+    return [
+        Case(f"{kind}-{kernel}", kind, kernel, s.calls[kind], s.limit_s[kind])
+        for kind, names in kernels.items()
+        for kernel in names
+    ]
 
 
 def select(cases: Sequence[Case], names: str | None) -> list[Case]:
@@ -175,13 +189,19 @@ def merged(case: str, results: Sequence[Result]) -> Result:
     """The ranks' results as one: calls and seconds the largest, counts added up."""
     notes = dict.fromkeys(r.note for r in results if r.note)  # in order, once each
     return Result(
-        case, calls=max((r.calls for r in results), default=0),
-        mismatches=sum(r.mismatches for r in results), timeouts=sum(r.timeouts for r in results),
-        nans=sum(r.nans for r in results), detected=sum(r.detected for r in results),
-        undetected=sum(r.undetected for r in results), seconds=max((r.seconds for r in results), default=0.0),
-        hung=any(r.hung for r in results), crashed=any(r.crashed for r in results),
-        error=next((r.error for r in results if r.error), ""), note="; ".join(notes),
-    )  # fmt: skip
+        case,
+        calls=max((r.calls for r in results), default=0),
+        mismatches=sum(r.mismatches for r in results),
+        timeouts=sum(r.timeouts for r in results),
+        nans=sum(r.nans for r in results),
+        detected=sum(r.detected for r in results),
+        undetected=sum(r.undetected for r in results),
+        seconds=max((r.seconds for r in results), default=0.0),
+        hung=any(r.hung for r in results),
+        crashed=any(r.crashed for r in results),
+        error=next((r.error for r in results if r.error), ""),
+        note="; ".join(notes),
+    )
 
 
 def failures(case: Case, r: Result, shared: bool) -> list[str]:
@@ -219,8 +239,10 @@ def line(case: Case, r: Result, shared: bool) -> str:
     detections = f", {r.detected} detected, {r.undetected} undetected" if streams else ""
     notes = "; ".join(n for n in (r.error, r.note) if n)
     counts = f"{r.mismatches} mismatches, {r.timeouts} timeouts, {r.nans} NaNs{detections}"
-    return (f"{r.case}: {r.calls} {'iterations' if streams else 'calls'}, {counts}, {r.seconds:.1f} s: "
-            f"{verdict(case, r, shared)}" + (f" ({notes})" if notes else ""))  # fmt: skip
+    return (
+        f"{r.case}: {r.calls} {'iterations' if streams else 'calls'}, {counts}, {r.seconds:.1f} s: "
+        f"{verdict(case, r, shared)}" + (f" ({notes})" if notes else "")
+    )
 
 
 COLUMNS = ("case", "calls", "mismatches", "timeouts", "NaNs", "detected", "undetected", "seconds", "verdict", "note")
@@ -234,19 +256,30 @@ def _cell(text: str, width: int = 160) -> str:
 
 def report(rows: Sequence[tuple[Case, Result]], *, shared: bool, quick: bool, gpu: str, planned: int) -> str:
     """The markdown report of the cases run so far (of `planned`)."""
-    table = common.markdown_table(COLUMNS, [
-        [r.case, str(r.calls), str(r.mismatches), str(r.timeouts), str(r.nans),
-         *((str(r.detected), str(r.undetected)) if case.kind == TWO_STREAMS else ("-", "-")),
-         r.seconds, verdict(case, r, shared), _cell("; ".join(n for n in (r.error, r.note) if n))]
-        for case, r in rows
-    ])  # fmt: skip
+    table = common.markdown_table(
+        COLUMNS,
+        [
+            [
+                r.case,
+                str(r.calls),
+                str(r.mismatches),
+                str(r.timeouts),
+                str(r.nans),
+                *((str(r.detected), str(r.undetected)) if case.kind == TWO_STREAMS else ("-", "-")),
+                r.seconds,
+                verdict(case, r, shared),
+                _cell("; ".join(n for n in (r.error, r.note) if n)),
+            ]
+            for case, r in rows
+        ],
+    )
     failed = [r.case for case, r in rows if failures(case, r, shared)]
     done = f"{len(rows)} of {planned} cases, {sum(r.seconds for _, r in rows):.0f} s"
     if failed:
         outcome = f"FAIL: {', '.join(failed)} ({done})"
     else:
         outcome = f"{'no verdict (shared GPU): no finite wrong value' if shared else 'every case passed'} ({done})"
-    mode = ("2 ranks sharing one GPU over gloo (no verdict)" if shared else "2 GPUs, one process each, NCCL references")
+    mode = "2 ranks sharing one GPU over gloo (no verdict)" if shared else "2 GPUs, one process each, NCCL references"
     info = common.header(mode + (", --quick" if quick else ""), WORLD, gpu)
     notes = [
         "calls: per rank (two-streams: iterations, each a replay beside an eager call); the other counts add up "
@@ -404,8 +437,10 @@ class _Replays:
         self.sums = torch.stack([reference_sum(x) for x in self.inputs])
         self.x, self.expected = torch.empty_like(self.inputs[0]), torch.empty_like(self.sums[0])
         self.x_of = [self.x[starts[i] : starts[i] + self.sizes[i] // DTYPE.itemsize] for i in range(n)]
-        self.expected_of = {size: self.expected[starts[c[0]] : starts[c[0]] + len(c) * size // DTYPE.itemsize]
-                            .view(len(c), -1) for size, c in self.groups.items()}  # fmt: skip
+        self.expected_of = {
+            size: self.expected[starts[c[0]] : starts[c[0]] + len(c) * size // DTYPE.itemsize].view(len(c), -1)
+            for size, c in self.groups.items()
+        }
         self.delay_table = _delay_table(n, rank)
         self.delays = torch.zeros_like(self.delay_table[0])
         self.counts = torch.zeros(2, dtype=torch.int64, device="cuda")
@@ -473,8 +508,10 @@ class _Exchanges:
         self.bits = torch.empty_like(self.base)  # the inputs, rewritten each call
         sizes = [b * seq * h * d for h in heads]
         self.qkv = [t.view(DTYPE).view(b, seq, h, d) for t, h in zip(self.bits.split(sizes), heads)]
-        refs = [seq_to_heads_unpacked(t.view(DTYPE).view(b, seq, h, d).to(reference_device())).cuda()
-                for t, h in zip(self.base.split(sizes), heads)]  # fmt: skip
+        refs = [
+            seq_to_heads_unpacked(t.view(DTYPE).view(b, seq, h, d).to(reference_device())).cuda()
+            for t, h in zip(self.base.split(sizes), heads)
+        ]
         self.expected_base = torch.cat(refs, dim=2).view(torch.int16)  # packed: Q's heads, then K's, then V's
         self.expected = torch.empty_like(self.expected_base)
         self.counts = torch.zeros(2, dtype=torch.int64, device="cuda")
@@ -582,9 +619,11 @@ def _subject(comm: Communicator, kernel: str) -> _Subject:
         raise ValueError(f"no two-streams subject {kernel!r}")
     heads, seq = 4, 256
     x = torch.empty(1, WORLD * seq, heads, 64, device="cuda", dtype=DTYPE)
-    return _Subject(x, lambda: torch.ops.graphar.heads_to_seq_all_to_all(x, comm.group_name),
-                    lambda v: torch.cat([torch.full((1, seq, heads, 64), r, device="cuda", dtype=DTYPE) for r in v],
-                                        dim=2))  # fmt: skip
+    return _Subject(
+        x,
+        lambda: torch.ops.graphar.heads_to_seq_all_to_all(x, comm.group_name),
+        lambda v: torch.cat([torch.full((1, seq, heads, 64), r, device="cuda", dtype=DTYPE) for r in v], dim=2),
+    )
 
 
 EXACT, DETECTED, UNDETECTED, WRONG = "exact", "detected", "undetected", "wrong"
@@ -619,8 +658,10 @@ class _TwoStreams:
 
     def iterate(self, i: int) -> tuple[str, bool, bool]:
         """Iteration i: the outcome, whether an output held a NaN, whether the error was a timeout."""
-        values = [[float((r + 1) * (i % 7 + 1)) for r in range(WORLD)],
-                  [float((r + 1) * (i % 5 + 9)) for r in range(WORLD)]]  # fmt: skip
+        values = [
+            [float((r + 1) * (i % 7 + 1)) for r in range(WORLD)],
+            [float((r + 1) * (i % 5 + 9)) for r in range(WORLD)],
+        ]
         outs: list[torch.Tensor | None] = []
         for subject, call, stream, v in zip(self.subjects, self.calls, self.streams, values):
             with torch.cuda.stream(stream):
@@ -689,8 +730,10 @@ def run_two_streams(case: Case, s: Sizing, rank: int) -> Result:
 
 
 RUNNERS: dict[str, Callable[[Case, Sizing, int], Result]] = {
-    REPLAY: run_replay, EXCHANGE: run_exchange, TWO_STREAMS: run_two_streams,
-}  # fmt: skip
+    REPLAY: run_replay,
+    EXCHANGE: run_exchange,
+    TWO_STREAMS: run_two_streams,
+}
 
 
 def _result_file(folder: str, case: str, rank: int) -> Path:
@@ -711,19 +754,31 @@ def _rank(rank: int, port: int, shared: bool, quick: bool, cases: list[Case], fo
         relax_set_up()
     torch.cuda.set_device(0 if shared else rank)
     dist.init_process_group(
-        "gloo" if shared else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300), device_id=None if shared else torch.device("cuda", rank),
-    )  # fmt: skip
+        "gloo" if shared else "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300),
+        device_id=None if shared else torch.device("cuda", rank),
+    )
     for case in cases:
         dist.barrier()
         start = time.monotonic()
         try:
             result = RUNNERS[case.kind](case, sizing(quick), rank)
             torch.cuda.synchronize()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (a case that raises is reported as crashed, the soak goes on)
             traceback.print_exc()
-            _put(folder, rank, Result(case.name, crashed=True, error=f"rank {rank}: {type(e).__name__}: {e}",
-                                      seconds=time.monotonic() - start))  # fmt: skip
+            _put(
+                folder,
+                rank,
+                Result(
+                    case.name,
+                    crashed=True,
+                    error=f"rank {rank}: {type(e).__name__}: {e}",
+                    seconds=time.monotonic() - start,
+                ),
+            )
             sys.stdout.flush()
             os._exit(1)
         result.seconds = time.monotonic() - start
@@ -764,13 +819,15 @@ class _Ranks:
                 return merged(case.name, got), not any(r.crashed for r in got)
             gone = [r for r, (p, f) in enumerate(zip(self.procs, files)) if p.exitcode is not None and not f.exists()]
             if gone:
-                died = Result(case.name, crashed=True,
-                              error=f"rank {gone[0]} died (exit code {self.procs[gone[0]].exitcode})")  # fmt: skip
+                died = Result(
+                    case.name, crashed=True, error=f"rank {gone[0]} died (exit code {self.procs[gone[0]].exitcode})"
+                )
                 return merged(case.name, [*got, died]), False
             if time.monotonic() > deadline:
                 seconds = time.monotonic() - start
-                hung = Result(case.name, timeouts=1, hung=True, seconds=seconds,
-                              note=f"hung: ranks killed after {seconds:.0f} s")  # fmt: skip
+                hung = Result(
+                    case.name, timeouts=1, hung=True, seconds=seconds, note=f"hung: ranks killed after {seconds:.0f} s"
+                )
                 return merged(case.name, [*got, hung]), False
             time.sleep(0.2)
 
@@ -784,8 +841,9 @@ class _Ranks:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def soak(cases: Sequence[Case], shared: bool, quick: bool, record: Callable[[Case, Result], None],
-         body: RankBody = _rank) -> None:  # fmt: skip
+def soak(
+    cases: Sequence[Case], shared: bool, quick: bool, record: Callable[[Case, Result], None], body: RankBody = _rank
+) -> None:
     """Run `cases`, `record`ing each one's result as it ends; after a case that hung or failed a rank,
     the rest run on a fresh launch. `body` is what each rank's process runs (tests pass a stand-in)."""
     todo = list(cases)
@@ -815,8 +873,9 @@ def _set_environment() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shared", action="store_true", help="two ranks sharing cuda:0 over gloo: counts, no verdict")
     p.add_argument("--quick", "--smoke", action="store_true", help="CI-sized counts and limits")
     p.add_argument("--cases", default=None, help="comma-separated names of cases or their starts ('replay,exchange')")

@@ -95,8 +95,10 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
 # ---- measuring ---------------------------------------------------------------------------------
 
 # Why a verified column is not timed at a size (the notes give the first size).
-UNTIMED = {"WRONG": "differs from NCCL at {}",
-           "fallback": "graphar's op handed the call to NCCL at {} (its kernels did not run)"}
+UNTIMED = {
+    "WRONG": "differs from NCCL at {}",
+    "fallback": "graphar's op handed the call to NCCL at {} (its kernels did not run)",
+}
 
 
 def verify(col: Column, numel: int, dtype: torch.dtype) -> str | None:
@@ -138,8 +140,16 @@ def column_status(col: Column | None, name: str, x: torch.Tensor, reasons: dict[
     return status
 
 
-def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tensor, s: Settings,
-            mm: list[torch.Tensor], reasons: dict[str, str], name: str) -> common.Cell:  # fmt: skip
+def measure(
+    col: Column,
+    mode: str,
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    s: Settings,
+    mm: list[torch.Tensor],
+    reasons: dict[str, str],
+    name: str,
+) -> common.Cell:
     def step(i: int) -> None:
         col.op(inputs[i % len(inputs)], out)
 
@@ -149,16 +159,22 @@ def measure(col: Column, mode: str, inputs: list[torch.Tensor], out: torch.Tenso
 
     if mode == "eager":
         # One call first, agreed: a rank whose call raises must not leave its peer in the timed loop.
-        return ranks.measured(lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters),
-                               "the eager call", reasons, name)  # fmt: skip
+        return ranks.measured(
+            lambda: step(0), lambda _: common.time_host(step, iters=s.eager_iters), "the eager call", reasons, name
+        )
     fn = step_with_matmul if mode == "graph-mm" else step
-    return ranks.measured(lambda: common.capture(fn, s.ops, context=col.context),
-                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
-                           f"{mode} capture", reasons, name)  # fmt: skip
+    return ranks.measured(
+        lambda: common.capture(fn, s.ops, context=col.context),
+        lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
+        f"{mode} capture",
+        reasons,
+        name,
+    )
 
 
-def run_size(c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
-             ) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_size(
+    c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     """(mode, nbytes, column) -> cell; every rank takes the columns in one order and the same
     decisions (each goes through a collective), so their collectives match."""
     dtype = DTYPES[s.dtype]
@@ -174,8 +190,9 @@ def run_size(c: Contenders, nbytes: int, s: Settings, mm: list[torch.Tensor], re
         status = column_status(col, name, plain[0], reasons)
         for mode in s.modes:
             if name in column_names(mode):
-                cells[(mode, nbytes, name)] = status or measure(col, mode, symm if col.symmetric else plain, out, s,
-                                                                mm, reasons, name)  # fmt: skip
+                cells[(mode, nbytes, name)] = status or measure(
+                    col, mode, symm if col.symmetric else plain, out, s, mm, reasons, name
+                )
                 torch.cuda.synchronize()
     return cells
 
@@ -192,8 +209,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     mm = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n), (m, n))]
     reasons = dict(c.unavailable)
     common.progress(f"set up; timing {len(s.sizes)} sizes in modes {', '.join(s.modes)}")
-    common.run_units(s.sizes, common.format_bytes, lambda nbytes: run_size(c, nbytes, s, mm, reasons),
-                     common.reporter("allreduce", s, "sizes", write, reasons, out_path))
+    common.run_units(
+        s.sizes,
+        common.format_bytes,
+        lambda nbytes: run_size(c, nbytes, s, mm, reasons),
+        common.reporter("allreduce", s, "sizes", write, reasons, out_path),
+    )
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -234,8 +255,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         "graphar columns in graph modes run under a plain torch.cuda.graph; 'zero-copy' ones under "
         "graphar.graphs.graph (v1 kernels read the inputs in place, pointers backfilled after capture). "
         "The push kernels read their inputs in place under any capture and in eager calls.",
-        "'auto' is graphar.comm.policy's pick; no-PDL: the push kernel launched without programmatic "
-        "dependent launch.",
+        "'auto' is graphar.comm.policy's pick; no-PDL: the push kernel launched without programmatic dependent launch.",
         "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
         "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
         f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "
@@ -252,18 +272,26 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     """Latency against size, log-log: one line per column and mode (colour: column, dash: mode)."""
     lines = [
-        plot.Line(f"{name}, {mode}", plot.points(s.sizes, [results[(mode, nbytes, name)] for nbytes in s.sizes]),
-                  colour_key=name, dash_key=mode)
-        for mode in s.modes for name in column_names(mode)
-    ]  # fmt: skip
+        plot.Line(
+            f"{name}, {mode}",
+            plot.points(s.sizes, [results[(mode, nbytes, name)] for nbytes in s.sizes]),
+            colour_key=name,
+            dash_key=mode,
+        )
+        for mode in s.modes
+        for name in column_names(mode)
+    ]
     ticks = [(nbytes, common.format_bytes(nbytes)) for nbytes in s.sizes]
-    title = (f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
-             "(graph: us per op, eager: us per call, graph-mm: us per matmul + op)")
+    title = (
+        f"{s.dtype}, max over ranks; colour: implementation, line style: mode\n"
+        "(graph: us per op, eager: us per call, graph-mm: us per matmul + op)"
+    )
     return [plot.LineChart(title, "message size", "latency, us", lines, ticks)]
 
 
-def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header(",".join(s.modes), world_size, gpu)
     title = "All-reduce latency (us)"
     text = common.report(title, info, tables(results, s), notes(s, reasons))

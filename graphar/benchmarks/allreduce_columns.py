@@ -85,8 +85,8 @@ def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
         group_name = dist.group.WORLD.group_name
         try:
             symm_mem.set_backend("CUDA")  # the IPC backend; NVSHMEM is not the peer we compare with
-        except Exception:
-            pass  # older torch has no set_backend, or the backend is already fixed
+        except Exception:  # noqa: BLE001  (older torch has no set_backend, or the backend is already fixed)
+            pass
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(group_name)
         buffers = [symm_mem.empty(max_numel, dtype=dtype, device="cuda") for _ in range(N_BUFFERS)]
@@ -97,7 +97,7 @@ def add_symm_mem(c: Contenders, dtype: torch.dtype, max_numel: int) -> None:
         else:
             one_shot = lambda x, out: ops.one_shot_all_reduce(x, "sum", group_name)  # noqa: E731
         two_shot_op = ops.two_shot_all_reduce_
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (whatever stops symmetric memory, its columns say why)
         reason = f"symmetric memory unavailable: {type(e).__name__}: {e}"
         c.unavailable.update({ONE_SHOT: reason, TWO_SHOT: reason})
         return
@@ -112,7 +112,7 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
 
         comm = graphar.init(None, max_bytes=max_bytes)
         reason = "" if comm is not None else "graphar.init returned None (its log says why)"
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (whatever stops graphar, its columns say why)
         comm, reason = None, f"graphar unavailable: {type(e).__name__}: {e}"
     if comm is None:
         c.unavailable.update(dict.fromkeys(GRAPHAR_KERNELS, reason))

@@ -65,8 +65,12 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
     shapes = [parse_shape(s) for s in args.shapes.split(",")] if args.shapes else None
     if args.chunks < 2:
         p.error("--chunks must be 2 or more")
-    return Settings(shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES), chunks=args.chunks,
-                    max_blocks=5 if args.quick else 10, replays=5 if args.quick else 9)  # fmt: skip
+    return Settings(
+        shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
+        chunks=args.chunks,
+        max_blocks=5 if args.quick else 10,
+        replays=5 if args.quick else 9,
+    )
 
 
 # ---- the block ----------------------------------------------------------------------------------
@@ -86,8 +90,9 @@ def _local_heads_to_seq(o: torch.Tensor, p: int) -> torch.Tensor:
 class Block(nn.Module):
     """This rank's view of one attention block over its slice of the sequence."""
 
-    def __init__(self, shape: tuple[int, int, int, int], rank: int, world_size: int, exchange: bool,
-                 device: str = "cuda") -> None:  # fmt: skip
+    def __init__(
+        self, shape: tuple[int, int, int, int], rank: int, world_size: int, exchange: bool, device: str = "cuda"
+    ) -> None:
         super().__init__()
         _, s, h, d = shape
         gen = torch.Generator().manual_seed(0)  # replicated weights: equal on every rank
@@ -132,13 +137,21 @@ def variants(shape, rank: int, world_size: int, chunks: int, graphar_ok: bool) -
     }
     if graphar_ok:
         runs[PACKED] = torch.compile(with_exchange, backend="graphar", dynamic=False)
-        runs[OVERLAPPED] = torch.compile(with_exchange, backend="graphar", dynamic=False,
-                                         options={"attention_chunks": chunks})  # fmt: skip
+        runs[OVERLAPPED] = torch.compile(
+            with_exchange, backend="graphar", dynamic=False, options={"attention_chunks": chunks}
+        )
     return runs
 
 
-def variant_cell(v: str, run: Callable, x: torch.Tensor, outs: dict[str, torch.Tensor], blocks: int, s: Settings,
-                 reasons: dict[str, str]) -> common.Cell:  # fmt: skip
+def variant_cell(
+    v: str,
+    run: Callable,
+    x: torch.Tensor,
+    outs: dict[str, torch.Tensor],
+    blocks: int,
+    s: Settings,
+    reasons: dict[str, str],
+) -> common.Cell:
     """One variant at x's shape: compiled (its first call, kept in outs), its rewrite and its output
     checked, then timed; "err", "not rewritten" or "WRONG" instead, alike on every rank."""
     with ranks.counting_rewrites() as made:
@@ -148,13 +161,18 @@ def variant_cell(v: str, run: Callable, x: torch.Tensor, outs: dict[str, torch.T
         return "err"
     outs[v] = out
     status = graphar_status(v, out, made, outs, reasons) if v in EXPECTED_REWRITES else None
-    return status or ranks.measured(lambda: common.capture(lambda i: run(x), blocks),
-                                     lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=blocks),
-                                     "capture", reasons, v)  # fmt: skip
+    return status or ranks.measured(
+        lambda: common.capture(lambda i: run(x), blocks),
+        lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=blocks),
+        "capture",
+        reasons,
+        v,
+    )
 
 
-def graphar_status(v: str, out: torch.Tensor, made: Mapping[str, int], outs: dict[str, torch.Tensor],
-                   reasons: dict[str, str]) -> str | None:  # fmt: skip
+def graphar_status(
+    v: str, out: torch.Tensor, made: Mapping[str, int], outs: dict[str, torch.Tensor], reasons: dict[str, str]
+) -> str | None:
     """Why a graphar variant is not timed ("not rewritten", "WRONG", "err"), alike on every rank; None: time it."""
     status = ranks.rewritten(made, EXPECTED_REWRITES[v], reasons, v)
     if status is not None:
@@ -165,8 +183,9 @@ def graphar_status(v: str, out: torch.Tensor, made: Mapping[str, int], outs: dic
     return ranks.verdict(lambda: None if _close(out, outs[NCCL]) else "WRONG", f"checking {LABELS[v]}", reasons, v)
 
 
-def run_shape(shape, rank: int, world_size: int, s: Settings, graphar_ok: bool, reasons: dict[str, str]
-              ) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_shape(
+    shape, rank: int, world_size: int, s: Settings, graphar_ok: bool, reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     """(shape, variant) -> cell; every rank takes the same decisions, each through a collective."""
     b, seq, h, d = shape
     x = torch.randn(b, seq // world_size, h * d, device="cuda", dtype=DTYPE)
@@ -174,8 +193,9 @@ def run_shape(shape, rank: int, world_size: int, s: Settings, graphar_ok: bool, 
     blocks = max(1, min(s.max_blocks, GRAPH_BYTES // (8 * x.nbytes)))
     outs: dict[str, torch.Tensor] = {}  # (a) first: the others are checked against it
     with torch.no_grad():
-        cells = {(shape, v): variant_cell(v, runs[v], x, outs, blocks, s, reasons) if v in runs else "n/a"
-                 for v in VARIANTS}  # fmt: skip
+        cells = {
+            (shape, v): variant_cell(v, runs[v], x, outs, blocks, s, reasons) if v in runs else "n/a" for v in VARIANTS
+        }
     reasons["graphar rewrites (rank 0)"] = str(dict(torch._dynamo.utils.counters["graphar"]))
     return cells
 
@@ -192,9 +212,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     _, problem = ranks.attempt(set_up_graphar, "graphar set-up")
     if problem is not None:
         reasons["graphar"] = problem
-    common.run_units(s.shapes, lambda shape: "x".join(map(str, shape)),
-                     lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons),
-                     common.reporter("attention", s, "shapes", write, reasons, out_path))
+    common.run_units(
+        s.shapes,
+        lambda shape: "x".join(map(str, shape)),
+        lambda shape: run_shape(shape, rank, world_size, s, problem is None, reasons),
+        common.reporter("attention", s, "shapes", write, reasons, out_path),
+    )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -209,17 +232,33 @@ def _exposed(cells: dict, shape, v: str) -> common.Cell:
     return t - floor if isinstance(t, float) and isinstance(floor, float) else "-"
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
-    columns = ["shape (b x s x h x d)", *LABELS.values(), "exposed (a)", "exposed (c)", "exposed (c) / (a)",
-               "(a) / (b)", "(a) / (c)"]  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
+    columns = [
+        "shape (b x s x h x d)",
+        *LABELS.values(),
+        "exposed (a)",
+        "exposed (c)",
+        "exposed (c) / (a)",
+        "(a) / (b)",
+        "(a) / (c)",
+    ]
     rows = []
     for shape in s.shapes:
         t = [cells[(shape, v)] for v in VARIANTS]
         exposed_a, exposed_c = _exposed(cells, shape, NCCL), _exposed(cells, shape, OVERLAPPED)
-        rows.append(["x".join(map(str, shape)), *t, exposed_a, exposed_c,
-                     common.derived(exposed_c, exposed_a, "{:.0%}"), common.derived(t[0], t[1]),
-                     common.derived(t[0], t[2])])  # fmt: skip
+        rows.append(
+            [
+                "x".join(map(str, shape)),
+                *t,
+                exposed_a,
+                exposed_c,
+                common.derived(exposed_c, exposed_a, "{:.0%}"),
+                common.derived(t[0], t[1]),
+                common.derived(t[0], t[2]),
+            ]
+        )
     notes = [
         f"bf16; us per block: median of {s.replays} replays of a CUDA graph of back-to-back blocks, max over "
         "ranks; s is the global sequence, each rank holds s / world size tokens.",
@@ -233,8 +272,9 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
     title = "Ulysses attention block (us)"
     text = common.report(title, info, [("per block, us", common.markdown_table(columns, rows))], notes)
     bars = {label: [cells[(shape, v)] for shape in s.shapes] for v, label in LABELS.items()}
-    chart = plot.BarChart("us per block, max over ranks", "us per block",
-                          ["x".join(map(str, shape)) for shape in s.shapes], bars)  # fmt: skip
+    chart = plot.BarChart(
+        "us per block, max over ranks", "us per block", ["x".join(map(str, shape)) for shape in s.shapes], bars
+    )
     common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}", final)
 
 
@@ -244,7 +284,13 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {}
     for shape in s.shapes:
         floor = shape[1] * shape[2] / 200
-        cells.update({(shape, FLOOR): floor, (shape, NCCL): floor * rng.uniform(1.4, 1.8),
-                      (shape, PACKED): floor * rng.uniform(1.2, 1.4), (shape, OVERLAPPED): floor * rng.uniform(1.0, 1.2)})
+        cells.update(
+            {
+                (shape, FLOOR): floor,
+                (shape, NCCL): floor * rng.uniform(1.4, 1.8),
+                (shape, PACKED): floor * rng.uniform(1.2, 1.4),
+                (shape, OVERLAPPED): floor * rng.uniform(1.0, 1.2),
+            }
+        )
     path = common.results_path("attention", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(cells, s, 2, {}, common.DRY_RUN_GPU, path)

@@ -166,8 +166,9 @@ def build(step: decode.Step, s: Settings) -> tuple[object | None, str | None, fl
     dist.barrier()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    graphs, problem = ranks.attempt(lambda: BatchGraphs(step, lambda b: (statics[b],), s.batches, warmup=WARMUP),
-                                    "building the BatchGraphs")  # fmt: skip
+    graphs, problem = ranks.attempt(
+        lambda: BatchGraphs(step, lambda b: (statics[b],), s.batches, warmup=WARMUP), "building the BatchGraphs"
+    )
     torch.cuda.synchronize()
     return graphs, problem, time.perf_counter() - t0
 
@@ -202,8 +203,9 @@ def graphar_counts() -> tuple[int, int]:
     return allreduce.calls, allreduce.graph_calls
 
 
-def measure(v: str, built: dict[str, decode.Step | str], s: Settings, sharing: int, reasons: dict[str, str]
-            ) -> dict[tuple, common.Cell]:  # fmt: skip
+def measure(
+    v: str, built: dict[str, decode.Step | str], s: Settings, sharing: int, reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     step = built.get(v, "n/a")
     if isinstance(step, str):
         return {(v, m): step for m in (CAPTURE_S, TORCH_MB, DEVICE_MB)}
@@ -224,8 +226,13 @@ def measure(v: str, built: dict[str, decode.Step | str], s: Settings, sharing: i
             after = held_memory()
             held = ((after[0] - before[0]) / MB, (after[1] - before[1]) / MB / sharing)
         del graphs
-    cells = {(v, CAPTURE_S): statistics.median(times), (v, FIRST_S): times[0], (v, TORCH_MB): held[0],
-             (v, DEVICE_MB): held[1], (v, COMPILES): float(unique_graphs() - compiles)}  # fmt: skip
+    cells = {
+        (v, CAPTURE_S): statistics.median(times),
+        (v, FIRST_S): times[0],
+        (v, TORCH_MB): held[0],
+        (v, DEVICE_MB): held[1],
+        (v, COMPILES): float(unique_graphs() - compiles),
+    }
     if v == GRAPHAR:
         served, registered = (now - then for now, then in zip(graphar_counts(), counts))
         expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
@@ -273,9 +280,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         # workspaces): (a)'s, on one size, before either is timed. Not (b)'s: its dead graph would
         # hold its inputs until the next registration, which would free them inside (b)'s measurement.
         build(built[LOCAL], dataclasses.replace(s, batches=s.batches[:1]))
-    common.run_units(s.variants, str, lambda v: {**measure(v, built, s, sharing, reasons),
-                                                   ("ranks per GPU", ""): float(sharing)},
-                     common.reporter("capture", s, "variants", write, reasons, out_path))  # fmt: skip
+    common.run_units(
+        s.variants,
+        str,
+        lambda v: {**measure(v, built, s, sharing, reasons), ("ranks per GPU", ""): float(sharing)},
+        common.reporter("capture", s, "variants", write, reasons, out_path),
+    )
 
 
 # ---- the report ---------------------------------------------------------------------------------------
@@ -301,8 +311,11 @@ def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
     def seconds(cell: common.Cell) -> str:
         return f"{cell:.2f}" if isinstance(cell, float) else str(cell)
 
-    targets = {CAPTURE_S: f"<= {TARGETS[CAPTURE_S]:.0%}", TORCH_MB: f"<= {TARGETS[TORCH_MB]:.0f} MB",
-               DEVICE_MB: f"<= {TARGETS[DEVICE_MB]:.0f} MB"}  # fmt: skip
+    targets = {
+        CAPTURE_S: f"<= {TARGETS[CAPTURE_S]:.0%}",
+        TORCH_MB: f"<= {TARGETS[TORCH_MB]:.0f} MB",
+        DEVICE_MB: f"<= {TARGETS[DEVICE_MB]:.0f} MB",
+    }
     first = [cells.get((v, FIRST_S), "-") for v in VARIANTS]
     rows = [[CAPTURE_S, *(seconds(cells.get((v, CAPTURE_S), "-")) for v in VARIANTS), *added(cells, CAPTURE_S),
              targets[CAPTURE_S]],
@@ -338,14 +351,25 @@ def notes(s: Settings, world_size: int, sharing: common.Cell, reasons: dict[str,
 
 
 def charts(cells: dict[tuple, common.Cell]) -> list[plot.Chart]:
-    return [plot.BarChart("BatchGraphs build, wall seconds (max over ranks)", "s", VARIANTS,
-                          {CAPTURE_S: [cells.get((v, CAPTURE_S), "-") for v in VARIANTS]}),
-            plot.BarChart("memory the graphs hold once built", "MB", VARIANTS,
-                          {m: [cells.get((v, m), "-") for v in VARIANTS] for m in (TORCH_MB, DEVICE_MB)})]  # fmt: skip
+    return [
+        plot.BarChart(
+            "BatchGraphs build, wall seconds (max over ranks)",
+            "s",
+            VARIANTS,
+            {CAPTURE_S: [cells.get((v, CAPTURE_S), "-") for v in VARIANTS]},
+        ),
+        plot.BarChart(
+            "memory the graphs hold once built",
+            "MB",
+            VARIANTS,
+            {m: [cells.get((v, m), "-") for v in VARIANTS] for m in (TORCH_MB, DEVICE_MB)},
+        ),
+    ]
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     sharing = cells.get(("ranks per GPU", ""), "-")
     info = common.header("BatchGraphs capture", world_size, gpu)
     title = "Capture cost of BatchGraphs, graphar against local copies"
@@ -360,8 +384,15 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {("ranks per GPU", ""): 1.0}
     for v in s.variants:
         seconds = 0.05 * len(s.batches) * rng.uniform(1, 1.1)
-        cells.update({(v, CAPTURE_S): seconds, (v, FIRST_S): 1.2 * seconds, (v, COMPILES): 0.0,
-                      (v, TORCH_MB): 20.0 * s.layers * rng.uniform(1, 1.2), (v, DEVICE_MB): 30.0 * s.layers})
+        cells.update(
+            {
+                (v, CAPTURE_S): seconds,
+                (v, FIRST_S): 1.2 * seconds,
+                (v, COMPILES): 0.0,
+                (v, TORCH_MB): 20.0 * s.layers * rng.uniform(1, 1.2),
+                (v, DEVICE_MB): 30.0 * s.layers,
+            }
+        )
     expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
     cells.update({(GRAPHAR, SERVED): f"{expected}/{expected}", (GRAPHAR, REGISTERED): float(len(s.batches) * 2),
                   (GRAPHAR, REGISTER_MS): 0.4})

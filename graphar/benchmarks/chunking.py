@@ -64,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", help="comma-separated BxSxHxD[:kvN][:causal] (S: global sequence, H: all heads)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="SDPA backends to pin (default: all three)")
     p.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunk counts to ask for (default 1,2,4,8)")
-    common.add_arguments(p, quick_help="fewer calls per graph and replays (every shape, backend and count)",
-                         world_size_help="ranks whose share of the heads is attended (default 2)")  # fmt: skip
+    common.add_arguments(
+        p,
+        quick_help="fewer calls per graph and replays (every shape, backend and count)",
+        world_size_help="ranks whose share of the heads is attended (default 2)",
+    )
 
 
 def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
@@ -81,8 +84,14 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
     world_size = args.world_size or 2
     if world_size < 1:
         p.error("--world-size must be positive")
-    return Settings(shapes=shapes.parse_list(args.shapes, p) or shapes.CHUNKING, backends=backends, chunks=chunks,
-                    world_size=world_size, max_calls=8 if args.quick else 20, replays=3 if args.quick else 9)
+    return Settings(
+        shapes=shapes.parse_list(args.shapes, p) or shapes.CHUNKING,
+        backends=backends,
+        chunks=chunks,
+        world_size=world_size,
+        max_calls=8 if args.quick else 20,
+        replays=3 if args.quick else 9,
+    )
 
 
 # ---- what graphar runs, and how many chunks ------------------------------------------------------------
@@ -90,8 +99,9 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
 
 def planned(shape: Shape, world_size: int, wanted: int, backend: str) -> int:
     """The chunks graphar's op runs for `shape` when asked for `wanted` (overlap.AUTO_CHUNKS: the rule)."""
-    return overlap.planned_chunks(shape.b, shape.heads, shape.kv, shape.s, world_size, wanted, backend,
-                                  shape.causal, on_gpu=True)  # fmt: skip
+    return overlap.planned_chunks(
+        shape.b, shape.heads, shape.kv, shape.s, world_size, wanted, backend, shape.causal, on_gpu=True
+    )
 
 
 def counts(shape: Shape, s: Settings, backend: str) -> list[int]:
@@ -115,8 +125,10 @@ class Emulated:
         self.shape, self.p, self.s_local = shape, p, s // p
         gen = torch.Generator(device).manual_seed(0)
         # This rank's Q, K and V after the exchange, [b, s, heads / P, d]; what the attention reads.
-        self.qkv = [torch.randn(b, s, h // p, d, device=device, dtype=dtype, generator=gen)
-                    for h in (shape.heads, shape.kv, shape.kv)]  # fmt: skip
+        self.qkv = [
+            torch.randn(b, s, h // p, d, device=device, dtype=dtype, generator=gen)
+            for h in (shape.heads, shape.kv, shape.kv)
+        ]
         # The op's own inputs: only their shapes matter (the exchange that would read them is emulated).
         self.q_in = torch.empty(b, s // p, shape.heads, d, device=device, dtype=dtype)
         self.kv_in = torch.empty(b, s // p, shape.kv, d, device=device, dtype=dtype)
@@ -136,8 +148,9 @@ class Emulated:
     def call(self, n: int, mode: str) -> torch.Tensor:
         """The op over n chunks (a count its plan keeps: one that `planned` gave)."""
         self.mode, self.n, self.chunk = mode, n, iter(range(n))
-        return overlap.ulysses_attention(self.q_in, self.kv_in, self.kv_in, GROUP, self.shape.causal, None, n,
-                                         self.backend)  # fmt: skip
+        return overlap.ulysses_attention(
+            self.q_in, self.kv_in, self.kv_in, GROUP, self.shape.causal, None, n, self.backend
+        )
 
     # The op's calls into graphar.comm.ulysses and ulysses_shapes, replaced while `patched()` holds.
 
@@ -203,8 +216,9 @@ def calls_per_graph(shape: Shape, world_size: int, s: Settings) -> int:
     return int(max(1, min(s.max_calls, FLOP_BUDGET // flops)))
 
 
-def run_backend(emu: Emulated, shape: Shape, backend: str, s: Settings, reasons: dict[str, str]
-                ) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_backend(
+    emu: Emulated, shape: Shape, backend: str, s: Settings, reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     emu.backend = backend
     key = f"{shape.label}, {backend}"
     cells: dict[tuple, common.Cell] = {}
@@ -227,7 +241,10 @@ def run_backend(emu: Emulated, shape: Shape, backend: str, s: Settings, reasons:
             cells[(shape, backend, n, mode)] = ranks.measured(
                 lambda: common.capture(lambda i: emu.call(n, mode), calls),
                 lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=calls),
-                f"capturing {n} chunks, {mode}", reasons, f"{key}, {n} chunks, {mode}")  # fmt: skip
+                f"capturing {n} chunks, {mode}",
+                reasons,
+                f"{key}, {n} chunks, {mode}",
+            )
     return cells
 
 
@@ -272,8 +289,17 @@ def tax_table(cells: dict[tuple, common.Cell], s: Settings, mode: str) -> str:
     the check) go with the tax of the attention alone (mode none)."""
     asked = [w for w in s.chunks if w > 1]
     target = [f"<= {TARGET_TAX:.0%}", "bits equal"] if mode == NONE else []
-    columns = ["shape", "backend", "ran", "rows per rank", "unchunked, us", *(f"{w} chunks" for w in asked),
-               "rule picks", "tax at the pick", *target]  # fmt: skip
+    columns = [
+        "shape",
+        "backend",
+        "ran",
+        "rows per rank",
+        "unchunked, us",
+        *(f"{w} chunks" for w in asked),
+        "rule picks",
+        "tax at the pick",
+        *target,
+    ]
     rows = []
     for shape in s.shapes:
         for backend in s.backends:
@@ -287,19 +313,32 @@ def tax_table(cells: dict[tuple, common.Cell], s: Settings, mode: str) -> str:
             at_pick = tax(cells, shape, backend, pick, mode) if pick > 1 else 0.0
             met = "-" if not isinstance(at_pick, float) else "yes" if at_pick <= TARGET_TAX else "NO"
             equal = [str(cells.get((shape, backend, n, "equal"), "-")) for n in counts(shape, s, backend) if n > 1]
-            rows.append([shape.label, backend, cells[(shape, backend, "ran")],
-                         f"{rows_per_chunk(shape, s.world_size, 1):,}", cells.get((shape, backend, 1, mode), "-"),
-                         *cols, str(pick), _percent(at_pick) if pick > 1 else "0 (unchunked)",
-                         *([met, ", ".join(dict.fromkeys(equal)) or "-"] if target else [])])  # fmt: skip
+            rows.append(
+                [
+                    shape.label,
+                    backend,
+                    cells[(shape, backend, "ran")],
+                    f"{rows_per_chunk(shape, s.world_size, 1):,}",
+                    cells.get((shape, backend, 1, mode), "-"),
+                    *cols,
+                    str(pick),
+                    _percent(at_pick) if pick > 1 else "0 (unchunked)",
+                    *([met, ", ".join(dict.fromkeys(equal)) or "-"] if target else []),
+                ]
+            )
     return common.markdown_table(columns, rows)
 
 
 def time_table(cells: dict[tuple, common.Cell], s: Settings) -> str:
     timed = sorted({key[2] for key in cells if len(key) == 4 and key[3] in MODES})
     columns = ["shape", "backend", "exchanges", *(f"{n} chunk{'s' * (n > 1)}" for n in timed)]
-    rows = [[shape.label, backend, mode, *(cells.get((shape, backend, n, mode), "-") for n in timed)]
-            for shape in s.shapes for backend in s.backends for mode in MODES
-            if (shape, backend, "ran") in cells]  # fmt: skip
+    rows = [
+        [shape.label, backend, mode, *(cells.get((shape, backend, n, mode), "-") for n in timed)]
+        for shape in s.shapes
+        for backend in s.backends
+        for mode in MODES
+        if (shape, backend, "ran") in cells
+    ]
     return common.markdown_table(columns, rows)
 
 
@@ -340,7 +379,8 @@ def notes(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str])
         "every shape; where no count meets it the rule must pick 1.",
         "Suggested AUTO_MIN_ROWS (query rows a chunk keeps, causal ones counted 1 / AUTO_CAUSAL_FACTOR; the "
         "smallest measured chunk at and above which every measured chunk is within the target): "
-        + "; ".join(f"{b}: {suggested_rows(cells, s, b)}" for b in s.backends) + ".",
+        + "; ".join(f"{b}: {suggested_rows(cells, s, b)}" for b in s.backends)
+        + ".",
         "rows per rank: batch x heads / world size x s, the unchunked call's query rows. ran: the backend SDPA "
         "runs for the unchunked call as the op pins it (another where the pinned one refuses the inputs). bits "
         "equal: every chunked call's attention output equals the unchunked one's, bit for bit.",
@@ -358,15 +398,27 @@ def charts(cells: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
                 points = plot.points(timed, [100 * t if isinstance(t, float) else t for t in taxes])
                 lines.append(plot.Line(f"{shape.label}, {backend}", points, colour_key=shape.label, dash_key=backend))
         ticks = sorted({n for shape in s.shapes for backend in s.backends for n in counts(shape, s, backend)})
-        panels.append(plot.LineChart(f"chunking tax, {MODE_LABELS[mode]}", "chunks",
-                                     "% over unchunked", lines, [(n, str(n)) for n in ticks], log=False))  # fmt: skip
+        panels.append(
+            plot.LineChart(
+                f"chunking tax, {MODE_LABELS[mode]}",
+                "chunks",
+                "% over unchunked",
+                lines,
+                [(n, str(n)) for n in ticks],
+                log=False,
+            )
+        )
     return panels
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
-    info = common.header("one process, one rank's share of the heads; bf16, CUDA graphs", f"{s.world_size} "
-                         "(emulated: one GPU, no peers)", gpu)  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
+    info = common.header(
+        "one process, one rank's share of the heads; bf16, CUDA graphs",
+        f"{s.world_size} (emulated: one GPU, no peers)",
+        gpu,
+    )
     title = "Chunking tax of the pipelined Ulysses attention"
     sections = [(f"Chunking tax, {MODE_LABELS[mode]}, % over 1 chunk", tax_table(cells, s, mode)) for mode in MODES]
     sections.append(("us per call", time_table(cells, s)))
@@ -386,5 +438,11 @@ def dry_run(s: Settings, out: Path | None) -> None:
                 cells[(shape, backend, n, "equal")] = "yes"
                 cells[(shape, backend, n, NONE)] = whole * (1 + (n - 1) * rng.uniform(0, 0.02))
                 cells[(shape, backend, n, COPY)] = whole * (1.3 - (n - 1) * rng.uniform(0, 0.05))
-    write(cells, s, 1, {}, common.DRY_RUN_GPU, common.results_path("chunking", common.DRY_RUN_GPU, None, out,
-                                                                   common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        1,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("chunking", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
+    )

@@ -19,10 +19,18 @@ from graphar.benchmarks import allreduce, attention, capture, chunking, common, 
 from graphar.benchmarks import compile as compile_time
 
 # Benchmarks that run in this process (on one GPU, or on the CPU): no launch, their own main(args, settings).
-IN_PROCESS: dict[str, ModuleType] = {"chunking": chunking, "compile": compile_time, "norm-local": norm_local,
-                                     "pack": pack}
+IN_PROCESS: dict[str, ModuleType] = {
+    "chunking": chunking,
+    "compile": compile_time,
+    "norm-local": norm_local,
+    "pack": pack,
+}
 BENCHMARKS: dict[str, ModuleType] = {
-    "allreduce": allreduce, "attention": attention, "capture": capture, "decode": decode, "norm": norm,
+    "allreduce": allreduce,
+    "attention": attention,
+    "capture": capture,
+    "decode": decode,
+    "norm": norm,
     "ulysses": ulysses,
     **IN_PROCESS,
 }
@@ -32,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     benchmarks = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module in BENCHMARKS.items():
         summary = module.__doc__.splitlines()[0]
-        sub = benchmarks.add_parser(name, help=summary, description=module.__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sub = benchmarks.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(sub)
         sub.set_defaults(benchmark_module=module, benchmark_parser=sub)
 

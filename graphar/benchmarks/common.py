@@ -36,17 +36,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import functools
 import operator
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-import dataclasses
-import functools
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -93,15 +93,22 @@ def progress(text: str) -> None:
         print(f"[{time.time() - _progress.start:6.1f} s] {text}", flush=True)
 
 
-def add_arguments(p: argparse.ArgumentParser, quick_help: str,
-                  world_size_help: str = "GPUs to use (default: all visible)") -> None:  # fmt: skip
+def add_arguments(
+    p: argparse.ArgumentParser, quick_help: str, world_size_help: str = "GPUs to use (default: all visible)"
+) -> None:
     """The options every benchmark has; each adds its own after these."""
     p.add_argument("--world-size", type=int, default=None, help=world_size_help)
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--dry-run", action="store_true", help="format a table (and plot) of fake numbers on CPU")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
-                        "of a source checkout, else the current folder)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=(
+            "results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
+            "of a source checkout, else the current folder)"
+        ),
+    )
 
 
 def _raise_recompile_limit() -> None:
@@ -112,8 +119,9 @@ def _raise_recompile_limit() -> None:
             setattr(torch._dynamo.config, name, DYNAMO_RECOMPILE_LIMIT)
 
 
-def _entry(rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float,
-           args: tuple) -> None:  # fmt: skip
+def _entry(
+    rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float, args: tuple
+) -> None:
     global _progress
     _progress = _Progress(start, rank == 0)
     _raise_recompile_limit()
@@ -170,8 +178,12 @@ def main(
     return 0
 
 
-def main_one_gpu(args: argparse.Namespace, settings: Any, dry_run: Callable[[Any, Path | None], None],
-                 worker: Callable[[Any, Path | None], None]) -> int:  # fmt: skip
+def main_one_gpu(
+    args: argparse.Namespace,
+    settings: Any,
+    dry_run: Callable[[Any, Path | None], None],
+    worker: Callable[[Any, Path | None], None],
+) -> int:
     """A one-GPU benchmark's entry point: `--dry-run` formats fake numbers on the CPU, else
     worker(settings, out) runs here, on the current GPU, with no process group (a world of one)."""
     if args.dry_run:
@@ -207,6 +219,7 @@ def capture(
     The warm-up (where a compiled fn compiles) is agreed: if it raised on any rank, this raises on
     every rank, none of them left capturing alone.
     """
+
     def warm_up() -> None:
         for i in range(warmup):
             fn(i)
@@ -274,8 +287,12 @@ def time_host(run: Callable[[int], object], *, iters: int, repeats: int = 3, war
     return statistics.median(samples)
 
 
-def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], Mapping[Any, Cell]],
-              write: Callable[[dict[Any, Cell], list[U], bool], None]) -> None:  # fmt: skip
+def run_units(
+    units: Sequence[U],
+    label: Callable[[U], str],
+    run: Callable[[U], Mapping[Any, Cell]],
+    write: Callable[[dict[Any, Cell], list[U], bool], None],
+) -> None:
     """Collective: run(unit) on every rank, unit by unit (a size, a shape, a batch); after each, rank 0
     passes the cells so far (max over ranks), the units done and whether they are all to
     write(cells, done, final). The report on disk always holds every finished unit: a run cut at its
@@ -291,8 +308,9 @@ def run_units(units: Sequence[U], label: Callable[[U], str], run: Callable[[U], 
 Writer = Callable[..., None]  # a benchmark's write(cells, s, world_size, reasons, gpu, path, final)
 
 
-def reporter(name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
-             ) -> Callable[[dict[Any, Cell], list, bool], None]:  # fmt: skip
+def reporter(
+    name: str, s: Any, field: str, write: Writer, reasons: dict[str, str], out: Path | None
+) -> Callable[[dict[Any, Cell], list, bool], None]:
     """`run_units`' write for the benchmark `name`: its report so far, settings `s` with only the units
     done in `s.<field>`, to its results file for this GPU and world size (`results_path`; alone: for
     this GPU, and `write` gets world size 1)."""
@@ -337,13 +355,13 @@ def derived(a: Cell, b: Cell, fmt: str = "{:.2f}x", op: Callable[[float, float],
 def versions() -> dict[str, str]:
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception:  # CPU-only builds have no NCCL
+    except Exception:  # noqa: BLE001  (CPU-only builds have no NCCL)
         nccl = "n/a"
     try:
         import graphar
 
         graphar_version = graphar.__version__
-    except Exception as e:  # the dry run works without graphar
+    except Exception as e:  # noqa: BLE001  (the dry run works without graphar)
         graphar_version = f"n/a ({type(e).__name__})"
     return {"torch": torch.__version__, "NCCL": nccl, "graphar": graphar_version}
 
@@ -384,8 +402,12 @@ def git_commit() -> str:
     git = ["git", "-C", str(checkout)]
     try:
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        changes = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!bench/results"], capture_output=True, text=True, check=True)  # fmt: skip
+        changes = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "n/a"
     return head.stdout.strip() + (" + uncommitted changes" if changes.stdout.strip() else "")
@@ -425,8 +447,9 @@ def dry_run_dir() -> Path:
     return Path(tempfile.gettempdir()) / "graphar-bench-dry-run"
 
 
-def results_path(name: str, gpu: str, world_size: int | None, out: Path | None, default_dir: Path | None = None
-                 ) -> Path:  # fmt: skip
+def results_path(
+    name: str, gpu: str, world_size: int | None, out: Path | None, default_dir: Path | None = None
+) -> Path:
     """`results_file` named <name>-<gpu>-ws<N>.md, or <name>-<gpu>.md for a one-GPU benchmark (world_size None)."""
     suffix = "" if world_size is None else f"-ws{world_size}"
     return results_file(f"{name}-{gpu_slug(gpu)}{suffix}.md", out, default_dir)
@@ -446,7 +469,7 @@ def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str
     plot.write_whole(path, lambda partial: partial.write_text(text))
     try:
         said = plot.write_png(charts, path.with_suffix(".png"), title)
-    except Exception as e:  # a plot that cannot be drawn must not cost the table or the run
+    except Exception as e:  # noqa: BLE001  (a plot that cannot be drawn must not cost the table or the run)
         said = f"plot not written: {type(e).__name__}: {e}"
     if final:
         print(text)

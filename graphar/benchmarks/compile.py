@@ -62,8 +62,11 @@ class Settings:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", default="8,32,80", help="comma-separated layer counts of the Llama-style model")
     p.add_argument("--dit-layers", default="40", help="comma-separated layer counts of the DiT ('' for none)")
-    common.add_arguments(p, quick_help="Llama 2 and 4 layers, DiT 2 layers",
-                         world_size_help="ranks of the fake process group (default 2)")  # fmt: skip
+    common.add_arguments(
+        p,
+        quick_help="Llama 2 and 4 layers, DiT 2 layers",
+        world_size_help="ranks of the fake process group (default 2)",
+    )
 
 
 def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
@@ -75,8 +78,9 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
     world_size = args.world_size or 2
     if min(llama + dit, default=1) < 1 or world_size < 2:
         p.error("layer counts must be positive and --world-size at least 2")
-    return Settings(units=[(LLAMA, n) for n in llama] + [(DIT, n) for n in dit], world_size=world_size,
-                    cold=not args.quick)  # fmt: skip
+    return Settings(
+        units=[(LLAMA, n) for n in llama] + [(DIT, n) for n in dit], world_size=world_size, cold=not args.quick
+    )
 
 
 # ---- the models ---------------------------------------------------------------------------------
@@ -89,8 +93,11 @@ class DiTBlock(nn.Module):
         super().__init__()
         self.hidden = DIT_SHAPE[2] * DIT_SHAPE[3]
         self.attn = attention.Block(DIT_SHAPE, 0, world_size, exchange=True, device="cpu")
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, 4 * self.hidden), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * self.hidden, self.hidden)).to(attention.DTYPE)  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(self.hidden, 4 * self.hidden),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * self.hidden, self.hidden),
+        ).to(attention.DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(F.layer_norm(x, (self.hidden,)))
@@ -154,7 +161,7 @@ def measure(unit: Unit, s: Settings, reasons: dict[str, str]) -> dict[tuple, com
     for backend, column in (("inductor", INDUCTOR), ("graphar", GRAPHAR)):
         try:
             seconds, passes, rewrites = compile_once(module, x, backend, s.cold)
-        except Exception as e:  # one failed compile costs its cell, not the run
+        except Exception as e:  # noqa: BLE001  (one failed compile costs its cell, not the run)
             cells[(unit, column)] = "err"
             reasons[f"{name} {layers} layers, {backend}"] = f"{type(e).__name__}: {e}"
             continue
@@ -174,9 +181,12 @@ def main(args: argparse.Namespace, s: Settings) -> int:
     common.git_commit()  # read as the run starts: edits made while it runs are not what ran
     cells: dict[tuple, common.Cell] = {}
     reasons: dict[str, str] = {}
-    with (fake_world(s.world_size), fresh_cache_if(not s.cold),
-          torch._inductor.config.patch(fx_graph_cache=False),  # a hit in these would skip graphar's pass
-          torch._functorch.config.patch(enable_autograd_cache=False)):
+    with (
+        fake_world(s.world_size),
+        fresh_cache_if(not s.cold),
+        torch._inductor.config.patch(fx_graph_cache=False),  # a hit in these would skip graphar's pass
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         # A process's first compiles pay for imports and one-time set-up: not the first row's to pay
         # (but --quick's, to be quick).
         if s.cold:
@@ -210,16 +220,32 @@ def _seconds(cell: common.Cell, fmt: str) -> str:
 
 
 def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
-    columns = ["model", "layers", INDUCTOR, GRAPHAR, PASSES, "passes % of graphar compile", "passes ms per layer",
-               REWRITES]  # fmt: skip
+    columns = [
+        "model",
+        "layers",
+        INDUCTOR,
+        GRAPHAR,
+        PASSES,
+        "passes % of graphar compile",
+        "passes ms per layer",
+        REWRITES,
+    ]
     rows = []
     for unit in s.units:
         name, layers = unit
         passes, graphar_s = cells.get((unit, PASSES), "-"), cells[(unit, GRAPHAR)]
-        rows.append([name, str(layers), _seconds(cells[(unit, INDUCTOR)], "{:.1f}"), _seconds(graphar_s, "{:.1f}"),
-                     _seconds(passes, "{:.3f}"), common.derived(passes, graphar_s, "{:.2%}"),
-                     common.derived(passes, float(layers), "{:.2f}", lambda a, b: 1000 * a / b),
-                     str(cells.get((unit, REWRITES), "-"))])  # fmt: skip
+        rows.append(
+            [
+                name,
+                str(layers),
+                _seconds(cells[(unit, INDUCTOR)], "{:.1f}"),
+                _seconds(graphar_s, "{:.1f}"),
+                _seconds(passes, "{:.3f}"),
+                common.derived(passes, graphar_s, "{:.2%}"),
+                common.derived(passes, float(layers), "{:.2f}", lambda a, b: 1000 * a / b),
+                str(cells.get((unit, REWRITES), "-")),
+            ]
+        )
     return common.markdown_table(columns, rows)
 
 
@@ -231,18 +257,28 @@ def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.LineChart:
             ys = [cells.get(((name, n), column), "-") for n in layers]
             lines.append(plot.Line(f"{name}: {column}", plot.points(layers, ys), colour_key=column, dash_key=name))
     ticks = sorted({n for _, n in s.units})
-    return plot.LineChart("cold compile, seconds against layers (log-log)", "layers", "seconds", lines,
-                          [(n, str(n)) for n in ticks])  # fmt: skip
+    return plot.LineChart(
+        "cold compile, seconds against layers (log-log)", "layers", "seconds", lines, [(n, str(n)) for n in ticks]
+    )
 
 
-def write(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str], path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str], path: Path, final: bool = True
+) -> None:
     versions = {k: v for k, v in common.versions().items() if k != "NCCL"}
-    info = {"CPU": f"{cpu_name()}, {os.cpu_count()} cores", **versions, "commit": common.git_commit(),
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "mode": f"cold compile, fake process group of {s.world_size} ranks"}  # fmt: skip
-    caches = ("every cache cold, after a warm-up" if s.cold else "kernels compiled once per run, no warm-up "
-              "(--quick: a smoke run; most of the C++ compiler's time left out, the first row pays one-time costs)")
+    info = {
+        "CPU": f"{cpu_name()}, {os.cpu_count()} cores",
+        **versions,
+        "commit": common.git_commit(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "mode": f"cold compile, fake process group of {s.world_size} ranks",
+    }
+    caches = (
+        "every cache cold, after a warm-up"
+        if s.cold
+        else "kernels compiled once per run, no warm-up "
+        "(--quick: a smoke run; most of the C++ compiler's time left out, the first row pays one-time costs)"
+    )
     notes = [
         "Compile s: wall time of the compiled model's first call (Dynamo, AOTAutograd, Inductor, the C++ "
         f"compiler, and one run of a few ms), {caches}; FX-graph and AOTAutograd caches off; one sample each, on "
@@ -265,6 +301,12 @@ def dry_run(s: Settings, out: Path | None) -> None:
     cells: dict[tuple, common.Cell] = {}
     for unit in s.units:
         layers = unit[1]
-        cells.update({(unit, INDUCTOR): 5 + 0.8 * layers, (unit, GRAPHAR): 5.1 + 0.8 * layers,
-                      (unit, PASSES): 0.002 * layers, (unit, REWRITES): f"all_reduce {2 * layers}"})  # fmt: skip
+        cells.update(
+            {
+                (unit, INDUCTOR): 5 + 0.8 * layers,
+                (unit, GRAPHAR): 5.1 + 0.8 * layers,
+                (unit, PASSES): 0.002 * layers,
+                (unit, REWRITES): f"all_reduce {2 * layers}",
+            }
+        )
     write(cells, s, {}, common.results_file(FILE_NAME, out, common.dry_run_dir()))

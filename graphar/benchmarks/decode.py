@@ -158,8 +158,9 @@ class Block(nn.Module):
         return x
 
 
-def compiled_step(blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str, dynamic: bool = False,
-                  **options: object) -> Step:  # fmt: skip
+def compiled_step(
+    blocks: nn.ModuleList, norm: torch.Tensor, eps: float, backend: str, dynamic: bool = False, **options: object
+) -> Step:
     compiled = [torch.compile(block, backend=backend, dynamic=dynamic, options=options or None) for block in blocks]
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -258,8 +259,11 @@ def run_batch(runs: Runs, b: int, s: Settings, gen: torch.Generator) -> dict[tup
     cells = checks(runs, x, b)
     for v in VARIANTS:
         run = runs[v]
-        cells[(b, v)] = run if isinstance(run, str) else common.time_gpu(
-            lambda: [run[b](x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)  # fmt: skip
+        cells[(b, v)] = (
+            run
+            if isinstance(run, str)
+            else common.time_gpu(lambda: [run[b](x) for _ in range(s.steps)], repeats=s.replays, per=s.steps)
+        )
     return cells
 
 
@@ -290,8 +294,12 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     reasons["dynamo graph breaks"] = str(sum(torch._dynamo.utils.counters["graph_break"].values()))
     common.progress(f"compiled and captured; timing {s.replays} samples of {s.steps} steps per variant and batch")
     gen = torch.Generator(device="cuda").manual_seed(0)  # the replicated hidden states: same on every rank
-    common.run_units(s.batches, lambda b: f"batch {b}", lambda b: run_batch(runs, b, s, gen),
-                     common.reporter("decode", s, "batches", write, reasons, out_path))
+    common.run_units(
+        s.batches,
+        lambda b: f"batch {b}",
+        lambda b: run_batch(runs, b, s, gen),
+        common.reporter("decode", s, "batches", write, reasons, out_path),
+    )
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -328,12 +336,17 @@ def notes(s: Settings, world_size: int, reasons: dict[str, str]) -> list[str]:
 
 def chart(cells: dict[tuple, common.Cell], s: Settings) -> plot.BarChart:
     bars = {label: [cells[(b, v)] for b in s.batches] for v, label in LABELS.items()}
-    return plot.BarChart(f"{s.shape.layers} blocks, median of {s.replays} samples, max over ranks",
-                         "us per decode step", [f"batch {b}" for b in s.batches], bars)  # fmt: skip
+    return plot.BarChart(
+        f"{s.shape.layers} blocks, median of {s.replays} samples, max over ranks",
+        "us per decode step",
+        [f"batch {b}" for b in s.batches],
+        bars,
+    )
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header("decode, CUDA graphs", world_size, gpu)
     sections = [("per decode step, us", table(cells, s))]
     title = "Decode step (TP, Llama-style)"
@@ -349,5 +362,11 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells.update({(b, v): rng.uniform(300, 600) for v in VARIANTS})
         cells.update({(b, column): "0.0156" for column in DIFF_COLUMNS.values()})
         cells.update({(b, "(b) == (c) bits"): "yes", (b, "ranks equal"): "yes"})
-    write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("decode", common.DRY_RUN_GPU, 2, out,
-                                                                     common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        2,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("decode", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
+    )

@@ -115,8 +115,9 @@ def fused_is_right(op: Op, tokens: int, hidden: int) -> bool:
     return ok and right(outs[-1])
 
 
-def fused_status(comm, op: Op, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 reasons: dict[str, str]) -> str | None:  # fmt: skip
+def fused_status(
+    comm, op: Op, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, reasons: dict[str, str]
+) -> str | None:
     """Why the fused op is not timed at x's size ("-", "WRONG", "err"), alike on every rank; None: time it."""
     tokens, hidden = x.shape
 
@@ -130,8 +131,12 @@ def fused_status(comm, op: Op, x: torch.Tensor, residual: torch.Tensor, weight: 
         reasons[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
     if status is not None:
         return status
-    status = ranks.verdict(lambda: None if fused_is_right(op, tokens, hidden) else "WRONG", "the fused op's check",
-                            reasons, f"{FUSED} check")  # fmt: skip
+    status = ranks.verdict(
+        lambda: None if fused_is_right(op, tokens, hidden) else "WRONG",
+        "the fused op's check",
+        reasons,
+        f"{FUSED} check",
+    )
     if status == "WRONG":
         reasons.setdefault(f"{FUSED} check", f"differs from the unfused ops at {tokens} tokens")
     return status
@@ -152,7 +157,11 @@ def run_tokens(tokens: int, comm, ops: dict[str, Op], s: Settings, reasons: dict
         inp = x.clone() if name == NCCL_NORM else x
         cells[(tokens, name)] = status or ranks.measured(
             lambda: common.capture(lambda i: op(inp, residual, weight), s.ops, context=graphar_graph),
-            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops), "capture", reasons, name)
+            lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=s.ops),
+            "capture",
+            reasons,
+            name,
+        )
     return cells
 
 
@@ -164,17 +173,28 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
         raise RuntimeError("graphar.init returned None (its log says why)")
     ops = contenders(comm)
     reasons: dict[str, str] = {}
-    common.run_units(s.tokens, lambda t: f"{t} tokens", lambda t: run_tokens(t, comm, ops, s, reasons),
-                     common.reporter("norm", s, "tokens", write, reasons, out_path))
+    common.run_units(
+        s.tokens,
+        lambda t: f"{t} tokens",
+        lambda t: run_tokens(t, comm, ops, s, reasons),
+        common.reporter("norm", s, "tokens", write, reasons, out_path),
+    )
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     rows = []
     for t in s.tokens:
         fused = cells[(t, FUSED)]
-        rows.append([str(t), common.format_bytes(t * s.hidden * DTYPE.itemsize), *(cells[(t, c)] for c in COLUMNS),
-                     *(common.derived(fused, cells[(t, c)], "{:+.1f}", operator.sub) for c in (PUSH, UNFUSED))])
+        rows.append(
+            [
+                str(t),
+                common.format_bytes(t * s.hidden * DTYPE.itemsize),
+                *(cells[(t, c)] for c in COLUMNS),
+                *(common.derived(fused, cells[(t, c)], "{:+.1f}", operator.sub) for c in (PUSH, UNFUSED)),
+            ]
+        )
     columns = ["tokens", "bytes", *COLUMNS, "fused - push-oneshot", "fused - unfused"]
     info = common.header("norm, CUDA graphs", world_size, gpu)
     notes = [
@@ -186,10 +206,13 @@ def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gp
     ] + [f"{name}: {why}" for name, why in sorted(reasons.items())]
     title = "Fused all-reduce + residual add + RMSNorm (us)"
     text = common.report(title, info, [("per op, us", common.markdown_table(columns, rows))], notes)
-    lines = [plot.Line(c, plot.points(s.tokens, [cells[(t, c)] for t in s.tokens]), colour_key=c, dash_key="graph")
-             for c in COLUMNS]  # fmt: skip
-    chart = plot.LineChart(f"bf16, hidden {s.hidden}, max over ranks", "tokens", "us per op", lines,
-                           [(t, str(t)) for t in s.tokens])  # fmt: skip
+    lines = [
+        plot.Line(c, plot.points(s.tokens, [cells[(t, c)] for t in s.tokens]), colour_key=c, dash_key="graph")
+        for c in COLUMNS
+    ]
+    chart = plot.LineChart(
+        f"bf16, hidden {s.hidden}, max over ranks", "tokens", "us per op", lines, [(t, str(t)) for t in s.tokens]
+    )
     common.write_report(text, path, [chart], f"{title}, {gpu}, world size {world_size}", final)
 
 

@@ -67,8 +67,9 @@ class Settings:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512", help="comma-separated token counts (rows)")
     p.add_argument("--hidden", default="4096,8192", help="comma-separated hidden sizes")
-    common.add_arguments(p, quick_help="1, 8 and 64 tokens, fewer ops and replays",
-                         world_size_help="ignored: one GPU, no peers")  # fmt: skip
+    common.add_arguments(
+        p, quick_help="1, 8 and 64 tokens, fewer ops and replays", world_size_help="ignored: one GPU, no peers"
+    )
 
 
 def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
@@ -100,35 +101,52 @@ class Loopback:
         self.device = torch.cuda.current_device()
         handle = ctypes.c_void_p()
         blocks = block_limit(torch.cuda.get_device_capability(self.device)[0])
-        _cuda.check(self.lib.graphar_comm_create(0, 2, max_bytes, blocks, TIMEOUT_NS, 1, ctypes.byref(handle)),
-                    "graphar_comm_create (loopback)")  # fmt: skip
+        _cuda.check(
+            self.lib.graphar_comm_create(0, 2, max_bytes, blocks, TIMEOUT_NS, 1, ctypes.byref(handle)),
+            "graphar_comm_create (loopback)",
+        )
         self.handle = handle.value
         record = ctypes.c_void_p()
         _cuda.check(self.lib.graphar_comm_error_record(self.handle, ctypes.byref(record)), "error record")
         self.record = abi.ErrorRecord.from_address(record.value)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                 normed: torch.Tensor, summed: torch.Tensor, *, pdl: bool, max_split: int = 0, eps: float = EPS,
-                 weight_first: bool = False) -> tuple[int, int, int]:  # fmt: skip
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        normed: torch.Tensor,
+        summed: torch.Tensor,
+        *,
+        pdl: bool,
+        max_split: int = 0,
+        eps: float = EPS,
+        weight_first: bool = False,
+    ) -> tuple[int, int, int]:
         """One launch on the current stream, writing normed and summed (x's shape and dtype, contiguous, as
         residual; weight one row; None: none); returns its grid (blocks, threads per block, blocks per row)."""
         row_bytes = x.shape[-1] * x.element_size()
         stream = torch.cuda.current_stream(self.device).cuda_stream
         address = [0 if t is None else t.data_ptr() for t in (x, residual, weight, normed, summed)]
-        args = self._abi.NORM_ARGS.pack(*address, x.nbytes, row_bytes, stream, eps, self._abi.DTYPE_CODES[x.dtype],
-                                        int(weight_first), int(pdl))  # fmt: skip
+        args = self._abi.NORM_ARGS.pack(
+            *address, x.nbytes, row_bytes, stream, eps, self._abi.DTYPE_CODES[x.dtype], int(weight_first), int(pdl)
+        )
         blocks, threads, split = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        self._cuda.check(self.lib.graphar_comm_norm_loopback(self.handle, args, max_split, ctypes.byref(blocks),
-                                                             ctypes.byref(threads), ctypes.byref(split)),
-                         "graphar_comm_norm_loopback")  # fmt: skip
+        self._cuda.check(
+            self.lib.graphar_comm_norm_loopback(
+                self.handle, args, max_split, ctypes.byref(blocks), ctypes.byref(threads), ctypes.byref(split)
+            ),
+            "graphar_comm_norm_loopback",
+        )
         return blocks.value, threads.value, split.value
 
     def check(self) -> None:
         """Raise when a kernel gave up a wait (its outputs are poison, its times meaningless)."""
         if self.record.failed:
             where = self._abi.WHERE.get(self.record.where, self.record.where)
-            raise RuntimeError(f"the fused kernel gave up at {where}, block {self.record.block}, "
-                               f"cause {self.record.cause}")  # fmt: skip
+            raise RuntimeError(
+                f"the fused kernel gave up at {where}, block {self.record.block}, cause {self.record.cause}"
+            )
 
     def close(self) -> None:
         torch.cuda.synchronize()
@@ -207,7 +225,7 @@ def run_unit(unit: Unit, loop: Loopback, norm: Callable, s: Settings, reasons: d
     def cell(column: str, measure: Callable[[], float]) -> None:
         try:
             cells[key(column)] = measure()
-        except Exception as e:  # a cell that cannot be measured says why, the run goes on
+        except Exception as e:  # noqa: BLE001  (a cell that cannot be measured says why, the run goes on)
             cells[key(column)] = "err"
             reasons.setdefault(column, f"{type(e).__name__}: {str(e).partition(chr(10))[0]}")
 
@@ -218,7 +236,7 @@ def run_unit(unit: Unit, loop: Loopback, norm: Callable, s: Settings, reasons: d
         cells[key(GRID)] = f"{blocks} x {threads}" + (f", {split}/row" if split > 1 else "")
         cells[key(SMS)] = str(min(blocks, sms))
         problem = check_fused(loop, x, residual, weight)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (whatever the fused kernel raised, the check's note says it)
         problem = f"raised {type(e).__name__}: {str(e).partition(chr(10))[0]}"
         cells[key(GRID)] = cells[key(SMS)] = "err"
     if problem is not None:
@@ -257,9 +275,12 @@ def main(args: argparse.Namespace, s: Settings) -> int:
         for i, unit in enumerate(units, 1):
             cells.update(run_unit(unit, loop, norm, s, reasons))
             done = units[:i]
-            partial = Settings(tokens=[t for t in s.tokens if any(u[1] == t for u in done)],
-                               hidden=[h for h in s.hidden if any(u[0] == h for u in done)], ops=s.ops,
-                               replays=s.replays)  # fmt: skip
+            partial = Settings(
+                tokens=[t for t in s.tokens if any(u[1] == t for u in done)],
+                hidden=[h for h in s.hidden if any(u[0] == h for u in done)],
+                ops=s.ops,
+                replays=s.replays,
+            )
             write(cells, partial, reasons, gpu, path, final=i == len(units))
             common.progress(f"done hidden {unit[0]}, {unit[1]} tokens ({i}/{len(units)})")
     finally:
@@ -278,33 +299,53 @@ def write(cells: dict, s: Settings, reasons: dict[str, str], gpu: str, path: Pat
         tokens = [t for t in s.tokens if ((hidden, t), INDUCTOR) in cells]
         for t in tokens:
             c = {name: cells.get(((hidden, t), name), "-") for name in (GRID, SMS, CHECK, *TIMED)}
-            rows.append([str(t), common.format_bytes(t * hidden * DTYPE.itemsize), c[GRID], c[SMS],
-                         *(c[name] for name in TIMED), common.derived(c[FUSED], c[INDUCTOR]),
-                         common.derived(c[FUSED_PDL], c[INDUCTOR]), c[CHECK]])  # fmt: skip
+            rows.append(
+                [
+                    str(t),
+                    common.format_bytes(t * hidden * DTYPE.itemsize),
+                    c[GRID],
+                    c[SMS],
+                    *(c[name] for name in TIMED),
+                    common.derived(c[FUSED], c[INDUCTOR]),
+                    common.derived(c[FUSED_PDL], c[INDUCTOR]),
+                    c[CHECK],
+                ]
+            )
         sections.append((f"hidden {hidden}, us per op", common.markdown_table(columns, rows)))
-        lines = [plot.Line(name, plot.points(tokens, [cells.get(((hidden, t), name), "-") for t in tokens]),
-                           colour_key=name) for name in TIMED]  # fmt: skip
-        charts.append(plot.LineChart(f"bf16, hidden {hidden}", "tokens", "us per op", lines,
-                                     [(t, str(t)) for t in tokens]))  # fmt: skip
+        lines = [
+            plot.Line(name, plot.points(tokens, [cells.get(((hidden, t), name), "-") for t in tokens]), colour_key=name)
+            for name in TIMED
+        ]
+        charts.append(
+            plot.LineChart(f"bf16, hidden {hidden}", "tokens", "us per op", lines, [(t, str(t)) for t in tokens])
+        )
     notes_head = [target_line(cells, s, hidden) for hidden in s.hidden]
-    info = {"GPU": gpu, **{k: v for k, v in common.versions().items() if k != "NCCL"},
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "mode": "one GPU, CUDA graphs"}  # fmt: skip
-    notes = notes_head + [
-        f"us per op: median of {s.replays} replays of a CUDA graph of {s.ops} back-to-back ops; bf16 [tokens, hidden].",
-        "fused local: graphar's fused all-reduce + residual add + RMSNorm kernel (world size 2) with its peer's "
-        "data arrived at once: the loopback launch, whose pushes land in this GPU's own memory instead of going "
-        "over NVLink and which sums its input twice. Everything else is the kernel as it runs between two GPUs.",
-        "Inductor add + norm: h = x + residual and HF's LlamaRMSNorm, torch.compile(dynamic=False): the unfused "
-        "graph the fused op replaces, without its all-reduce.",
-        "grid: blocks x threads per block, and blocks per row where rows are split; SMs: the SMs those blocks "
-        "can cover, one block each (the scheduler spreads a grid this small over idle SMs).",
-        "fused PDL: launched with programmatic dependent launch (graphar's default where the library holds "
-        "sm_90 code): each op's start overlaps the end of the op before it, here the same kernel; Inductor's "
-        "kernels have no such overlap. <= 16 blocks/row, a block/row: the kernel with its split capped (16 "
-        "blocks per row; one, the grid it had before rows were split).",
-        "check: sum + residual equal to PyTorch's bits, normed within 2**-6 of the unfused ops' (relative), "
-        "and the kernel's grid and one block per row bitwise equal (WRONG otherwise; then nothing fused is timed).",
-    ] + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+    info = {
+        "GPU": gpu,
+        **{k: v for k, v in common.versions().items() if k != "NCCL"},
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "mode": "one GPU, CUDA graphs",
+    }
+    notes = (
+        notes_head
+        + [
+            f"us per op: median of {s.replays} replays of a CUDA graph of {s.ops} back-to-back ops; bf16 [tokens, hidden].",
+            "fused local: graphar's fused all-reduce + residual add + RMSNorm kernel (world size 2) with its peer's "
+            "data arrived at once: the loopback launch, whose pushes land in this GPU's own memory instead of going "
+            "over NVLink and which sums its input twice. Everything else is the kernel as it runs between two GPUs.",
+            "Inductor add + norm: h = x + residual and HF's LlamaRMSNorm, torch.compile(dynamic=False): the unfused "
+            "graph the fused op replaces, without its all-reduce.",
+            "grid: blocks x threads per block, and blocks per row where rows are split; SMs: the SMs those blocks "
+            "can cover, one block each (the scheduler spreads a grid this small over idle SMs).",
+            "fused PDL: launched with programmatic dependent launch (graphar's default where the library holds "
+            "sm_90 code): each op's start overlaps the end of the op before it, here the same kernel; Inductor's "
+            "kernels have no such overlap. <= 16 blocks/row, a block/row: the kernel with its split capped (16 "
+            "blocks per row; one, the grid it had before rows were split).",
+            "check: sum + residual equal to PyTorch's bits, normed within 2**-6 of the unfused ops' (relative), "
+            "and the kernel's grid and one block per row bitwise equal (WRONG otherwise; then nothing fused is timed).",
+        ]
+        + [f"{name}: {why}" for name, why in sorted(reasons.items())]
+    )
     title = "Fused norm, local part, against Inductor's add + RMSNorm (us)"
     text = common.report(title, info, sections, notes)
     common.write_report(text, path, charts, f"{title}, {gpu}", final)
@@ -313,14 +354,20 @@ def write(cells: dict, s: Settings, reasons: dict[str, str], gpu: str, path: Pat
 def target_line(cells: dict, s: Settings, hidden: int) -> str:
     """The issue's target at one hidden size: the fused local part at most Inductor's time from 1 to 64
     tokens (worst ratio, PDL off and on), and at least 32 SMs at one token."""
+
     def worst(column: str) -> str:
-        ratios = [cells[((hidden, t), column)] / cells[((hidden, t), INDUCTOR)] for t in s.tokens if t <= 64
-                  and all(isinstance(cells.get(((hidden, t), c)), float) for c in (column, INDUCTOR))]  # fmt: skip
+        ratios = [
+            cells[((hidden, t), column)] / cells[((hidden, t), INDUCTOR)]
+            for t in s.tokens
+            if t <= 64 and all(isinstance(cells.get(((hidden, t), c)), float) for c in (column, INDUCTOR))
+        ]
         return f"{max(ratios):.2f}x" if ratios else "-"
 
     sms = cells.get(((hidden, 1), SMS), "-") if 1 in s.tokens else "-"
-    return (f"target at hidden {hidden} (fused local <= 1.0x Inductor at 1-64 tokens, >= 32 SMs at 1 token): "
-            f"worst fused / Inductor {worst(FUSED)} (PDL off), {worst(FUSED_PDL)} (PDL on); SMs at 1 token {sms}.")
+    return (
+        f"target at hidden {hidden} (fused local <= 1.0x Inductor at 1-64 tokens, >= 32 SMs at 1 token): "
+        f"worst fused / Inductor {worst(FUSED)} (PDL off), {worst(FUSED_PDL)} (PDL on); SMs at 1 token {sms}."
+    )
 
 
 def dry_run(s: Settings, out: Path | None) -> None:
@@ -338,4 +385,3 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells[(unit, CHECK)] = "ok"
     path = common.results_file(f"norm-local-{common.gpu_slug(common.DRY_RUN_GPU)}.md", out, common.dry_run_dir())
     write(cells, s, {}, common.DRY_RUN_GPU, path)
-

@@ -62,12 +62,21 @@ def tile_label(tile: Tile) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", help="comma-separated BxSxHxD[:kvN] (S: global sequence, H: all heads)")
-    p.add_argument("--tiles", default=None,
-                   help=f"kernel launches to sweep, T:W = _TILE_ELEMENTS:num_warps (default {DEFAULT_TILES}; "
-                        "--quick: 8192:8; '' for none)")  # fmt: skip
-    common.add_arguments(p, quick_help="5 shapes (GQA, an odd and an unaligned local sequence, b > 1), one "
-                         "tile sweep, fewer ops and replays",
-                         world_size_help="ranks P the layouts are for (default 2)")  # fmt: skip
+    p.add_argument(
+        "--tiles",
+        default=None,
+        help=(
+            f"kernel launches to sweep, T:W = _TILE_ELEMENTS:num_warps (default {DEFAULT_TILES}; "
+            "--quick: 8192:8; '' for none)"
+        ),
+    )
+    common.add_arguments(
+        p,
+        quick_help=(
+            "5 shapes (GQA, an odd and an unaligned local sequence, b > 1), one tile sweep, fewer ops and replays"
+        ),
+        world_size_help="ranks P the layouts are for (default 2)",
+    )
 
 
 def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
@@ -82,8 +91,13 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
     if world_size < 1 or world_size > 8:
         p.error("--world-size must be 1 to 8 (the kernel's peers)")
     default = QUICK_SHAPES if args.quick else shapes.PACK
-    return Settings(shapes=shapes.parse_list(args.shapes, p) or default, tiles=tiles, world_size=world_size,
-                    max_ops=10 if args.quick else 20, replays=5 if args.quick else 9)  # fmt: skip
+    return Settings(
+        shapes=shapes.parse_list(args.shapes, p) or default,
+        tiles=tiles,
+        world_size=world_size,
+        max_ops=10 if args.quick else 20,
+        replays=5 if args.quick else 9,
+    )
 
 
 # ---- the layouts -------------------------------------------------------------------------------------
@@ -123,7 +137,7 @@ def layout(op: str, shape: Shape, p: int, sets: Callable[[int], int], device: st
         "gather_sequence": ((p, b, s_local, packed, d), (b, p * s_local, packed, d), kernels.gather_sequence),
         "pack_sequence": ((b, p * s_local, hl, d), (p, b, s_local, hl, d), lambda x, o: kernels.pack_sequence(x, p, o)),
         "gather_heads": ((p, b, s_local, hl, d), (b, s_local, p * hl, d), kernels.gather_heads),
-    }[op]  # fmt: skip
+    }[op]
     nbytes = torch.Size(src_shape).numel() * DTYPE.itemsize
     n = sets(nbytes)
     srcs, outs = [randn(*src_shape) for _ in range(n)], [empty(*out_shape) for _ in range(n)]
@@ -172,15 +186,23 @@ def run_op(op: str, shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[
     n = lay.sets
     key = f"{shape.layout_label}, {op}"
     pairs = [recorded(lambda i=i: lay.run(i)) for i in range(n)]
-    flat = [(torch.empty(lay.nbytes, dtype=torch.uint8, device="cuda"),
-             torch.empty(lay.nbytes, dtype=torch.uint8, device="cuda")) for _ in range(n)]  # fmt: skip
+    flat = [
+        (
+            torch.empty(lay.nbytes, dtype=torch.uint8, device="cuda"),
+            torch.empty(lay.nbytes, dtype=torch.uint8, device="cuda"),
+        )
+        for _ in range(n)
+    ]
 
     def strided(i: int) -> None:
         for dst, src in pairs[i]:
             dst.copy_(src)
 
     steps: dict[str, Callable[[int], object]] = {
-        KERNEL: lay.run, COPY: lambda i: flat[i][0].copy_(flat[i][1]), STRIDED: strided}
+        KERNEL: lay.run,
+        COPY: lambda i: flat[i][0].copy_(flat[i][1]),
+        STRIDED: strided,
+    }
     cells: dict[tuple, common.Cell] = {(shape, op, "bytes"): float(lay.nbytes)}
     # graphar.kernels.pack's private launch, read as it is today: where it has changed, the sweep's
     # cells say so ("err") and the rest still runs.
@@ -198,17 +220,23 @@ def run_op(op: str, shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[
     ops = max(2, min(s.max_ops, GRAPH_BYTES // lay.nbytes))
     for v, step in steps.items():
         checked = v not in (COPY, STRIDED)  # copy_ moves other bytes; the strided copy_ is the reference
-        status = ranks.verdict(lambda: wrong(step, lay, reference, v), f"checking {v}", reasons,
-                               f"{key}, {v}") if checked else None  # fmt: skip
+        status = (
+            ranks.verdict(lambda: wrong(step, lay, reference, v), f"checking {v}", reasons, f"{key}, {v}")
+            if checked
+            else None
+        )
         cells[(shape, op, v)] = status or ranks.measured(
             lambda: common.capture(lambda i: step(i % n), ops),
             lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
-            f"capturing {v}", reasons, f"{key}, {v}")  # fmt: skip
+            f"capturing {v}",
+            reasons,
+            f"{key}, {v}",
+        )
     return cells
 
 
 def wrong(step: Callable[[int], object], lay: Layout, reference: torch.Tensor, v: str) -> str | None:
-    """"WRONG" unless `step` writes the reference's bits into set 0's output (NaN first: an element it
+    """ "WRONG" unless `step` writes the reference's bits into set 0's output (NaN first: an element it
     does not write cannot pass); "fallback" where graphar's function let torch do the copy."""
     lay.out(0).fill_(float("nan"))
     done = step(0)
@@ -272,19 +300,50 @@ def tables(cells: dict[tuple, common.Cell], s: Settings) -> list[tuple[str, str]
         tile, best = best_tile(cells, s, shape, op)
         nbytes = cells[(shape, op, "bytes")]
         mb = f"{nbytes / 1e6:.1f}" if isinstance(nbytes, float) else nbytes
-        main_rows.append([shape.layout_label, op, mb, str(cells.get((shape, op, "launch"), "-")), kernel, copy,
-                          share, met, bandwidth(cells, shape, op, STRIDED), tile,
-                          common.derived(best, copy, "{:.0%}")])  # fmt: skip
+        main_rows.append(
+            [
+                shape.layout_label,
+                op,
+                mb,
+                str(cells.get((shape, op, "launch"), "-")),
+                kernel,
+                copy,
+                share,
+                met,
+                bandwidth(cells, shape, op, STRIDED),
+                tile,
+                common.derived(best, copy, "{:.0%}"),
+            ]
+        )
         swept = (bandwidth(cells, shape, op, tile_label(t)) for t in s.tiles)
         sweep_rows.append([shape.layout_label, op, share, *(common.derived(bw, copy, "{:.0%}") for bw in swept)])
     main = common.markdown_table(
-        ["shape", "layout", "MB", "tile (R x H x D)", "kernel GB/s", "copy_ GB/s", "kernel / copy_",
-         f">= {TARGET:.0%}", "strided copy_ GB/s", "best swept T:W", "its / copy_"], main_rows)  # fmt: skip
+        [
+            "shape",
+            "layout",
+            "MB",
+            "tile (R x H x D)",
+            "kernel GB/s",
+            "copy_ GB/s",
+            "kernel / copy_",
+            f">= {TARGET:.0%}",
+            "strided copy_ GB/s",
+            "best swept T:W",
+            "its / copy_",
+        ],
+        main_rows,
+    )
     sections = [("Pack kernel against copy_, GB/s (read + write)", main)]
     if s.tiles:
-        sweep = common.markdown_table(["shape", "layout", "kernel (graphar's launch)", *(t.removeprefix("tiles ")
-                                                                              for t in map(tile_label, s.tiles))],
-                                      sweep_rows)  # fmt: skip
+        sweep = common.markdown_table(
+            [
+                "shape",
+                "layout",
+                "kernel (graphar's launch)",
+                *(t.removeprefix("tiles ") for t in map(tile_label, s.tiles)),
+            ],
+            sweep_rows,
+        )
         sections.append(("Tile sweep, % of copy_ (T:W = _TILE_ELEMENTS:num_warps)", sweep))
     return sections
 
@@ -317,8 +376,9 @@ def charts(cells: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     return panels or [plot.BarChart("nothing measured", "GB/s", [], {})]
 
 
-def write(cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header("one process, CUDA graphs; bf16", f"{s.world_size} (the layouts'; one GPU)", gpu)
     title = "Ulysses pack kernel against copy_"
     text = common.report(title, info, tables(cells, s), notes(s, reasons))
@@ -335,9 +395,21 @@ def dry_run(s: Settings, out: Path | None) -> None:
                 continue
             nbytes = float(shape.b * shape.s // s.world_size * (shape.heads + 2 * shape.kv) * shape.d * 2)
             copy_us = 2 * nbytes / 4.0e6  # 4 TB/s
-            cells.update({(shape, op, "bytes"): nbytes, (shape, op, "launch"): "8x4x128", (shape, op, COPY): copy_us,
-                          (shape, op, KERNEL): copy_us / rng.uniform(0.8, 1.0),
-                          (shape, op, STRIDED): copy_us / rng.uniform(0.3, 0.6)})  # fmt: skip
+            cells.update(
+                {
+                    (shape, op, "bytes"): nbytes,
+                    (shape, op, "launch"): "8x4x128",
+                    (shape, op, COPY): copy_us,
+                    (shape, op, KERNEL): copy_us / rng.uniform(0.8, 1.0),
+                    (shape, op, STRIDED): copy_us / rng.uniform(0.3, 0.6),
+                }
+            )
             cells.update({(shape, op, tile_label(t)): copy_us / rng.uniform(0.8, 1.0) for t in s.tiles})
-    write(cells, s, 1, {}, common.DRY_RUN_GPU, common.results_path("pack", common.DRY_RUN_GPU, None, out,
-                                                                   common.dry_run_dir()))
+    write(
+        cells,
+        s,
+        1,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("pack", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
+    )

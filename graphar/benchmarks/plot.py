@@ -103,8 +103,15 @@ def _draw_lines(ax: Any, chart: LineChart) -> None:
         if not line.points:
             continue  # nothing measured (n/a, refused): the legend would only mislead
         xs, ys = zip(*line.points)
-        ax.plot(xs, ys, marker="o", markersize=3, label=line.label,
-                color=colours[line.colour_key or line.label], linestyle=dashes[line.dash_key])  # fmt: skip
+        ax.plot(
+            xs,
+            ys,
+            marker="o",
+            markersize=3,
+            label=line.label,
+            color=colours[line.colour_key or line.label],
+            linestyle=dashes[line.dash_key],
+        )
     if chart.log:
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -81,7 +81,7 @@ def attempt(fn: Callable[[], T], what: str) -> tuple[T | None, str | None]:
     on any. fn must not hold collectives that a rank raising before them would leave unmatched."""
     try:
         value, problem = fn(), None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (any failure: every rank must agree on it, not just the raiser)
         traceback.print_exc()  # the whole story to the log; the report's notes get its first line
         first_line = str(e).partition("\n")[0]
         value, problem = None, f"{what} raised on rank {rank()}: {type(e).__name__}: {first_line}"
@@ -99,8 +99,9 @@ def verdict(fn: Callable[[], str | None], what: str, reasons: dict[str, str], ke
     return agree(status)
 
 
-def measured(prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str],
-             key: str) -> Cell:  # fmt: skip
+def measured(
+    prepare: Callable[[], T], time_it: Callable[[T], float], what: str, reasons: dict[str, str], key: str
+) -> Cell:
     """Collective: prepare() (a capture, a compile: what can fail on one rank alone), then time_it(its
     value) where it worked on every rank, else "err" on every rank (the reason in reasons[key]). The
     timing holds collectives, so it runs on all ranks or none; an exception there ends the run."""

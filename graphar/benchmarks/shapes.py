@@ -78,7 +78,9 @@ CHUNKING = [LLAMA_4K, LLAMA_16K, FLUX, WAN]
 ULYSSES = [Shape(b, s, h, d, name="Wan" if s > 30000 else "DiT") for b, s, h, d in ulysses.DEFAULT_SHAPES]
 # What the pack kernel must also take: K/V with fewer heads (Llama-3-like GQA), and a local sequence
 # that is odd (4098 / 2 = 2049 tokens; Wan's 32760 / 2 = 16380 is no multiple of 16 either).
-GQA = [Shape(1, 4096, 32, 128, kv_heads=8, causal=True, name="Llama-3"),
-       Shape(1, 16384, 32, 128, kv_heads=8, causal=True, name="Llama-3")]  # fmt: skip
+GQA = [
+    Shape(1, 4096, 32, 128, kv_heads=8, causal=True, name="Llama-3"),
+    Shape(1, 16384, 32, 128, kv_heads=8, causal=True, name="Llama-3"),
+]
 ODD = Shape(1, 4098, 24, 128, name="odd")
 PACK = list(dict.fromkeys([*CHUNKING, *ULYSSES, *GQA, ODD]))  # Wan 32760 is in both lists: once

@@ -33,8 +33,7 @@ from graphar.benchmarks import common, plot, ranks
 from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 # The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
-DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128),
-                  (1, 75600, 40, 128)]
+DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128), (1, 75600, 40, 128)]
 QUICK_SHAPES = DEFAULT_SHAPES[:3]
 DTYPE = torch.bfloat16
 SMALL_BYTES = 256 << 20  # below this, inputs rotate between two sets so that L2 does not flatter
@@ -42,7 +41,12 @@ GRAPH_BYTES = 4 << 30  # bytes exchanged per captured graph, which bounds its op
 
 UNPACKED, PACKED = "3 x all_to_all_single", "graphar packed, NCCL"
 PACKED_IPC, PACKED_PUSH = "graphar packed, IPC pull", "graphar packed, IPC push"
-OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH = "all_to_all_single", "graphar, NCCL", "graphar, IPC pull", "graphar, IPC push"
+OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH = (
+    "all_to_all_single",
+    "graphar, NCCL",
+    "graphar, IPC pull",
+    "graphar, IPC push",
+)
 TIMED = (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH, OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)
 
 
@@ -71,8 +75,11 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
         shapes = [parse_shape(s) for s in args.shapes.split(",")] if args.shapes else None
     except ValueError:
         p.error(f"--shapes {args.shapes!r}: expected comma-separated b x s x h x d, e.g. 1x4096x24x128")
-    return Settings(shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
-                    max_ops=10 if args.quick else 20, replays=5 if args.quick else 7)  # fmt: skip
+    return Settings(
+        shapes=shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES),
+        max_ops=10 if args.quick else 20,
+        replays=5 if args.quick else 7,
+    )
 
 
 def shape_label(shape: tuple[int, int, int, int]) -> str:
@@ -84,17 +91,21 @@ def qkv_bytes(shape: tuple[int, int, int, int], world_size: int) -> int:
     return 3 * b * (s // world_size) * h * d * DTYPE.itemsize
 
 
-def time_graph(step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
-               ) -> common.Cell:  # fmt: skip
+def time_graph(
+    step: Callable[[int], object], nbytes: int, s: Settings, reasons: dict[str, str], key: str
+) -> common.Cell:
     ops = max(2, min(s.max_ops, GRAPH_BYTES // max(nbytes, 1)))
-    return ranks.measured(lambda: common.capture(step, ops),
-                           lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
-                           "capture", reasons, key)  # fmt: skip
+    return ranks.measured(
+        lambda: common.capture(step, ops),
+        lambda graph: common.time_gpu(graph.replay, repeats=s.replays, per=ops),
+        "capture",
+        reasons,
+        key,
+    )
 
 
-def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tuple[str, bool]], ex: Any
-                    ) -> str | None:  # fmt: skip
-    """"WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
+def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tuple[str, bool]], ex: Any) -> str | None:
+    """ "WRONG" unless graphar's exchanges over each (group, push: ex.push) equal the three-collective
     path's bits. Every exchange runs, whatever an earlier one gave: each is a collective its peers run."""
     from graphar import ulysses
 
@@ -108,8 +119,9 @@ def wrong_exchanges(qkv: list[torch.Tensor], out: torch.Tensor, groups: list[tup
     return None if all(right) else "WRONG"
 
 
-def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings,
-              reasons: dict[str, str]) -> dict[tuple, common.Cell]:  # fmt: skip
+def run_shape(
+    shape: tuple[int, int, int, int], world_size: int, nccl_group: str, s: Settings, reasons: dict[str, str]
+) -> dict[tuple, common.Cell]:
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
     from graphar import ulysses
     from graphar.comm.registry import communicator
@@ -127,8 +139,12 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
 
     ex = communicator(ipc_group).exchange
     groups = [(nccl_group, False), (ipc_group, False), (ipc_group, True)]  # IPC pull first sizes the buffers
-    status = ranks.verdict(lambda: wrong_exchanges(qkv[0], outs[0], groups, ex), "the exchange check", reasons,
-                            f"check at {shape_label(shape)}")  # fmt: skip
+    status = ranks.verdict(
+        lambda: wrong_exchanges(qkv[0], outs[0], groups, ex),
+        "the exchange check",
+        reasons,
+        f"check at {shape_label(shape)}",
+    )
     if status is not None:
         return {(shape, k): status for k in TIMED} | {(shape, "pack"): "-", (shape, "copy"): "-"}
 
@@ -157,8 +173,10 @@ def run_shape(shape: tuple[int, int, int, int], world_size: int, nccl_group: str
     }
     # The pack kernel alone, and a plain copy of as many bytes: their bandwidths go in the report.
     packed = torch.empty(world_size, b, s_local, 3 * h_local, d, device="cuda", dtype=DTYPE)
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
-                                                                                  device="cuda")
+    src, dst = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+    )
     cells["pack"] = timed("pack", lambda i: pack.pack_heads(qkv[i % sets], world_size, packed), nbytes)
     cells["copy"] = timed("copy", lambda i: dst.copy_(src), nbytes)
     return {(shape, k): v for k, v in cells.items()}
@@ -175,6 +193,7 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     nccl_group = dist.new_group(list(range(world_size))).group_name
     common.progress(f"set up; timing {len(s.shapes)} shapes")
     reasons: dict[str, str] = {}
+
     def run(shape: tuple[int, int, int, int]) -> dict[tuple, common.Cell]:
         cells = run_shape(shape, world_size, nccl_group, s, reasons)
         torch.cuda.synchronize()
@@ -202,23 +221,70 @@ def tables(results: dict[tuple, common.Cell], s: Settings, world_size: int) -> l
         nbytes = qkv_bytes(shape, world_size)
         mb = f"{nbytes / 1e6:.1f} MB"
         # speedup: the baseline's time over graphar's
-        exchange_rows.append([label, mb, r[UNPACKED], r[PACKED], r[PACKED_IPC], r[PACKED_PUSH],
-                              *(common.derived(r[UNPACKED], r[k]) for k in (PACKED, PACKED_IPC, PACKED_PUSH)),
-                              *(link_bandwidth(nbytes, world_size, r[k]) for k in (PACKED_IPC, PACKED_PUSH))])
-        output_rows.append([label, r[OUT_UNPACKED], r[OUT_GRAPHAR], r[OUT_IPC], r[OUT_PUSH],
-                            *(common.derived(r[OUT_UNPACKED], r[k]) for k in (OUT_GRAPHAR, OUT_IPC, OUT_PUSH))])
+        exchange_rows.append(
+            [
+                label,
+                mb,
+                r[UNPACKED],
+                r[PACKED],
+                r[PACKED_IPC],
+                r[PACKED_PUSH],
+                *(common.derived(r[UNPACKED], r[k]) for k in (PACKED, PACKED_IPC, PACKED_PUSH)),
+                *(link_bandwidth(nbytes, world_size, r[k]) for k in (PACKED_IPC, PACKED_PUSH)),
+            ]
+        )
+        output_rows.append(
+            [
+                label,
+                r[OUT_UNPACKED],
+                r[OUT_GRAPHAR],
+                r[OUT_IPC],
+                r[OUT_PUSH],
+                *(common.derived(r[OUT_UNPACKED], r[k]) for k in (OUT_GRAPHAR, OUT_IPC, OUT_PUSH)),
+            ]
+        )
         pack_bw, copy_bw = (bandwidth(nbytes, r[k]) for k in ("pack", "copy"))
         pack_rows.append([label, pack_bw, copy_bw, common.derived(pack_bw, copy_bw, "{:.0%}")])
     return [
-        ("Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", "q+k+v per rank", UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH,
-                                "speedup NCCL", "speedup pull", "speedup push", "pull GB/s per direction",
-                                "push GB/s per direction"], exchange_rows)),
-        ("Output exchange, [b, s, h/P, d] -> [b, s/P, h, d], us per op (graph)",
-         common.markdown_table(["b, s, h, d", OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH, "speedup NCCL",
-                                "speedup pull", "speedup push"], output_rows)),
-        ("Pack kernel vs device copy, GB/s (read + write)",
-         common.markdown_table(["b, s, h, d", "pack kernel", "copy_", "pack / copy"], pack_rows)),
+        (
+            "Input exchange, q/k/v [b, s/P, h, d] -> [b, s, h/P, d], us per op (graph)",
+            common.markdown_table(
+                [
+                    "b, s, h, d",
+                    "q+k+v per rank",
+                    UNPACKED,
+                    PACKED,
+                    PACKED_IPC,
+                    PACKED_PUSH,
+                    "speedup NCCL",
+                    "speedup pull",
+                    "speedup push",
+                    "pull GB/s per direction",
+                    "push GB/s per direction",
+                ],
+                exchange_rows,
+            ),
+        ),
+        (
+            "Output exchange, [b, s, h/P, d] -> [b, s/P, h, d], us per op (graph)",
+            common.markdown_table(
+                [
+                    "b, s, h, d",
+                    OUT_UNPACKED,
+                    OUT_GRAPHAR,
+                    OUT_IPC,
+                    OUT_PUSH,
+                    "speedup NCCL",
+                    "speedup pull",
+                    "speedup push",
+                ],
+                output_rows,
+            ),
+        ),
+        (
+            "Pack kernel vs device copy, GB/s (read + write)",
+            common.markdown_table(["b, s, h, d", "pack kernel", "copy_", "pack / copy"], pack_rows),
+        ),
     ]
 
 
@@ -242,15 +308,25 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
 def charts(results: dict[tuple, common.Cell], s: Settings) -> list[plot.Chart]:
     """Time per shape by transport, for each exchange (log scale: the shapes span 20x in bytes)."""
     groups = [shape_label(shape) for shape in s.shapes]
-    panels = (("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH)),
-              ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)))  # fmt: skip
-    return [plot.BarChart(f"{what}: b, s, h, d; CUDA graphs, max over ranks", "us per op", groups,
-                          {k: [results[(shape, k)] for shape in s.shapes] for k in keys}, log=True)
-            for what, keys in panels]  # fmt: skip
+    panels = (
+        ("input exchange (q, k, v)", (UNPACKED, PACKED, PACKED_IPC, PACKED_PUSH)),
+        ("output exchange", (OUT_UNPACKED, OUT_GRAPHAR, OUT_IPC, OUT_PUSH)),
+    )
+    return [
+        plot.BarChart(
+            f"{what}: b, s, h, d; CUDA graphs, max over ranks",
+            "us per op",
+            groups,
+            {k: [results[(shape, k)] for shape in s.shapes] for k in keys},
+            log=True,
+        )
+        for what, keys in panels
+    ]
 
 
-def write(results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path,
-          final: bool = True) -> None:  # fmt: skip
+def write(
+    results: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
+) -> None:
     info = common.header("graph", world_size, gpu)
     title = "Ulysses all-to-all (us)"
     text = common.report(title, info, tables(results, s, world_size), notes(s, reasons))

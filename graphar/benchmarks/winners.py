@@ -31,8 +31,9 @@ def policy_columns(kernels: Mapping[str, Any]) -> dict[str, tuple[str, list[str]
     return {policy.EAGER: ("eager", plain), policy.GRAPH: ("graph", plain), policy.GRAPHAR_GRAPH: ("graph", owned)}
 
 
-def fastest(results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: Sequence[str],
-            kernels: Mapping[str, Any]) -> Winners:  # fmt: skip
+def fastest(
+    results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: Sequence[str], kernels: Mapping[str, Any]
+) -> Winners:
     """The fastest kernel per size, for each capture mode whose benchmark mode ran; the previous
     size's kernel wins a near tie (within TIE of the fastest)."""
     winners = {}
@@ -53,8 +54,9 @@ def fastest(results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: S
     return winners
 
 
-def fastest_table(results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: Sequence[str],
-                  kernels: Mapping[str, Any]) -> tuple[str, str] | None:  # fmt: skip
+def fastest_table(
+    results: Mapping[tuple, common.Cell], sizes: Sequence[int], modes: Sequence[str], kernels: Mapping[str, Any]
+) -> tuple[str, str] | None:
     """(heading, markdown table) of `fastest`, for the report; None when no mode of the policy ran."""
     winners = fastest(results, sizes, modes, kernels)
     if not winners:

@@ -35,11 +35,19 @@ A2A_PUSHED, A2A_OWN_PLACED, A2A_LAST = 1, 2, 4
 # kMaxBlocks: one barrier slot per block.
 MAX_BLOCKS = settings.MAX_BLOCKS
 # The barrier a spin loop gave up in (enum Where), as error messages name it.
-WHERE = {1: "all_reduce 1stage entry barrier", 2: "all_reduce 1stage exit barrier",
-         3: "all_reduce 2stage entry barrier", 4: "all_reduce 2stage middle barrier",
-         5: "all_to_all entry barrier", 6: "all_to_all exit barrier", 7: "all_reduce push-oneshot receive",
-         8: "all_reduce push-twoshot scatter", 9: "all_reduce push-twoshot gather", 10: "all_reduce push entry",
-         11: "all_to_all lease"}  # fmt: skip
+WHERE = {
+    1: "all_reduce 1stage entry barrier",
+    2: "all_reduce 1stage exit barrier",
+    3: "all_reduce 2stage entry barrier",
+    4: "all_reduce 2stage middle barrier",
+    5: "all_to_all entry barrier",
+    6: "all_to_all exit barrier",
+    7: "all_reduce push-oneshot receive",
+    8: "all_reduce push-twoshot scatter",
+    9: "all_reduce push-twoshot gather",
+    10: "all_reduce push entry",
+    11: "all_to_all lease",
+}
 
 
 # Why a kernel gave up (enum Cause): a peer never arrived; it had given up on the barrier first; another
@@ -51,18 +59,45 @@ TIMED_OUT, PEER_GAVE_UP, CONCURRENT, OUT_OF_STEP = 0, 1, 2, 3
 class ErrorRecord(ctypes.Structure):
     """struct ErrorRecord, in host-mapped memory the kernels write when they give up on a peer."""
 
-    _fields_ = [("failed", ctypes.c_uint32), ("where", ctypes.c_uint32), ("peer", ctypes.c_uint32),
-                ("block", ctypes.c_uint32), ("cause", ctypes.c_uint32)]  # fmt: skip
+    _fields_ = [
+        ("failed", ctypes.c_uint32),
+        ("where", ctypes.c_uint32),
+        ("peer", ctypes.c_uint32),
+        ("block", ctypes.c_uint32),
+        ("cause", ctypes.c_uint32),
+    ]
+
 
 # struct graphar_all_reduce_args, field by field (Q: uint64_t, i: int32_t). A call packs its
 # arguments with ALL_REDUCE_ARGS.pack(...) and passes the bytes: cheaper than a ctypes Structure.
-ALL_REDUCE_ARGS_FIELDS = (("input", "Q"), ("output", "Q"), ("nbytes", "Q"), ("stream", "Q"), ("dtype", "i"),
-                          ("algo", "i"), ("path", "i"), ("slot", "i"), ("pdl", "i"), ("reserved", "i"))  # fmt: skip
+ALL_REDUCE_ARGS_FIELDS = (
+    ("input", "Q"),
+    ("output", "Q"),
+    ("nbytes", "Q"),
+    ("stream", "Q"),
+    ("dtype", "i"),
+    ("algo", "i"),
+    ("path", "i"),
+    ("slot", "i"),
+    ("pdl", "i"),
+    ("reserved", "i"),
+)
 ALL_REDUCE_ARGS = struct.Struct("=" + "".join(code for _, code in ALL_REDUCE_ARGS_FIELDS))
 # struct graphar_all_reduce_norm_args (f: float).
-NORM_ARGS_FIELDS = (("input", "Q"), ("residual", "Q"), ("weight", "Q"), ("output", "Q"), ("residual_output", "Q"),
-                    ("nbytes", "Q"), ("row_bytes", "Q"), ("stream", "Q"), ("eps", "f"), ("dtype", "i"),
-                    ("weight_first", "i"), ("pdl", "i"))  # fmt: skip
+NORM_ARGS_FIELDS = (
+    ("input", "Q"),
+    ("residual", "Q"),
+    ("weight", "Q"),
+    ("output", "Q"),
+    ("residual_output", "Q"),
+    ("nbytes", "Q"),
+    ("row_bytes", "Q"),
+    ("stream", "Q"),
+    ("eps", "f"),
+    ("dtype", "i"),
+    ("weight_first", "i"),
+    ("pdl", "i"),
+)
 NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))
 
 
@@ -77,9 +112,19 @@ Segments = tuple[tuple[int, str | None], ...]
 class OpGroup(ctypes.Structure):
     """struct graphar_op_group: what the ops' C++ kernels need of a group's communicator."""
 
-    _fields_ = [("comm", ctypes.c_uint64), ("all_reduce", ctypes.c_uint64), ("last_error", ctypes.c_uint64),
-                ("failed", ctypes.c_uint64), ("max_bytes", ctypes.c_uint64), ("all_reduce_norm", ctypes.c_uint64),
-                ("fused_norm_max", ctypes.c_uint64), ("norm_max_row_bytes", ctypes.c_uint64),
-                ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
-                ("algos", ctypes.c_int32 * OP_MAX_ROWS), ("rows", ctypes.c_int32), ("device", ctypes.c_int32),
-                ("rank", ctypes.c_int32), ("pdl", ctypes.c_int32)]  # fmt: skip
+    _fields_ = [
+        ("comm", ctypes.c_uint64),
+        ("all_reduce", ctypes.c_uint64),
+        ("last_error", ctypes.c_uint64),
+        ("failed", ctypes.c_uint64),
+        ("max_bytes", ctypes.c_uint64),
+        ("all_reduce_norm", ctypes.c_uint64),
+        ("fused_norm_max", ctypes.c_uint64),
+        ("norm_max_row_bytes", ctypes.c_uint64),
+        ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
+        ("algos", ctypes.c_int32 * OP_MAX_ROWS),
+        ("rows", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("pdl", ctypes.c_int32),
+    ]

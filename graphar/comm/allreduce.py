@@ -29,9 +29,16 @@ import torch
 from graphar import _cuda, graphs, settings
 from graphar.comm import fused_norm, policy
 from graphar.comm.abi import (
-    ALGO_CODES, ALL_REDUCE_ARGS, DTYPE_CODES, NORM_ARGS, PATH_EAGER, PATH_STAGED, PATH_ZERO_COPY, PUSH_ALGOS,
+    ALGO_CODES,
+    ALL_REDUCE_ARGS,
+    DTYPE_CODES,
+    NORM_ARGS,
+    PATH_EAGER,
+    PATH_STAGED,
+    PATH_ZERO_COPY,
+    PUSH_ALGOS,
     Segments,
-)  # fmt: skip
+)
 from graphar.errors import GrapharCommError
 
 logger = logging.getLogger("graphar")
@@ -86,8 +93,14 @@ class CommCalls(Protocol):
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
-    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
-                         own_ptrs: Sequence[int]) -> None: ...  # fmt: skip
+    def fill_graph_slots(
+        self,
+        slots: Sequence[int],
+        handles: bytes,
+        offsets: Sequence[int],
+        staged: Sequence[bool],
+        own_ptrs: Sequence[int],
+    ) -> None: ...
     def forget_graph_slots(self, slots: Sequence[int]) -> None: ...  # no CUDA call: safe from a finalizer
     def close_unused_mappings(self) -> None: ...  # waits for the device when there is any
 
@@ -241,8 +254,11 @@ class AllReduce:
         kind = re.sub(r"\d+", "N", reason)
         if kind not in self._fallbacks_said:
             self._fallbacks_said.add(kind)
-            logger.info("graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
-                        self.group_name, reason)  # fmt: skip
+            logger.info(
+                "graphar: all_reduce on group %r runs on the collective: %s (said once per kind)",
+                self.group_name,
+                reason,
+            )
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
         """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL), with
@@ -275,13 +291,20 @@ class AllReduce:
         if capture is not None and chosen not in PUSH_ALGOS:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce(ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code,
-                                                    algo_code, path, slot, self._pdl, 0))  # fmt: skip
+        comm.launch_all_reduce(
+            ALL_REDUCE_ARGS.pack(
+                x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, algo_code, path, slot, self._pdl, 0
+            )
+        )
         self._calls += 1
         return out
 
     def try_all_reduce_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        eps: float,
         weight_first: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(sum of x + residual) * weight, sum of x + residual) by the fused kernel, or None when
@@ -306,11 +329,22 @@ class AllReduce:
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
-        comm.launch_all_reduce_norm(NORM_ARGS.pack(
-            x.data_ptr(), 0 if residual is None else residual.data_ptr(), 0 if weight is None else weight.data_ptr(),
-            normed.data_ptr(), summed.data_ptr(), x.nbytes, row_bytes, stream, eps, DTYPE_CODES[x.dtype],
-            int(weight_first), self._pdl,
-        ))  # fmt: skip
+        comm.launch_all_reduce_norm(
+            NORM_ARGS.pack(
+                x.data_ptr(),
+                0 if residual is None else residual.data_ptr(),
+                0 if weight is None else weight.data_ptr(),
+                normed.data_ptr(),
+                summed.data_ptr(),
+                x.nbytes,
+                row_bytes,
+                stream,
+                eps,
+                DTYPE_CODES[x.dtype],
+                int(weight_first),
+                self._pdl,
+            )
+        )
         self._calls += 1
         return normed, summed
 

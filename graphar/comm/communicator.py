@@ -49,9 +49,20 @@ class State(NamedTuple):
 class Communicator:
     """The IPC communicator of one process group on this process's GPU; built by `init`."""
 
-    def __init__(self, *, group_name: str, rank: int, world_size: int, device: int, max_bytes: int,
-                 timeout_s: float, blocks: int, forced_algo: str | None, capability_major: int,
-                 store: StoreExchange) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        group_name: str,
+        rank: int,
+        world_size: int,
+        device: int,
+        max_bytes: int,
+        timeout_s: float,
+        blocks: int,
+        forced_algo: str | None,
+        capability_major: int,
+        store: StoreExchange,
+    ) -> None:
         self.group_name = group_name
         self.rank = rank
         self.world_size = world_size
@@ -66,16 +77,22 @@ class Communicator:
         # run in whichever thread collects them; ctypes calls drop the GIL.
         self._graph_lock = threading.RLock()
         handle = ctypes.c_void_p()
-        self._ok("create", self._lib.graphar_comm_create(rank, world_size, max_bytes, blocks, int(timeout_s * 1e9),
-                                                         GRAPH_SLOTS, ctypes.byref(handle)))  # fmt: skip
+        self._ok(
+            "create",
+            self._lib.graphar_comm_create(
+                rank, world_size, max_bytes, blocks, int(timeout_s * 1e9), GRAPH_SLOTS, ctypes.byref(handle)
+            ),
+        )
         # The library's handle, passed to every call; None once closed (the library refuses NULL).
         self._handle: int | None = handle.value
         self._state = State(Life.OPEN)
         record, one_shot, two_shot = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_uint64()
         try:
             self._ok("create", self._lib.graphar_comm_error_record(self._handle, ctypes.byref(record)))
-            self._ok("create", self._lib.graphar_comm_push_limits(self._handle, ctypes.byref(one_shot),
-                                                                  ctypes.byref(two_shot)))  # fmt: skip
+            self._ok(
+                "create",
+                self._lib.graphar_comm_push_limits(self._handle, ctypes.byref(one_shot), ctypes.byref(two_shot)),
+            )
         except BaseException:  # nobody else holds the handle yet: free its buffers here
             self.close()
             raise
@@ -122,8 +139,10 @@ class Communicator:
         if life is Life.CLOSED:  # its error record is gone with it
             return GrapharCommError(f"graphar communicator of group {self.group_name!r} is closed")
         if life is Life.OPEN:
-            reason = (f"graphar op on group {self.group_name!r} (rank {self.rank}) failed: {self._failure()}; the "
-                      "communicator is unusable from now on")  # fmt: skip
+            reason = (
+                f"graphar op on group {self.group_name!r} (rank {self.rank}) failed: {self._failure()}; the "
+                "communicator is unusable from now on"
+            )
             self._state = State(Life.FAILED, reason)
         timed_out = self._record.failed and self._record.cause in (abi.TIMED_OUT, abi.PEER_GAVE_UP)
         return (GrapharTimeoutError if timed_out else GrapharCommError)(reason)
@@ -132,16 +151,22 @@ class Communicator:
         """What the error record says, in words."""
         r = self._record
         where = f"{abi.WHERE.get(r.where, '?')} (block {r.block})"
-        unordered = ("its calls run on streams that are not ordered (a graph replay beside eager calls, or two "
-                     "replays): order them, e.g. one stream per communicator or events between the streams")  # fmt: skip
+        unordered = (
+            "its calls run on streams that are not ordered (a graph replay beside eager calls, or two "
+            "replays): order them, e.g. one stream per communicator or events between the streams"
+        )
         return {
-            abi.TIMED_OUT: f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s "
-                           "(GRAPHAR_TIMEOUT_S)",
-            abi.PEER_GAVE_UP: f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive "
-                              "in time)",
+            abi.TIMED_OUT: (
+                f"timed out: rank {r.peer} did not reach the {where} within {self.timeout_s} s (GRAPHAR_TIMEOUT_S)"
+            ),
+            abi.PEER_GAVE_UP: (
+                f"timed out: rank {r.peer} gave up at the {where} first (a peer of it did not arrive in time)"
+            ),
             abi.CONCURRENT: f"two of its kernels ran at once on this rank (found at the {where}): {unordered}",
-            abi.OUT_OF_STEP: f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
-                             f"an eager call, or the reverse): {unordered}",
+            abi.OUT_OF_STEP: (
+                f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
+                f"an eager call, or the reverse): {unordered}"
+            ),
         }.get(r.cause, f"the kernels recorded an unknown failure {r.cause} at the {where}")
 
     def mark_broken(self, reason: str) -> None:
@@ -188,14 +213,26 @@ class Communicator:
         if not (self.usable and registry.serves(self)) or native_op.library() is None:
             return
         if len(segments) > abi.OP_MAX_ROWS:  # a policy table longer than the C struct holds
-            logger.warning("graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
-                           "all-reduces run the Python kernel", self.group_name, len(segments), abi.OP_MAX_ROWS)
+            logger.warning(
+                "graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
+                "all-reduces run the Python kernel",
+                self.group_name,
+                len(segments),
+                abi.OP_MAX_ROWS,
+            )
             self._withdraw()
             return
         state = native_op.group_state(
-            comm=self._handle, lib=self._lib, failed=ctypes.addressof(self._record), max_bytes=self.max_bytes,
-            device=self.device, rank=self.rank, segments=segments, fused_norm_max=fused_norm_max, pdl=pdl,
-        )  # fmt: skip
+            comm=self._handle,
+            lib=self._lib,
+            failed=ctypes.addressof(self._record),
+            max_bytes=self.max_bytes,
+            device=self.device,
+            rank=self.rank,
+            segments=segments,
+            fused_norm_max=fused_norm_max,
+            pdl=pdl,
+        )
         try:
             native_op.publish(self.group_name, state)
         except GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
@@ -218,13 +255,38 @@ class Communicator:
         self._ok("all_to_all", self._lib.graphar_comm_exchange_lease(self._handle, mode, stream, ctypes.byref(lease)))
         return lease.value
 
-    def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
-                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int, lease: int,
-                          stream: int) -> None:  # fmt: skip
+    def launch_all_to_all(
+        self,
+        mode: int,
+        output: int,
+        src_offset: int,
+        chunk_bytes: int,
+        row_bytes: int,
+        dst_row_stride: int,
+        dst_chunk_stride: int,
+        flags: int,
+        blocks: int,
+        lease: int,
+        stream: int,
+    ) -> None:
         """Copy a stage's chunks into the output (csrc graphar_comm_all_to_all; flags: abi.A2A_*)."""
-        self._ok("all_to_all", self._lib.graphar_comm_all_to_all(
-            self._handle, mode, output, src_offset, chunk_bytes, row_bytes, dst_row_stride, dst_chunk_stride, flags,
-            blocks, lease, stream))  # fmt: skip
+        self._ok(
+            "all_to_all",
+            self._lib.graphar_comm_all_to_all(
+                self._handle,
+                mode,
+                output,
+                src_offset,
+                chunk_bytes,
+                row_bytes,
+                dst_row_stride,
+                dst_chunk_stride,
+                flags,
+                blocks,
+                lease,
+                stream,
+            ),
+        )
 
     def failed_flag(self) -> int:
         """Device address of this rank's uint32 flag that the group's kernels set when one gives up."""
@@ -235,8 +297,9 @@ class Communicator:
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""
         ptr, handle = ctypes.c_uint64(), ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
-        self._ok(what, self._lib.graphar_comm_exchange_alloc(self._handle, nbytes, int(keep_old), ctypes.byref(ptr),
-                                                             handle))  # fmt: skip
+        self._ok(
+            what, self._lib.graphar_comm_exchange_alloc(self._handle, nbytes, int(keep_old), ctypes.byref(ptr), handle)
+        )
         return ptr.value, handle.raw
 
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]:
@@ -248,8 +311,10 @@ class Communicator:
     def pointer_info(self, ptr: int) -> tuple[int, bool]:
         """The start of the allocation holding `ptr`, and whether legacy IPC can share it."""
         base, size, capable = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
-        self._ok("all_reduce (capture)", self._lib.graphar_pointer_info(ptr, ctypes.byref(base), ctypes.byref(size),
-                                                                         ctypes.byref(capable)))  # fmt: skip
+        self._ok(
+            "all_reduce (capture)",
+            self._lib.graphar_pointer_info(ptr, ctypes.byref(base), ctypes.byref(size), ctypes.byref(capable)),
+        )
         return base.value, bool(capable.value)
 
     def ipc_handle(self, base: int) -> bytes:
@@ -258,22 +323,41 @@ class Communicator:
         self._ok("graph registration", self._lib.graphar_ipc_handle(base, out))
         return out.raw
 
-    def fill_graph_slots(self, slots: Sequence[int], handles: bytes, offsets: Sequence[int], staged: Sequence[bool],
-                         own_ptrs: Sequence[int]) -> None:  # fmt: skip
+    def fill_graph_slots(
+        self,
+        slots: Sequence[int],
+        handles: bytes,
+        offsets: Sequence[int],
+        staged: Sequence[bool],
+        own_ptrs: Sequence[int],
+    ) -> None:
         """After a capture: point `slots` (one per call) at every rank's inputs (call-major entries)."""
         n = len(own_ptrs)
         with self._graph_lock:
-            self._ok("graph registration", self._lib.graphar_comm_register_graph(
-                self._handle, (ctypes.c_int32 * n)(*slots), n, handles, (ctypes.c_uint64 * len(offsets))(*offsets),
-                (ctypes.c_uint8 * len(staged))(*staged), (ctypes.c_uint64 * n)(*own_ptrs)))  # fmt: skip
+            self._ok(
+                "graph registration",
+                self._lib.graphar_comm_register_graph(
+                    self._handle,
+                    (ctypes.c_int32 * n)(*slots),
+                    n,
+                    handles,
+                    (ctypes.c_uint64 * len(offsets))(*offsets),
+                    (ctypes.c_uint8 * len(staged))(*staged),
+                    (ctypes.c_uint64 * n)(*own_ptrs),
+                ),
+            )
 
     def forget_graph_slots(self, slots: Sequence[int]) -> None:
         """The graph reading through `slots` is gone: the peers' allocations only they read are
         closed at the next idle point (no CUDA call here: a finalizer may run during a capture)."""
         with self._graph_lock:
             if self._state.life is not Life.CLOSED:  # closed: the library kept or freed everything already
-                self._ok("graph release", self._lib.graphar_comm_forget_graph_slots(
-                    self._handle, (ctypes.c_int32 * len(slots))(*slots), len(slots)))  # fmt: skip
+                self._ok(
+                    "graph release",
+                    self._lib.graphar_comm_forget_graph_slots(
+                        self._handle, (ctypes.c_int32 * len(slots))(*slots), len(slots)
+                    ),
+                )
 
     def close_unused_mappings(self) -> None:
         """Close the peers' allocations no live graph reads (waits for the device when there is any)."""
@@ -283,8 +367,10 @@ class Communicator:
     def graph_mappings(self) -> tuple[int, int]:
         """Peers' allocations mapped for graph slots: (read by a live graph, unused and not closed yet)."""
         open_, unused = ctypes.c_int(), ctypes.c_int()
-        self._ok("graph mappings", self._lib.graphar_comm_graph_mappings(self._handle, ctypes.byref(open_),
-                                                                        ctypes.byref(unused)))  # fmt: skip
+        self._ok(
+            "graph mappings",
+            self._lib.graphar_comm_graph_mappings(self._handle, ctypes.byref(open_), ctypes.byref(unused)),
+        )
         return open_.value, unused.value
 
     def _ok(self, op: str, rc: int) -> None:
@@ -293,9 +379,7 @@ class Communicator:
             self._raise(op)
 
     def _raise(self, op: str) -> None:
-        raise GrapharCudaError(
-            f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}"
-        )
+        raise GrapharCudaError(f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}")
 
     # ---- set-up steps, driven by graphar.comm.set_up ------------------------------------------------
 

@@ -128,8 +128,13 @@ class _DeviceMemory:
 
     def __init__(self, ptr: int, count: int, typestr: str = "|u1") -> None:
         self.__cuda_array_interface__ = {
-            "shape": (count,), "typestr": typestr, "data": (ptr, False), "version": 3, "strides": None, "stream": None,
-        }  # fmt: skip
+            "shape": (count,),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 class ExchangeCalls(Protocol):
@@ -143,9 +148,20 @@ class ExchangeCalls(Protocol):
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def take_exchange_lease(self, mode: int, stream: int) -> int: ...  # eager: after the previous op
-    def launch_all_to_all(self, mode: int, output: int, src_offset: int, chunk_bytes: int, row_bytes: int,
-                          dst_row_stride: int, dst_chunk_stride: int, flags: int, blocks: int, lease: int,
-                          stream: int) -> None: ...  # fmt: skip
+    def launch_all_to_all(
+        self,
+        mode: int,
+        output: int,
+        src_offset: int,
+        chunk_bytes: int,
+        row_bytes: int,
+        dst_row_stride: int,
+        dst_chunk_stride: int,
+        flags: int,
+        blocks: int,
+        lease: int,
+        stream: int,
+    ) -> None: ...
     def failed_flag(self) -> int: ...  # device address of the flag the group's kernels set when one gives up
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]: ...  # collective
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]: ...  # collective
@@ -197,8 +213,11 @@ class IpcExchange:
         capturing = torch.cuda.is_current_stream_capturing()
         if nbytes > self.capacity:
             if capturing:
-                self._tell_once("capacity", f"{nbytes} bytes per rank were captured with exchange buffers of "
-                                f"{self.capacity}: run it once before capturing, or graphar.ulysses.reserve(...)")
+                self._tell_once(
+                    "capacity",
+                    f"{nbytes} bytes per rank were captured with exchange buffers of "
+                    f"{self.capacity}: run it once before capturing, or graphar.ulysses.reserve(...)",
+                )
                 return False
             self._grow(nbytes)
         if capturing:
@@ -211,15 +230,17 @@ class IpcExchange:
             for i, stage in enumerate(stages):
                 self._exchange(out, stage, mode, lease, last=i == len(stages) - 1, side=side)
         except BaseException as e:  # the lease is held and the peers wait at this exchange's copies
-            self.comm.mark_broken(f"graphar all_to_all of group {self.comm.group_name!r} stopped halfway on rank "
-                                  f"{self.comm.rank}: {e}")
+            self.comm.mark_broken(
+                f"graphar all_to_all of group {self.comm.group_name!r} stopped halfway on rank {self.comm.rank}: {e}"
+            )
             raise
         if len(stages) > 1:
             main.wait_stream(self._side)
         return True
 
-    def _exchange(self, out: torch.Tensor, stage: Stage, mode: int, lease: int, last: bool,
-                  side: torch.cuda.Stream | None) -> None:  # fmt: skip
+    def _exchange(
+        self, out: torch.Tensor, stage: Stage, mode: int, lease: int, last: bool, side: torch.cuda.Stream | None
+    ) -> None:
         """Pack one stage, then copy it into `out`: on the side stream, forked from `side`, when given.
         The own chunk skips the buffer when the pack kernel can place it in `out` directly (one run of
         bytes there; only this rank reads or writes it, so ranks need not agree on it)."""
@@ -229,8 +250,18 @@ class IpcExchange:
         Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard).fill(stage)
         flags = (A2A_PUSHED if self.push else 0) | (A2A_OWN_PLACED if own is not None else 0)
         flags |= A2A_LAST if last else 0
-        args = (mode, out.data_ptr() + stage.out_offset, stage.src_offset, p.chunk_bytes, p.row_bytes,
-                p.dst_row_stride, p.dst_chunk_stride, flags, self._blocks, lease)  # fmt: skip
+        args = (
+            mode,
+            out.data_ptr() + stage.out_offset,
+            stage.src_offset,
+            p.chunk_bytes,
+            p.row_bytes,
+            p.dst_row_stride,
+            p.dst_chunk_stride,
+            flags,
+            self._blocks,
+            lease,
+        )
         if side is None:
             self.comm.launch_all_to_all(*args, _stream(self.comm.device))
             return

@@ -37,8 +37,9 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> int:
     """The most chunks, up to `wanted`, that split both head counts evenly over every rank."""
-    return max(c for c in range(1, max(1, wanted) + 1) if q_heads % (c * world_size) == 0
-               and kv_heads % (c * world_size) == 0)  # fmt: skip
+    return max(
+        c for c in range(1, max(1, wanted) + 1) if q_heads % (c * world_size) == 0 and kv_heads % (c * world_size) == 0
+    )
 
 
 # ---- how many chunks: attention_chunks="auto" -------------------------------------------------------
@@ -73,8 +74,17 @@ def auto_chunks(batch: int, q_heads: int, seq: int, kernel: str | None, is_causa
     return max(1, min(AUTO_MAX_CHUNKS, batch * q_heads * seq // least))
 
 
-def planned_chunks(batch: int, q_heads: int, kv_heads: int, seq: int, world_size: int, wanted: int,
-                   kernel: str | None, is_causal: bool, on_gpu: bool) -> int:  # fmt: skip
+def planned_chunks(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    seq: int,
+    world_size: int,
+    wanted: int,
+    kernel: str | None,
+    is_causal: bool,
+    on_gpu: bool,
+) -> int:
     """The chunks `ulysses_attention` runs when asked for at most `wanted` (AUTO_CHUNKS: `auto_chunks`'
     pick) for `q_heads` and `kv_heads` heads (all ranks') over `seq` tokens (the whole sequence) on
     `world_size` ranks: shapes alone decide, so every rank decides alike."""
@@ -89,8 +99,14 @@ def planned_chunks(batch: int, q_heads: int, kv_heads: int, seq: int, world_size
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, is_causal: bool = False,
-    scale: float | None = None, chunks: int = 2, kernel: str | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunks: int = 2,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(Q K^T * scale) V over the whole sequence, for `[b, S, h, d]` local-sequence Q, K, V
     (K and V may have fewer heads: GQA); returns `[b, S, hq, d]`, new contiguous memory. `chunks`:
@@ -123,10 +139,12 @@ def ulysses_attention(
 
 
 # SDPA's backends in its default order of preference, each with the switch users turn it off by.
-_BACKENDS = {"flash": (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
-             "efficient": (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
-             "math": (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
-             "cudnn": (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled)}  # fmt: skip
+_BACKENDS = {
+    "flash": (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+    "efficient": (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+    "math": (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled),
+}
 
 
 def _preferring(kernel: str | None) -> list[SDPBackend] | None:
@@ -134,12 +152,21 @@ def _preferring(kernel: str | None) -> list[SDPBackend] | None:
     left on, should it not take a chunk's inputs; None: SDPA's own pick."""
     if kernel is None:
         return None
-    return [_BACKENDS[kernel][0], *(backend for name, (backend, enabled) in _BACKENDS.items()
-                                    if name != kernel and enabled())]  # fmt: skip
+    return [
+        _BACKENDS[kernel][0],
+        *(backend for name, (backend, enabled) in _BACKENDS.items() if name != kernel and enabled()),
+    ]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-               kernel: str | None, backends: list[SDPBackend] | None) -> torch.Tensor:  # fmt: skip
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+    kernel: str | None,
+    backends: list[SDPBackend] | None,
+) -> torch.Tensor:
     """SDPA of `[b, h, S, d]` heads on `backends` (`_preferring(kernel)`). GQA as the replaced graph
     fed `kernel`: flash attends fewer K/V heads natively; the other kernels got each K/V head repeated
     (HF's repeat_kv, or math's own), so they get that."""

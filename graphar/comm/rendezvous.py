@@ -37,7 +37,7 @@ class StoreExchange:
         self._store.set(keys[self._rank], pickle.dumps(obj))
         try:
             self._store.wait(keys, self._timeout)
-        except Exception as e:  # noqa: BLE001  (store backends raise different types)
+        except Exception as e:  # store backends raise different types
             raise GrapharCommError(
                 f"{what}: not every rank arrived within {self._timeout.total_seconds():.0f} s "
                 f"(GRAPHAR_EXCHANGE_TIMEOUT_S): {e}"

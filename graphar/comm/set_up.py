@@ -50,8 +50,11 @@ def _close_destroyed(comm: Communicator) -> None:
     """Close a registered communicator set up for a group torch has destroyed since: torch gives the
     name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a name
     by itself, graphar.native_op)."""
-    logger.warning("graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
-                   "(call graphar.shutdown() before destroy_process_group)", comm.group_name)  # fmt: skip
+    logger.warning(
+        "graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
+        "(call graphar.shutdown() before destroy_process_group)",
+        comm.group_name,
+    )
     comm.close()
 
 
@@ -81,9 +84,12 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
     if torch.cuda.is_current_stream_capturing():
         if group_name not in _captured_first:
             _captured_first.add(group_name)
-            logger.warning("graphar: group %r's first collective is inside a CUDA-graph capture, which cannot set it "
-                           "up: NCCL serves it in this graph; call graphar.init(group) (or run a step eagerly) "
-                           "before capturing", group_name)  # fmt: skip
+            logger.warning(
+                "graphar: group %r's first collective is inside a CUDA-graph capture, which cannot set it "
+                "up: NCCL serves it in this graph; call graphar.init(group) (or run a step eagerly) "
+                "before capturing",
+                group_name,
+            )
         return None
     logger.info("graphar: setting up group %r at its first collective (graphar.init was not called for it)", group_name)
     with torch.cuda.device(device):
@@ -93,8 +99,11 @@ def serving(group_name: str, device: torch.device) -> Communicator | None:
 def sets_up_later(group_name: str, device: torch.device) -> bool:
     """Whether a collective of the group on `device` will set up its communicator when it first runs
     (a group not settled yet, or one that took a destroyed group's name)."""
-    return device.type == "cuda" and not _live(_settled.get(group_name)) and _not_worth_setting_up(
-        dist.distributed_c10d._resolve_process_group(group_name)) is None
+    return (
+        device.type == "cuda"
+        and not _live(_settled.get(group_name))
+        and _not_worth_setting_up(dist.distributed_c10d._resolve_process_group(group_name)) is None
+    )
 
 
 def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:
@@ -134,9 +143,14 @@ def init(
         asked = {"max_bytes": max_bytes, "timeout_s": timeout_s}
         differ = {k: v for k, v in asked.items() if v is not None and float(v) != float(getattr(comm, k))}
         if differ:  # set up already (by an earlier init or at the group's first collective)
-            logger.warning("graphar.init of group %r: its communicator is set up already (max_bytes=%d, timeout_s=%g), "
-                           "so %s are not applied; graphar.shutdown() first to set it up anew", name, comm.max_bytes,
-                           comm.timeout_s, differ)  # fmt: skip
+            logger.warning(
+                "graphar.init of group %r: its communicator is set up already (max_bytes=%d, timeout_s=%g), "
+                "so %s are not applied; graphar.shutdown() first to set it up anew",
+                name,
+                comm.max_bytes,
+                comm.timeout_s,
+                differ,
+            )
         return comm
     # Checked by the rules their variables' values meet (graphar.settings).
     max_bytes = settings.MAX_ALLREDUCE_BYTES.get() if max_bytes is None else settings.byte_limit(max_bytes, "max_bytes")
@@ -159,8 +173,9 @@ def init(
 def _disabled(group_name: str, backend: str, reason: str) -> None:
     if group_name not in _logged:
         _logged.add(group_name)
-        logger.warning("graphar: custom all-reduce off for group %r, its backend (%s) serves it: %s", group_name,
-                       backend, reason)  # fmt: skip
+        logger.warning(
+            "graphar: custom all-reduce off for group %r, its backend (%s) serves it: %s", group_name, backend, reason
+        )
 
 
 def _uniform_reason(group: dist.ProcessGroup) -> str | None:
@@ -226,8 +241,10 @@ class Disagreement(NamedTuple):
 
     def __str__(self) -> str:
         values = ", ".join(f"rank {r}: {'unset' if v is None else v}" for r, v in enumerate(self.values))
-        return (f"the ranks differ in {self.setting} ({values}): {self.cure} (ranks that differ in it would wait "
-                "for each other until the timeout)")  # fmt: skip
+        return (
+            f"the ranks differ in {self.setting} ({values}): {self.cure} (ranks that differ in it would wait "
+            "for each other until the timeout)"
+        )
 
 
 def first_disagreement(launch: Sequence[Mapping[str, Any]]) -> Disagreement | None:
@@ -316,10 +333,18 @@ def _set_up(
     local: str | None = None
     handles = b""
     try:
-        comm = Communicator(group_name=name, rank=rank, world_size=world_size, device=device, max_bytes=max_bytes,
-                            timeout_s=timeout_s, blocks=launch[BLOCKS],
-                            forced_algo=launch[settings.ALLREDUCE_ALGO.name], capability_major=capability_major,
-                            store=exchange)  # fmt: skip
+        comm = Communicator(
+            group_name=name,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            max_bytes=max_bytes,
+            timeout_s=timeout_s,
+            blocks=launch[BLOCKS],
+            forced_algo=launch[settings.ALLREDUCE_ALGO.name],
+            capability_major=capability_major,
+            store=exchange,
+        )
         handles = comm.ipc_handles()
     except (GrapharCudaError, GrapharUnavailable) as e:
         local = str(e)

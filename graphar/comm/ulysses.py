@@ -46,8 +46,9 @@ _A2A_SEND, _A2A_RECV = "a2a.send", "a2a.recv"
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str) -> None:
     """The NCCL transport: one equal-split `all_to_all_single` of staging (or result) memory."""
     try:
-        dist.all_to_all_single(recv.view(-1), send.reshape(-1),
-                               group=dist.distributed_c10d._resolve_process_group(group_name))
+        dist.all_to_all_single(
+            recv.view(-1), send.reshape(-1), group=dist.distributed_c10d._resolve_process_group(group_name)
+        )
     except RuntimeError as e:
         raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
 
@@ -99,12 +100,16 @@ def output_exchange(o: torch.Tensor, group_name: str, out: torch.Tensor | None =
     if out is None:
         out = torch.empty(out_shape, dtype=o.dtype, device=o.device)
     elif tuple(out.shape) != out_shape or out.stride()[2:] != (d, 1) or out.stride(0) != s_local * out.stride(1):
-        raise ValueError(f"output_exchange: out {tuple(out.shape)} with strides {out.stride()} is not a {out_shape} "
-                         "view with dense heads and evenly spaced tokens")  # fmt: skip
+        raise ValueError(
+            f"output_exchange: out {tuple(out.shape)} with strides {out.stride()} is not a {out_shape} "
+            "view with dense heads and evenly spaced tokens"
+        )
     elif out.dtype != o.dtype or out.device != o.device or out.data_ptr() % 16 != 0:
         # Checked before any pack: the IPC copy moves bytes, and a pushing pack writes into the peers.
-        raise ValueError(f"output_exchange: out ({out.dtype} on {out.device}, address {out.data_ptr():#x}) is not "
-                         f"16-byte aligned {o.dtype} on {o.device}, as o is")  # fmt: skip
+        raise ValueError(
+            f"output_exchange: out ({out.dtype} on {out.device}, address {out.data_ptr():#x}) is not "
+            f"16-byte aligned {o.dtype} on {o.device}, as o is"
+        )
     token_bytes = out.stride(1) * out.element_size()
     if _ipc(group_name, out, lambda: ulysses_stages.output_plan(o, p, token_bytes)):
         return out

@@ -45,10 +45,13 @@ def _check_qkv(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> 
         if x.dtype != first.dtype or x.device != first.device:
             raise ValueError(f"{op}: q, k and v must share dtype and device")
         for dim in (0, 1, 3):
-            _require(x.shape[dim] == first.shape[dim],
-                     lambda: f"{op}: q, k and v must share b, s_local and d; got {[tuple(t.shape) for t in xs]}")
-        _require(x.shape[2] % world_size == 0,
-                 lambda x=x: f"{op}: {x.shape[2]} heads do not split over {world_size} ranks")
+            _require(
+                x.shape[dim] == first.shape[dim],
+                lambda: f"{op}: q, k and v must share b, s_local and d; got {[tuple(t.shape) for t in xs]}",
+            )
+        _require(
+            x.shape[2] % world_size == 0, lambda x=x: f"{op}: {x.shape[2]} heads do not split over {world_size} ranks"
+        )
 
 
 def qkv_shape(xs: Sequence[torch.Tensor], world_size: int, group_name: str) -> tuple[int, int, int, int]:
@@ -62,8 +65,10 @@ def output_shape(o: torch.Tensor, world_size: int, group_name: str) -> tuple[int
     """The shape of the output exchange's result, `[b, P*S, h, d] -> [b, S, P*h, d]`, after checking o."""
 
     def message() -> str:
-        return (f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
-                f"with s divisible by {world_size}, got {tuple(o.shape)}")
+        return (
+            f"graphar::heads_to_seq_all_to_all on group {group_name!r}: expects [b, s, heads, d] "
+            f"with s divisible by {world_size}, got {tuple(o.shape)}"
+        )
 
     if o.dim() != 4:
         raise ValueError(message())
@@ -80,8 +85,10 @@ def packed_shapes(xs: Sequence[torch.Tensor], world_size: int, group_name: str) 
     for x in xs:
         if x.dim() == 0:
             raise ValueError(f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks")
-        _require(x.shape[0] % world_size == 0,
-                 lambda x=x: f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks")
+        _require(
+            x.shape[0] % world_size == 0,
+            lambda x=x: f"{op}: dim 0 of {tuple(x.shape)} does not split equally over {world_size} ranks",
+        )
         if x.dtype != xs[0].dtype or x.device != xs[0].device:
             raise ValueError(f"{op}: all tensors must share dtype and device")
     return [tuple(x.shape) for x in xs]

@@ -73,7 +73,7 @@ if triton is not None:
         rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
         SHIFTED: tl.constexpr,
-    ):
+    ):  # fmt: skip  # arguments in rows: pointers, strides, sizes, constexprs
         r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
         l = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         e = tl.arange(0, D_PAD)
@@ -110,7 +110,7 @@ if triton is not None:
         guard, rows, seq,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, IDX64: tl.constexpr,
         SHIFTED: tl.constexpr, FENCE: tl.constexpr, GUARDED: tl.constexpr,
-    ):
+    ):  # fmt: skip  # arguments in rows: one per tensor, the shifts, sizes, constexprs
         row_block = tl.program_id(0)
         j = tl.program_id(1)
         block = tl.program_id(2)
@@ -120,29 +120,30 @@ if triton is not None:
         shift = 0
         if SHIFTED:  # shift_j without indexing the arguments by a runtime j
             shift = tl.where(j == 0, shift0, tl.where(j == 1, shift1, tl.where(j == 2, shift2, tl.where(
-                j == 3, shift3, tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7)))))))
+                j == 3, shift3, tl.where(j == 4, shift4, tl.where(j == 5, shift5, tl.where(j == 6, shift6, shift7)))))))  # fmt: skip  # a flat chain of 8 cases
         blocks0 = tl.cdiv(heads0, BLOCK_H)
         blocks1 = tl.cdiv(heads1, BLOCK_H)
         if block < blocks0:
             _copy_tile(dst0, src0, heads0, row_block, block, j, shift, live,
                        s0_j, s0_b, s0_s, s0_h, d0_j, d0_b, d0_s, d0_h,
-                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         elif block < blocks0 + blocks1:
             _copy_tile(dst1, src1, heads1, row_block, block - blocks0, j, shift, live,
                        s1_j, s1_b, s1_s, s1_h, d1_j, d1_b, d1_s, d1_h,
-                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         else:
             _copy_tile(dst2, src2, heads2, row_block, block - blocks0 - blocks1, j, shift, live,
                        s2_j, s2_b, s2_s, s2_h, d2_j, d2_b, d2_s, d2_h,
-                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)
+                       rows, seq, D, D_PAD, BLOCK_R, BLOCK_H, IDX64, SHIFTED)  # fmt: skip  # rows as in the signature
         if FENCE:
             # Stores into a peer's buffer are announced by the next kernel (the all-to-all's entry barrier),
             # whose release orders only what its own thread has seen. fence.sc.sys (membar.sys) holds this
             # thread until its stores, over the link too, are performed for the whole system, so they
             # precede that announcement by the memory model, not only by how kernel completion drains the
             # link today.
-            tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, $1;", "=r,r", [row_block], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            tl.inline_asm_elementwise(
+                "fence.sc.sys; mov.u32 $0, $1;", "=r,r", [row_block], dtype=tl.int32, is_pure=False, pack=1
+            )
 
 
 def triton_available() -> bool:
@@ -187,8 +188,10 @@ def _check_pairs(pairs: Sequence[Pair]) -> None:
         if _base(dst).device != device or src.device != device:
             raise ValueError(f"relayout: all tensors must be on {device}")
         if len(dst.shape) != 5 or tuple(dst.shape) != tuple(src.shape) or _base(dst).dtype != src.dtype:
-            raise ValueError(f"relayout: dst {tuple(dst.shape)}/{_base(dst).dtype} and src {tuple(src.shape)}/"
-                             f"{src.dtype} must be equal 5-D [P, b, s, h, d] views")
+            raise ValueError(
+                f"relayout: dst {tuple(dst.shape)}/{_base(dst).dtype} and src {tuple(src.shape)}/"
+                f"{src.dtype} must be equal 5-D [P, b, s, h, d] views"
+            )
         if (dst.shape[0], dst.shape[1], dst.shape[2], dst.shape[4]) != (p, b, s, d):
             raise ValueError("relayout: all pairs must share P, b, s and d")
 
@@ -204,8 +207,9 @@ def relayout(pairs: Sequence[Pair], guard: torch.Tensor | None = None) -> bool:
     _check_pairs(pairs)
     if not _use_triton(pairs):
         if guard is not None or any(isinstance(dst, Shifted) for dst, _ in pairs):
-            raise ValueError("relayout: only the Triton kernel writes shifted chunks or reads a guard "
-                             "(see kernel_serves)")
+            raise ValueError(
+                "relayout: only the Triton kernel writes shifted chunks or reads a guard (see kernel_serves)"
+            )
         for dst, src in pairs:
             dst.copy_(src)
         return False
@@ -218,8 +222,9 @@ def relayout(pairs: Sequence[Pair], guard: torch.Tensor | None = None) -> bool:
     return True
 
 
-def _launch(pairs: Sequence[Pair],
-            guard: torch.Tensor | None) -> tuple[tuple[int, int, int], list[object], dict[str, object]] | None:
+def _launch(
+    pairs: Sequence[Pair], guard: torch.Tensor | None
+) -> tuple[tuple[int, int, int], list[object], dict[str, object]] | None:
     """The kernel's grid, runtime arguments and constexprs for `pairs`; None when there is nothing to copy."""
     p, b, s, _, d = pairs[0][0].shape
     rows = b * s

@@ -35,8 +35,14 @@ TOLERANCE = 1e-4
 def rewrites() -> dict[str, int]:
     """graphar's ops in the compiled graphs so far, by op (every op the pass makes, zero included): the
     one place that reads counters["graphar"]."""
-    ops = ("all_reduce", "all_reduce_add_rms_norm", "qkv_all_to_all", "heads_to_seq_all_to_all",
-           "packed_all_to_all_single", "ulysses_attention")  # fmt: skip
+    ops = (
+        "all_reduce",
+        "all_reduce_add_rms_norm",
+        "qkv_all_to_all",
+        "heads_to_seq_all_to_all",
+        "packed_all_to_all_single",
+        "ulysses_attention",
+    )
     return {name: counters["graphar"][name] for name in ops}
 
 
@@ -48,8 +54,14 @@ class Setting:
     dtype: torch.dtype = torch.float32
     mode: str | None = None  # torch.compile's mode
 
-    def compile(self, model: Callable[..., Any], backend: str = "graphar", options: dict[str, Any] | None = None,
-                mode: str | None = None, **kwargs: Any) -> Callable[..., Any]:  # fmt: skip
+    def compile(
+        self,
+        model: Callable[..., Any],
+        backend: str = "graphar",
+        options: dict[str, Any] | None = None,
+        mode: str | None = None,
+        **kwargs: Any,
+    ) -> Callable[..., Any]:
         """`model` compiled with `backend` in `mode` (else this setting's); graphar's `options` carry
         the mode (torch refuses mode= beside options=); `kwargs` go to torch.compile."""
         mode = mode or self.mode
@@ -79,8 +91,10 @@ class Run:
 
     def summary(self) -> str:
         breaks = sum(self.graph_breaks.values())
-        return (f"{self.name}: rewrites {self.rewrites}, left {self.left()}, max diff {self.max_diff:.3g}, "
-                f"graph breaks {breaks}")  # fmt: skip
+        return (
+            f"{self.name}: rewrites {self.rewrites}, left {self.left()}, max diff {self.max_diff:.3g}, "
+            f"graph breaks {breaks}"
+        )
 
 
 class _Records(logging.Handler):
@@ -126,8 +140,14 @@ def check(run: Run, expected: dict[str, int], left: dict[str, int], inductor: Ru
 
 
 def _entry(rank: int, port: int, setup: Callable[[int], None] | None, fn: Callable[..., None], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
     import graphar  # noqa: F401  (registers the backend and the ops)
 

@@ -23,25 +23,48 @@ CHUNKS = (0, 2)
 def wan() -> tuple[torch.nn.Module, dict[str, Any]]:
     """2 blocks, 4 heads of 16; a 2-frame 8x8 latent: 32 tokens, 16 a rank."""
     model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
-    )  # fmt: skip
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
     gen = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=gen), timestep=torch.tensor([500]),
-                  encoder_hidden_states=torch.randn(1, 8, 32, generator=gen))  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8, generator=gen),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
+    )
     return model, inputs
 
 
 def flux() -> tuple[torch.nn.Module, dict[str, Any]]:
     """One double-stream and one single-stream block, 4 heads of 16; 32 image and 8 text tokens."""
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
     gen = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 32, 16, generator=gen), encoder_hidden_states=torch.randn(1, 8, 32,
-                  generator=gen), pooled_projections=torch.randn(1, 32, generator=gen), timestep=torch.tensor([0.5]),
-                  img_ids=torch.randn(32, 3, generator=gen), txt_ids=torch.zeros(8, 3))  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.randn(1, 32, 16, generator=gen),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=gen),
+        pooled_projections=torch.randn(1, 32, generator=gen),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.randn(32, 3, generator=gen),
+        txt_ids=torch.zeros(8, 3),
+    )
     return model, inputs
 
 
@@ -54,8 +77,15 @@ def enable_ulysses(model: torch.nn.Module) -> None:
         model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
 
 
-def _compiled(name: str, model: torch.nn.Module, inputs: dict[str, Any], want: torch.Tensor, setting: Setting,
-              backend: str, chunks: int = 0) -> Run:  # fmt: skip
+def _compiled(
+    name: str,
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    want: torch.Tensor,
+    setting: Setting,
+    backend: str,
+    chunks: int = 0,
+) -> Run:
     with measured(name) as result:
         compiled = setting.compile(model, backend, options={"attention_chunks": chunks})
         result.compare(compiled(**inputs, return_dict=False)[0], want)
@@ -75,8 +105,9 @@ def run(rank: int, setting: Setting) -> list[Run]:
         name = f"diffusers {build.__name__}"
         with torch.no_grad():
             want = model(**inputs, return_dict=False)[0]
-            graphar_runs = [_compiled(f"{name} attention_chunks={c}", model, inputs, want, setting, "graphar", c)
-                            for c in CHUNKS]  # fmt: skip
+            graphar_runs = [
+                _compiled(f"{name} attention_chunks={c}", model, inputs, want, setting, "graphar", c) for c in CHUNKS
+            ]
             runs += graphar_runs
             if any(r.graph_breaks for r in graphar_runs):
                 runs.append(_compiled(f"{name} backend=inductor", model, inputs, want, setting, "inductor"))
@@ -92,8 +123,12 @@ def _worker(rank: int) -> None:
         # into one pipelined attention. Wan's cross-attention reads the text whole: no exchange. The
         # output's all-gather (diffusers' hook on proj_out) is left.
         left = {"all_gather_into_tensor": 1}
-        check(runs[f"diffusers {model} attention_chunks=0"], {"qkv_all_to_all": 2, "heads_to_seq_all_to_all": 2}, left,
-              inductor)  # fmt: skip
+        check(
+            runs[f"diffusers {model} attention_chunks=0"],
+            {"qkv_all_to_all": 2, "heads_to_seq_all_to_all": 2},
+            left,
+            inductor,
+        )
         check(runs[f"diffusers {model} attention_chunks=2"], {"ulysses_attention": 2}, left, inductor)
     # Wan's context-parallel hook logs a warning on a 1-D timestep, which breaks the graph under any backend.
     assert "diffusers wan backend=inductor" in runs, "the Wan run should have shown how graph breaks compare"

@@ -129,8 +129,9 @@ def decode_one_token(model: Transformer, x: torch.Tensor, input_pos: torch.Tenso
     return model(x, input_pos)[:, -1]
 
 
-def generate(model: Transformer, prompt: torch.Tensor, prefill_fn, decode_fn,
-             tokens: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+def generate(
+    model: Transformer, prompt: torch.Tensor, prefill_fn, decode_fn, tokens: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """gpt-fast's generate loop, greedy; fed `tokens` instead where given (the compiled run takes
     eager's picks: a near tie could pick otherwise)."""
     b, s = prompt.shape

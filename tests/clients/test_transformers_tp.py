@@ -23,12 +23,21 @@ PROMPT, DECODE_STEPS = 6, 3
 
 def configs() -> dict[str, transformers.PretrainedConfig]:
     """Tiny configs: 2 layers, hidden 64, 4 query heads and 2 K/V heads (2 and 1 a rank)."""
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     return {
         "llama": transformers.LlamaConfig(**common),
-        "qwen3_moe": transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4,
-                                                 num_experts_per_tok=2, decoder_sparse_step=1),  # fmt: skip
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+        ),
     }
 
 
@@ -56,9 +65,10 @@ def run(rank: int, setting: Setting, folder: str) -> list[Run]:
     tokens = tokens.to(setting.device)
     for name in configs():
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            Path(folder) / name, dtype=setting.dtype,
+            Path(folder) / name,
+            dtype=setting.dtype,
             distributed_config=transformers.DistributedConfig(tp_plan="auto"),  # tp_size: WORLD_SIZE
-        )  # fmt: skip
+        )
         decode = name == "llama"
         with torch.no_grad():
             want = _steps(model, tokens, decode)

@@ -53,8 +53,15 @@ def _share_one_gpu() -> None:
     set_up._not_worth_setting_up = lambda group: None if settings.AUTO_INIT.get() else "GRAPHAR_AUTO_INIT=0"
 
 
-def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-           env: dict[str, str], error_dir: str) -> None:  # fmt: skip
+def _entry(
+    fn: Callable[..., None],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    error_dir: str,
+) -> None:
     # Tests set their communicators up with graphar.init; a group without one is their NCCL case.
     os.environ.update({"GRAPHAR_AUTO_INIT": "0", **env})
     try:
@@ -65,7 +72,7 @@ def _entry(fn: Callable[..., None], rank: int, world_size: int, port: int, args:
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
         dist.barrier(device_ids=[torch.cuda.current_device()])
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (whatever ends a rank, its peers and the test must hear of it)
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)  # skip teardown that could wait on peers that are gone
     # No destroy_process_group(): on torch 2.11 it hangs once Inductor's cudagraph trees have

@@ -9,9 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, init_world, integer_valued, nccl_sum,
-    run_workers, set_barrier_counters,
-)  # fmt: skip
+    WORLD_SIZES,
+    assert_equal_across_ranks,
+    assert_timed_out_for_good,
+    check_exact,
+    init_world,
+    integer_valued,
+    nccl_sum,
+    run_workers,
+    set_barrier_counters,
+)
 
 import graphar
 from graphar import GrapharCommError
@@ -60,8 +67,16 @@ def _repeated_calls(rank: int, world_size: int) -> None:
     comm = graphar.init(max_bytes=MAX_BYTES)
     try:
         # Grid size, algorithm and dtype change from call to call; every barrier slot phase is hit.
-        cases = [(16, "1stage"), (32 * KB, "2stage"), (MB + 16, None), (MAX_BYTES, "2stage"), (4 * KB, "1stage"),
-                 (48, "push-oneshot"), (MB + 16 * 5, "push-twoshot"), (64 * KB, "push-oneshot")]
+        cases = [
+            (16, "1stage"),
+            (32 * KB, "2stage"),
+            (MB + 16, None),
+            (MAX_BYTES, "2stage"),
+            (4 * KB, "1stage"),
+            (48, "push-oneshot"),
+            (MB + 16 * 5, "push-twoshot"),
+            (64 * KB, "push-oneshot"),
+        ]
         inputs = [integer_valued(n // 2, torch.bfloat16) for n, _ in cases]
         refs = [nccl_sum(x) for x in inputs]
         mismatches = []

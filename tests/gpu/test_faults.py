@@ -88,8 +88,10 @@ def _right_or_nan(out: torch.Tensor, right: torch.Tensor, what: str) -> bool:
     """Every element is the right value or NaN; whether any is NaN."""
     nan = torch.isnan(out)
     wrong = ~nan & (out != right)
-    assert not wrong.any(), (f"{what}: {int(wrong.sum())} finite wrong values, e.g. {out[wrong][:4].tolist()} where "
-                             f"{right[wrong][:4].tolist()} is right")  # fmt: skip
+    assert not wrong.any(), (
+        f"{what}: {int(wrong.sum())} finite wrong values, e.g. {out[wrong][:4].tolist()} where "
+        f"{right[wrong][:4].tolist()} is right"
+    )
     return bool(nan.any())
 
 
@@ -112,7 +114,7 @@ def _late_peer(rank: int, world_size: int, kind: str) -> None:
             call = case.run
         else:
             graph = torch.cuda.CUDAGraph()
-            with (graphar.graph(graph) if mode == "graphar.graph" else torch.cuda.graph(graph)):
+            with graphar.graph(graph) if mode == "graphar.graph" else torch.cuda.graph(graph):
                 captured = case.run()
             call = lambda: graph.replay() or captured  # noqa: E731
 
@@ -163,8 +165,10 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     failed_at = None
     for i in range(ITERATIONS):
-        values = [[float((r + 1) * (i % 7 + 1)) for r in range(world_size)],
-                  [float((r + 1) * (i % 5 + 9)) for r in range(world_size)]]  # fmt: skip
+        values = [
+            [float((r + 1) * (i % 7 + 1)) for r in range(world_size)],
+            [float((r + 1) * (i % 5 + 9)) for r in range(world_size)],
+        ]
         outs: list[torch.Tensor | None] = []
         for case, call, stream, v in zip(cases, calls, streams, values):
             with torch.cuda.stream(stream):
@@ -176,12 +180,15 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
                     outs.append(None)
         torch.cuda.synchronize()
         for n, (case, out, v) in enumerate(zip(cases, outs, values)):
-            if out is None or _right_or_nan(out, case.right(v), f"{kind}, replay beside {other}, iteration {i}, "
-                                                                  f"call {n}"):  # fmt: skip
+            if out is None or _right_or_nan(
+                out, case.right(v), f"{kind}, replay beside {other}, iteration {i}, call {n}"
+            ):
                 failed_at = i if failed_at is None else failed_at
                 _raises_at_next_host_call(comm, f"{kind} beside {other}")
-    print(f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
-          f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}")
+    print(
+        f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
+        f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}"
+    )
     dist.barrier()
     comm.close()
 

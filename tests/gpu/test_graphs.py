@@ -131,9 +131,7 @@ def _decode_loop(rank: int, world_size: int) -> None:
         return nccl_sum((nccl_sum(h @ w1) - 3) @ w2)
 
     try:
-        graphs = graphar.BatchGraphs(
-            step, lambda b: (torch.zeros(b, HIDDEN, device="cuda"),), batch_sizes=[8, 1, 4, 2]
-        )
+        graphs = graphar.BatchGraphs(step, lambda b: (torch.zeros(b, HIDDEN, device="cuda"),), batch_sizes=[8, 1, 4, 2])
         assert graphs.batch_sizes == (1, 2, 4, 8)
         order = random.Random(0).choices(range(1, 9), k=60)  # same order on every rank
         for i, b in enumerate(order):
@@ -295,7 +293,9 @@ def _replayed_after_shutdown(rank: int, world_size: int) -> None:
             graph.replay()
             torch.cuda.synchronize()
             for algo, y in zip(algos, outputs):
-                assert torch.isnan(y).all(), f"{name} {algo}: replayed after the shutdown, wrote something other than NaN"
+                assert torch.isnan(y).all(), (
+                    f"{name} {algo}: replayed after the shutdown, wrote something other than NaN"
+                )
         for algo in algos:
             y = fresh.all_reduce(x, algo=algo)
             assert torch.equal(y, nccl_sum(x)), f"{algo}: the new communicator differs from NCCL"

@@ -48,8 +48,9 @@ def _graph_cycle(comm: Communicator, capture: Callable[[torch.cuda.CUDAGraph], o
 
 def _compiled_cycle(comm: Communicator, cycle: int) -> None:
     torch._dynamo.reset()
-    step = torch.compile(lambda x: functional_all_reduce(x * 2, "sum", comm.group_name) + 1, backend="graphar",
-                         mode="reduce-overhead")  # fmt: skip
+    step = torch.compile(
+        lambda x: functional_all_reduce(x * 2, "sum", comm.group_name) + 1, backend="graphar", mode="reduce-overhead"
+    )
     x = integer_valued(4096 + 16 * (cycle % 7), torch.float32)  # a new shape now and then
     for _ in range(4):  # warm-up, record, replays
         y = step(x)
@@ -57,8 +58,9 @@ def _compiled_cycle(comm: Communicator, cycle: int) -> None:
 
 
 def _batch_graphs_cycle(comm: Communicator) -> None:
-    graphs = graphar.BatchGraphs(_two_all_reduces(comm), lambda b: (integer_valued(b * 1024, torch.float32).view(b, -1),),
-                                 [1, 4], warmup=1)  # fmt: skip
+    graphs = graphar.BatchGraphs(
+        _two_all_reduces(comm), lambda b: (integer_valued(b * 1024, torch.float32).view(b, -1),), [1, 4], warmup=1
+    )
     x = integer_valued(3 * 1024, torch.float32).view(3, -1)
     assert torch.equal(graphs(x), nccl_sum(nccl_sum(x) * 2)), "a BatchGraphs replay differs from NCCL"
 
@@ -90,8 +92,10 @@ def _cycles(rank: int, world_size: int, mode: str) -> None:
         cycle(i)
     after = _state(comm)
     grown = after[0] - before[0]
-    print(f"rank {rank}, {mode}: {n} cycles: device memory {before[0]:.0f} -> {after[0]:.0f} MB ({grown:+.1f}), "
-          f"peers' mappings {before[1]} -> {after[1]}, graph slots {before[2]} -> {after[2]}")  # fmt: skip
+    print(
+        f"rank {rank}, {mode}: {n} cycles: device memory {before[0]:.0f} -> {after[0]:.0f} MB ({grown:+.1f}), "
+        f"peers' mappings {before[1]} -> {after[1]}, graph slots {before[2]} -> {after[2]}"
+    )
     assert grown <= 1.0, f"{mode}: device memory grew by {grown:.1f} MB over {n} cycles"
     assert after[1:] == before[1:], f"{mode}: mappings or slots grew: {before[1:]} -> {after[1:]}"
     comm.close()

@@ -33,8 +33,14 @@ def _fused_against_unfused(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
         worst = 0.0
-        cases = itertools.product((torch.float32, torch.float16, torch.bfloat16), (8, 4096, 5120, 16384),
-                                  (1, 8, 37), (True, False), (True, False), (True, False))  # fmt: skip
+        cases = itertools.product(
+            (torch.float32, torch.float16, torch.bfloat16),
+            (8, 4096, 5120, 16384),
+            (1, 8, 37),
+            (True, False),
+            (True, False),
+            (True, False),
+        )
         for dtype, hidden, rows, with_residual, with_weight, weight_first in cases:
             if hidden * dtype.itemsize * rows > comm.allreduce.policy.fused_norm_max:
                 continue
@@ -209,8 +215,13 @@ def test_fused_norm_kernel_alone_on_one_gpu() -> None:
 
     loop = Loopback(8 << 20)
     try:
-        cases = itertools.product((torch.float32, torch.float16, torch.bfloat16), (8, 4096, 4104, 8192, 16384),
-                                  (1, 2, 7, 64, 100), (True, False), (True, False))  # fmt: skip
+        cases = itertools.product(
+            (torch.float32, torch.float16, torch.bfloat16),
+            (8, 4096, 4104, 8192, 16384),
+            (1, 2, 7, 64, 100),
+            (True, False),
+            (True, False),
+        )
         for dtype, hidden, rows, with_residual, with_weight in cases:
             if hidden * dtype.itemsize > 65536 or rows * hidden * dtype.itemsize > 4 << 20:
                 continue
@@ -222,8 +233,19 @@ def test_fused_norm_kernel_alone_on_one_gpu() -> None:
             outs, grids = [], []
             for max_split in (0, 3, 1):
                 normed, summed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-                grids.append(loop(x, residual, weight, normed, summed, pdl=True, max_split=max_split,
-                                  eps=EPS, weight_first=weight_first))  # fmt: skip
+                grids.append(
+                    loop(
+                        x,
+                        residual,
+                        weight,
+                        normed,
+                        summed,
+                        pdl=True,
+                        max_split=max_split,
+                        eps=EPS,
+                        weight_first=weight_first,
+                    )
+                )
                 outs.append((normed, summed))
             torch.cuda.synchronize()
             loop.check()
@@ -233,8 +255,15 @@ def test_fused_norm_kernel_alone_on_one_gpu() -> None:
             for (normed, summed), grid in zip(outs[1:], grids[1:]):
                 assert _same_bits(normed, outs[0][0]) and torch.equal(summed, outs[0][1]), f"{what}: grid {grid}"
             last = torch.full_like(x[-1:], float("nan")), torch.full_like(x[-1:], float("nan"))
-            loop(x[-1:], None if residual is None else residual[-1:], weight, *last, pdl=False, eps=EPS,
-                 weight_first=weight_first)  # fmt: skip
+            loop(
+                x[-1:],
+                None if residual is None else residual[-1:],
+                weight,
+                *last,
+                pdl=False,
+                eps=EPS,
+                weight_first=weight_first,
+            )
             torch.cuda.synchronize()
             assert _same_bits(last[0], outs[0][0][-1:]), f"{what}: the last row alone differs"
         if torch.cuda.get_device_capability()[0] >= 9:  # a large split: at least 32 blocks for one token

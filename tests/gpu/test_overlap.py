@@ -48,8 +48,13 @@ def _bitwise_on_both_transports(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
         for group_name in (comm.group_name, nccl_group.group_name):
-            cases = itertools.product((1, 2), ((8 * world_size, 8 * world_size), (8 * world_size, 2 * world_size)),
-                                      (False, True), (2, 4), (None, "flash", "efficient"))  # fmt: skip
+            cases = itertools.product(
+                (1, 2),
+                ((8 * world_size, 8 * world_size), (8 * world_size, 2 * world_size)),
+                (False, True),
+                (2, 4),
+                (None, "flash", "efficient"),
+            )
             for b, (hq, hk), is_causal, chunks, kernel in cases:
                 q, k, v = _qkv(b, 256, hq, hk)
                 got = torch.ops.graphar.ulysses_attention(q, k, v, group_name, is_causal, None, chunks, kernel)
@@ -99,8 +104,9 @@ class _Block(torch.nn.Module):
     def __init__(self, heads: int, d: int) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)  # equal on every rank
-        self.w = torch.nn.Parameter((torch.randn(heads * d, 3 * heads * d, generator=gen) / (heads * d) ** 0.5)
-                                    .to(torch.bfloat16).cuda())  # fmt: skip
+        self.w = torch.nn.Parameter(
+            (torch.randn(heads * d, 3 * heads * d, generator=gen) / (heads * d) ** 0.5).to(torch.bfloat16).cuda()
+        )
         self.heads, self.d = heads, d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import (
-    WORLD_SIZES, assert_equal_across_ranks, assert_timed_out_for_good, check_exact, integer_valued, nccl_sum, repetitions,
-    run_workers, set_barrier_counters,
-)  # fmt: skip
+    WORLD_SIZES,
+    assert_equal_across_ranks,
+    assert_timed_out_for_good,
+    check_exact,
+    integer_valued,
+    nccl_sum,
+    repetitions,
+    run_workers,
+    set_barrier_counters,
+)
 
 import graphar
 from graphar import _cuda
@@ -31,10 +38,12 @@ def _special_values(numel: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
     bits = BITS[dtype]
     width = torch.iinfo(bits).bits
     nans = [-1, (1 << (width - 1)) - 1, (1 << (width - 1)) - 2]  # 0xFF..FF, 0x7F..FF, 0x7F..FE: all NaN
-    pool = torch.cat([
-        torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), 1.0, -2.0], dtype=dtype),
-        torch.tensor(nans, dtype=bits).view(dtype),
-    ])  # fmt: skip
+    pool = torch.cat(
+        [
+            torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), 1.0, -2.0], dtype=dtype),
+            torch.tensor(nans, dtype=bits).view(dtype),
+        ]
+    )
     gen = torch.Generator().manual_seed(1000 + rank)
     x = pool[torch.randint(len(pool), (numel,), generator=gen)]
     x[: numel // 4] = -0.0  # long runs of -0.0 on every rank: the sum must stay -0.0
@@ -105,6 +114,7 @@ def test_ten_thousand_replays_across_the_epoch_wrap(world_size: int) -> None:
 def _three_capture_modes(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
+
         def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             y = comm.all_reduce(x)
             x.mul_(-1)  # written right after the push read it in place
@@ -238,7 +248,9 @@ def test_kernels_after_a_timeout_write_nan_without_waiting(world_size: int) -> N
     run_workers(_poison_after_a_timeout, world_size, timeout_s=120)
 
 
-@pytest.mark.parametrize("algo, where", [("push-oneshot", "all_reduce push-oneshot receive"),
-                                         ("push-twoshot", "all_reduce push-twoshot scatter")])  # fmt: skip
+@pytest.mark.parametrize(
+    "algo, where",
+    [("push-oneshot", "all_reduce push-oneshot receive"), ("push-twoshot", "all_reduce push-twoshot scatter")],
+)
 def test_peer_that_stops_pushing_times_out(algo: str, where: str) -> None:
     run_workers(_peer_stops_pushing, WORLD_SIZES[0], algo, where, timeout_s=120)

@@ -67,8 +67,9 @@ def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tenso
     return t.chunk(world_size, dim=dim)[rank].contiguous()
 
 
-def _check_seq_to_heads(rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, heads: tuple[int, int],
-                        d: int, seed: int) -> None:
+def _check_seq_to_heads(
+    rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, heads: tuple[int, int], d: int, seed: int
+) -> None:
     hq, hk = heads
     full = [_full(seed + i, b, world_size * s, h, d, dtype=dtype) for i, h in enumerate((hq, hk, hk))]
     mine = [_shard(t, 1, rank, world_size) for t in full]
@@ -77,16 +78,18 @@ def _check_seq_to_heads(rank: int, world_size: int, dtype: torch.dtype, b: int, 
     _poison_allocator(sum(t.numel() * t.element_size() for t in full))
     packed = ulysses.seq_to_heads(*mine, dist.group.WORLD.group_name)
     separate = [seq_to_heads_unpacked(x) for x in mine]
-    heads_first = ulysses.seq_to_heads(*(x.transpose(1, 2).contiguous() for x in mine),
-                                       dist.group.WORLD.group_name, heads_dim=1)
+    heads_first = ulysses.seq_to_heads(
+        *(x.transpose(1, 2).contiguous() for x in mine), dist.group.WORLD.group_name, heads_dim=1
+    )
     for c in range(3):
         assert torch.equal(separate[c], spec[c]), f"{what}: NCCL reference != spec"
         assert torch.equal(packed[c], spec[c]), f"{what}: tensor {c} packed != spec"
         assert torch.equal(heads_first[c].transpose(1, 2), spec[c]), f"{what}: tensor {c} heads at dim 1"
 
 
-def _check_heads_to_seq(rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, h: int, d: int,
-                        seed: int) -> None:
+def _check_heads_to_seq(
+    rank: int, world_size: int, dtype: torch.dtype, b: int, s: int, h: int, d: int, seed: int
+) -> None:
     full = _full(seed, b, world_size * s, h, d, dtype=dtype)
     spec = _shard(full, 1, rank, world_size)
     o = _shard(full, 2, rank, world_size)
@@ -338,8 +341,11 @@ def _reduce_overhead(rank: int, world_size: int, transport: str) -> None:
         counters.clear()
         compiled = torch.compile(block, backend="graphar", mode="reduce-overhead", fullgraph=True)
         for step in range(6):  # warm-up, recording, then replays
-            x = (integer_valued(2 * s * heads * d, torch.float32, -2, 2) if exact else
-                 torch.randn(2 * s * heads * d, device="cuda")).view(2, s, heads * d)
+            x = (
+                integer_valued(2 * s * heads * d, torch.float32, -2, 2)
+                if exact
+                else torch.randn(2 * s * heads * d, device="cuda")
+            ).view(2, s, heads * d)
             if step == 0:
                 out, code = run_and_get_code(compiled, x)
                 assert "graphar.qkv_all_to_all" in "\n".join(code), "the pass did not pack Q/K/V"
@@ -395,4 +401,4 @@ def test_pack_kernel_64bit_offsets_and_no_recompile_per_sequence_length() -> Non
     assert pack.pack_heads(xs, p, out)
     for c, x in enumerate(xs):
         h = heads // p
-        assert torch.equal(out[:, :, :, c * h:(c + 1) * h], x.view(1, s, p, h, d).permute(2, 0, 1, 3, 4)), c
+        assert torch.equal(out[:, :, :, c * h : (c + 1) * h], x.view(1, s, p, h, d).permute(2, 0, 1, 3, 4)), c
