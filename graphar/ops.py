@@ -221,7 +221,10 @@ def all_reduce_add_rms_norm(
 
 
 def add_rms_norm(
-    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    summed: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
     weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`unfused_add_rms_norm`'s results in one Triton launch where the kernel takes the tensors

@@ -112,8 +112,14 @@ class GrapharPass(CustomGraphPass):
                 return None  # an uncacheable pass before us makes the whole graph uncacheable
         import graphar
 
-        keys = [graphar.__version__, torch.__version__, self.config.cache_key(), str(_world_size()), repr(previous_key),
-                str(settings.ALLREDUCE_ALGO.get())]  # the norm fusion reads the forced kernel (passes/norm.py)
+        keys = [
+            graphar.__version__,
+            torch.__version__,
+            self.config.cache_key(),
+            str(_world_size()),
+            repr(previous_key),
+            str(settings.ALLREDUCE_ALGO.get()),
+        ]  # the norm fusion reads the forced kernel (passes/norm.py)
         return get_hash_for_files(hashed_files(), extra="|".join(keys))
 
 

@@ -253,8 +253,14 @@ def _never_fused(match: _NormMatch) -> str | None:
         return f"GRAPHAR_ALLREDUCE_ALGO={forced!r} forces a kernel with no fused form"
     x = _val(match.x)
     dtypes = (None if t is None else _val(t).dtype for t in (match.residual, match.norm.weight))
-    return fused_norm.refusal(x.dtype, *dtypes, x.shape[-1] * x.element_size(), x.numel() * x.element_size(),
-                              policy.FUSED_NORM_CEILING, statically_known_true)  # fmt: skip
+    return fused_norm.refusal(
+        x.dtype,
+        *dtypes,
+        x.shape[-1] * x.element_size(),
+        x.numel() * x.element_size(),
+        policy.FUSED_NORM_CEILING,
+        statically_known_true,
+    )
 
 
 def fuse_all_reduce_norms(graph: torch.fx.Graph, config: Config) -> int:

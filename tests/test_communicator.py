@@ -351,8 +351,9 @@ def _graph_call(slot: int, x: torch.Tensor, base: int, staged: bool, signature: 
     return ar.GraphCall(slot, weakref.ref(x), x.data_ptr(), base, staged, signature)
 
 
-def _register_on_two_ranks(calls_per_rank, allreduces=None, lost_per_rank=((), ())
-                           ) -> tuple[list[_FakeComm], dict[int, BaseException]]:  # fmt: skip
+def _register_on_two_ranks(
+    calls_per_rank, allreduces=None, lost_per_rank=((), ())
+) -> tuple[list[_FakeComm], dict[int, BaseException]]:
     store = dist.HashStore()
     comms = [_FakeComm(r, store) for r in (0, 1)]
     allreduces = allreduces or [ar.AllReduce(comms[r], policy.Policy(9, 2, policy.Limits(MB, MB))) for r in (0, 1)]
@@ -376,11 +377,15 @@ def _register_on_two_ranks(calls_per_rank, allreduces=None, lost_per_rank=((), (
 def test_graph_registration_is_call_major_with_staged_entries() -> None:
     segments = [torch.empty(256) for _ in range(2)]  # stand-ins for the ranks' allocations
     calls = [
-        [_graph_call(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
-         _graph_call(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2))],
-        [_graph_call(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
-         _graph_call(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2))],  # a recycled slot
-    ]  # fmt: skip
+        [
+            _graph_call(5, segments[0][16:80], segments[0].data_ptr(), False, (256, 2, 1)),
+            _graph_call(6, segments[0][80:144], segments[0].data_ptr(), False, (256, 2, 2)),
+        ],
+        [
+            _graph_call(9, segments[1][:64], segments[1].data_ptr(), True, (256, 2, 1)),
+            _graph_call(3, segments[1][64:128], segments[1].data_ptr(), False, (256, 2, 2)),
+        ],  # a recycled slot
+    ]
     comms, errors = _register_on_two_ranks(calls)
     assert not errors
     slots, count, handles, offsets, staged, own = comms[0].registered
@@ -398,8 +403,9 @@ def test_a_dead_graphs_inputs_stay_until_every_rank_closed_its_mappings() -> Non
     registration at which every rank says it let that graph go (after closing its unused mappings)."""
     x = torch.empty(64)
     call = _graph_call(1, x, x.data_ptr(), False, (256, 2, 1))
-    allreduces = [ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB)))
-                  for r in (0, 1)]  # fmt: skip
+    allreduces = [
+        ar.AllReduce(_FakeComm(r, dist.HashStore()), policy.Policy(9, 2, policy.Limits(MB, MB))) for r in (0, 1)
+    ]
     comms, errors = _register_on_two_ranks([[call], [call]], allreduces)  # registration 0
     assert not errors
     allreduces[0].release_graph(0, [1], (x,))  # graph 0 died on rank 0 only

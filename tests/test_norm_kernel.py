@@ -70,21 +70,34 @@ class NormKernelTest(unittest.TestCase):
         self.kernel = rms_norm
         torch.manual_seed(0)
 
-    def norm(self, summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-             weight_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def norm(
+        self,
+        summed: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        weight_first: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's results, which it must give (not hand back to torch)."""
-        out = self.kernel.add_rms_norm(summed, residual, weight, EPS, weight_first,
-                                       add_rms_norm_dtypes(summed, residual, weight, weight_first))  # fmt: skip
+        out = self.kernel.add_rms_norm(
+            summed, residual, weight, EPS, weight_first, add_rms_norm_dtypes(summed, residual, weight, weight_first)
+        )
         self.assertIsNotNone(out, "the kernel must take these tensors")
         return out
 
-    def check(self, summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-              weight_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def check(
+        self,
+        summed: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        weight_first: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel against torch's ops: the same dtypes and shapes, the sum exact, the norm within the bound."""
         normed, h = self.norm(summed, residual, weight, weight_first)
         want_normed, want_h = unfused_add_rms_norm(summed, residual, weight, EPS, weight_first)
-        self.assertEqual((normed.dtype, normed.shape, h.dtype, h.shape),
-                         (want_normed.dtype, want_normed.shape, want_h.dtype, want_h.shape))  # fmt: skip
+        self.assertEqual(
+            (normed.dtype, normed.shape, h.dtype, h.shape),
+            (want_normed.dtype, want_normed.shape, want_h.dtype, want_h.shape),
+        )
         self.assertTrue(torch.equal(h, want_h), "sum + residual differs")
         assert_close_to(normed, want_normed, "normed", _bound(normed, h))
         return normed, h
@@ -109,8 +122,11 @@ class NormKernelTest(unittest.TestCase):
                 self.check(x, _integers(3, hidden, dtype=torch.float16), _weight(hidden, torch.float16), weight_first)
 
     def test_rows_of_any_leading_shape_and_the_longest_row(self) -> None:
-        self.check(_integers(2, 3, 40, dtype=torch.bfloat16), _integers(2, 3, 40, dtype=torch.bfloat16),
-                   _weight(40, torch.bfloat16))  # fmt: skip
+        self.check(
+            _integers(2, 3, 40, dtype=torch.bfloat16),
+            _integers(2, 3, 40, dtype=torch.bfloat16),
+            _weight(40, torch.bfloat16),
+        )
         hidden = self.kernel.MAX_HIDDEN
         self.check(_integers(2, hidden, dtype=torch.float32), None, _weight(hidden, torch.float32), True)
 
@@ -154,8 +170,11 @@ class NormKernelTest(unittest.TestCase):
     def test_the_ops_fallback_runs_the_kernel(self) -> None:
         from graphar import ops
 
-        x, residual, weight = (_integers(5, 72, dtype=torch.bfloat16), _integers(5, 72, dtype=torch.bfloat16),
-                               _weight(72, torch.bfloat16))  # fmt: skip
+        x, residual, weight = (
+            _integers(5, 72, dtype=torch.bfloat16),
+            _integers(5, 72, dtype=torch.bfloat16),
+            _weight(72, torch.bfloat16),
+        )
         for weight_first in (False, True):
             with self.subTest(weight_first=weight_first):
                 got = ops.add_rms_norm(x, residual, weight, EPS, weight_first)

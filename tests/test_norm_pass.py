@@ -176,12 +176,15 @@ class <lambda>(torch.nn.Module):
     def test_upcast_all_reduce_into_fp32_residual(self) -> None:
         """The fused kernel takes a residual of the all-reduce's dtype only: fused, every call would run
         the all-reduce and the norm apart, where Inductor makes the norm one kernel of its own."""
+
         def block(x, w, residual, weight):
             h = _row_parallel(x, w).to(torch.float32) + residual
             return _hf_rms_norm(h, weight), h
 
         reason = NEVER + "the residual is torch.float32, the kernel takes only the input's dtype (torch.bfloat16)"
-        self.assertExpectedInline(self._left_alone(block, reason, *_inputs(torch.bfloat16, torch.float32)), """\
+        self.assertExpectedInline(
+            self._left_alone(block, reason, *_inputs(torch.bfloat16, torch.float32)),
+            """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "bf16[4, 8]", arg1_1: "bf16[8, 16]", arg2_1: "f32[4, 16]", arg3_1: "bf16[16]"):
         mm: "bf16[4, 16]" = torch.ops.aten.mm.default(arg0_1, arg1_1);  arg0_1 = arg1_1 = None
@@ -195,12 +198,19 @@ class <lambda>(torch.nn.Module):
         mul: "f32[4, 16]" = torch.ops.aten.mul.Tensor(add, rsqrt);  rsqrt = None
         mul_1: "f32[4, 16]" = torch.ops.aten.mul.Tensor(arg3_1, mul);  arg3_1 = mul = None
         return (mul_1, add)
-""")
+""",
+        )
 
     def test_weight_of_another_dtype(self) -> None:
         x, w, residual, weight = _inputs(torch.bfloat16)
-        self._left_alone(_hf_block, NEVER + "the weight is torch.float32, the kernel takes only the input's dtype",
-                         x, w, residual, weight.float())
+        self._left_alone(
+            _hf_block,
+            NEVER + "the weight is torch.float32, the kernel takes only the input's dtype",
+            x,
+            w,
+            residual,
+            weight.float(),
+        )
 
     def test_rows_not_a_multiple_of_16_bytes(self) -> None:
         x, w, residual, weight = (t[..., :12] for t in _inputs(torch.bfloat16))  # 24-byte rows
@@ -234,8 +244,11 @@ class <lambda>(torch.nn.Module):
 
     def test_forced_kernel_without_a_fused_form(self) -> None:
         with mock.patch.dict(os.environ, {"GRAPHAR_ALLREDUCE_ALGO": "1stage"}):
-            self._left_alone(_hf_block, NEVER + "GRAPHAR_ALLREDUCE_ALGO='1stage' forces a kernel with no fused form",
-                             *_inputs(torch.bfloat16))  # fmt: skip
+            self._left_alone(
+                _hf_block,
+                NEVER + "GRAPHAR_ALLREDUCE_ALGO='1stage' forces a kernel with no fused form",
+                *_inputs(torch.bfloat16),
+            )
         with mock.patch.dict(os.environ, {"GRAPHAR_ALLREDUCE_ALGO": "push-oneshot"}):  # the fused kernel's own
             self._fused(_hf_block, *_inputs(torch.bfloat16))
 

@@ -30,7 +30,6 @@ from graphar.comm import ulysses as bodies
 from graphar.kernels import pack
 from tests._interpreted import INTERPRETED, run_interpreted
 
-
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _empty = torch.empty
 
@@ -155,8 +154,13 @@ class EmulatedWorld:
         return results
 
 
-def _place(source: Callable[[int], tuple[torch.Tensor, int]], world: int, out: torch.Tensor,
-           stage: ulysses_stages.Stage, skip: int | None) -> None:
+def _place(
+    source: Callable[[int], tuple[torch.Tensor, int]],
+    world: int,
+    out: torch.Tensor,
+    stage: ulysses_stages.Stage,
+    skip: int | None,
+) -> None:
     """What the copy kernel does for one stage on this rank: the chunk from rank i becomes rows of
     row_bytes at the placement's strides from byte out_offset of the output. `source(i)` is the
     buffer holding that chunk and its slot there: rank i's buffer, slot `rank` (pulled), or this

@@ -98,8 +98,9 @@ def _carries(value: Any, storages: set[int], numbers: set[int], depth: int = 0) 
     if isinstance(value, functools.partial):
         return _carries((value.args, value.keywords), storages, numbers, depth + 1)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_carries(getattr(value, f.name, None), storages, numbers, depth + 1)
-                   for f in dataclasses.fields(value))  # fmt: skip
+        return any(
+            _carries(getattr(value, f.name, None), storages, numbers, depth + 1) for f in dataclasses.fields(value)
+        )
     return False
 
 
@@ -211,14 +212,20 @@ def test_max_bytes_into_init(monkeypatch) -> None:
     lib = _Library()
     lib.graphar_last_error = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"")  # the C++ kernel's state takes its address
     for target, name, fake in [
-        (_cuda, "library", lambda: lib), (_cuda, "build_id", lambda: "0123abcd"),
-        (_cuda, "pci_bus_id", lambda device: "0000:01:00.0"), (native_op, "library", lambda: object()),
+        (_cuda, "library", lambda: lib),
+        (_cuda, "build_id", lambda: "0123abcd"),
+        (_cuda, "pci_bus_id", lambda device: "0000:01:00.0"),
+        (native_op, "library", lambda: object()),
         (native_op, "publish", lambda name, state: None),
-        (torch.cuda, "is_available", lambda: True), (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "is_available", lambda: True),
+        (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
-        (set_up, "_uniform_reason", lambda group: None), (dist, "get_world_size", lambda group=None: 2),
-        (set_up, "_settled", {}), (set_up, "_generations", {}), (registry, "_communicators", {}),
-    ]:  # fmt: skip
+        (set_up, "_uniform_reason", lambda group: None),
+        (dist, "get_world_size", lambda group=None: 2),
+        (set_up, "_settled", {}),
+        (set_up, "_generations", {}),
+        (registry, "_communicators", {}),
+    ]:
         monkeypatch.setattr(target, name, fake)
     max_bytes = 3 * MB + 7 * 16  # a number nothing else in the walk holds
     with _one_rank_world() as group:
@@ -226,8 +233,17 @@ def test_max_bytes_into_init(monkeypatch) -> None:
         comm = registry.communicator(group.group_name)
         assert comm is not None and comm.max_bytes == max_bytes
         comm.close()
-    _check(w, {"comm.set_up": None, "settings": "comm.set_up", "comm.rendezvous": "comm.set_up",
-               "comm.communicator": "comm.set_up", "comm.policy": "comm.communicator", "native_op": "comm.set_up"})
+    _check(
+        w,
+        {
+            "comm.set_up": None,
+            "settings": "comm.set_up",
+            "comm.rendezvous": "comm.set_up",
+            "comm.communicator": "comm.set_up",
+            "comm.policy": "comm.communicator",
+            "native_op": "comm.set_up",
+        },
+    )
 
 
 # ---- Q/K/V into the IPC exchange (the pack kernel interpreted) -------------------------------------
@@ -268,8 +284,14 @@ def _ipc_group(monkeypatch, push: bool) -> tuple[exchange.IpcExchange, _Exchange
 
 
 # The op body checks the shapes, makes the whole plan, then hands it to the exchange, which packs.
-EXCHANGE = {"ops": None, "comm.ulysses": "ops", "comm.ulysses_shapes": "comm.ulysses",
-            "comm.ulysses_stages": "comm.ulysses", "comm.exchange": "comm.ulysses", "kernels.pack": "comm.exchange"}
+EXCHANGE = {
+    "ops": None,
+    "comm.ulysses": "ops",
+    "comm.ulysses_shapes": "comm.ulysses",
+    "comm.ulysses_stages": "comm.ulysses",
+    "comm.exchange": "comm.ulysses",
+    "kernels.pack": "comm.exchange",
+}
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the pack kernel on host memory: test_exchange_walks_under_interpreter")
@@ -299,7 +321,9 @@ def test_qkv_over_nccl(monkeypatch) -> None:
     monkeypatch.setattr(bodies, "_all_to_all", lambda recv, send, group_name, op: recv.copy_(send))
     q, k, v = (torch.randn(2, 4, h, 8) for h in (4, 2, 2))
     w = walk(lambda: torch.ops.graphar.qkv_all_to_all(q, k, v, "g"), [q, k, v])
-    _check(w, {"ops": None, "comm.ulysses": "ops", "comm.ulysses_shapes": "comm.ulysses", "kernels.pack": "comm.ulysses"})
+    _check(
+        w, {"ops": None, "comm.ulysses": "ops", "comm.ulysses_shapes": "comm.ulysses", "kernels.pack": "comm.ulysses"}
+    )
 
 
 def test_exchange_walks_under_interpreter() -> None:

@@ -24,7 +24,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LOOPS = 7
-LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add")  # steps that launch a kernel: fewer calls per loop,
+LAUNCHES = (
+    "library call",
+    "whole",
+    "torch.ops",
+    "(for comparison) x.add",
+)  # steps that launch a kernel: fewer calls per loop,
 # so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
 LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
@@ -77,30 +82,37 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     )
     return {
         "comm.check()": comm.check,
-        "ineligible_reason (dtype, nbytes, contiguity, device, alignment)":
-            lambda: ineligible_reason(x, comm.device, comm.max_bytes),
+        "ineligible_reason (dtype, nbytes, contiguity, device, alignment)": lambda: ineligible_reason(
+            x, comm.device, comm.max_bytes
+        ),
         "graphs.current_capture()": graphs.current_capture,
         "policy: picks (cached, every capture mode)": lambda: ar.policy.picks(nbytes, algo),
-        "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)":
-            torch.cuda.is_current_stream_capturing,
-        "torch.empty_like(x, memory_format=torch.contiguous_format) (the output)":
-            lambda: torch.empty_like(x, memory_format=torch.contiguous_format),
+        "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)": torch.cuda.is_current_stream_capturing,
+        "torch.empty_like(x, memory_format=torch.contiguous_format) (the output)": lambda: torch.empty_like(
+            x, memory_format=torch.contiguous_format
+        ),
         "(for comparison) torch.empty_like(x)": lambda: torch.empty_like(x),
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(comm.device),
         "x.data_ptr() + out.data_ptr()": lambda: (x.data_ptr(), out.data_ptr()),
         "ALL_REDUCE_ARGS.pack(...) (one struct)": lambda: abi.ALL_REDUCE_ARGS.pack(
-            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1, 0),
+            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1, 0
+        ),
         "library call: capture query, ordering event, launch": lambda: comm.launch_all_reduce(args),
         "whole AllReduce.try_all_reduce": lambda: ar.try_all_reduce(x, algo),
-        "whole graphar.ops.all_reduce (the op's Python kernel, called directly)":
-            lambda: graphar.ops.all_reduce(x, comm.group_name),
+        "whole graphar.ops.all_reduce (the op's Python kernel, called directly)": lambda: graphar.ops.all_reduce(
+            x, comm.group_name
+        ),
         OP_STEP: lambda: torch.ops.graphar.all_reduce(x, comm.group_name),
-        ("torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)"
-         if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES) else f"{UNFUSED_NORM_STEP}{norm})"):
-            lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
+        (
+            "torch.ops.graphar.all_reduce_add_rms_norm (fused; one row, no residual or weight)"
+            if nbytes <= min(ar.policy.fused_norm_max, _cuda.NORM_MAX_ROW_BYTES)
+            else f"{UNFUSED_NORM_STEP}{norm})"
+        ): lambda: torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, 1e-6, comm.group_name),
         "(for comparison) x.add_(0), a plain torch op": lambda: x.add_(0),
-        "(for comparison) x.add(0), a plain torch op with an output to allocate, as the all-reduce has": lambda: x.add(0),
-    }  # fmt: skip
+        "(for comparison) x.add(0), a plain torch op with an output to allocate, as the all-reduce has": lambda: x.add(
+            0
+        ),
+    }
 
 
 def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:

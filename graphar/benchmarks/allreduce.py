@@ -310,8 +310,12 @@ def _fake_latency(rng: random.Random, s: Settings, nbytes: int, name: str) -> co
 def dry_run(s: Settings, out: Path | None) -> None:
     """The formatting path on fake numbers: no GPU, no graphar needed."""
     rng = random.Random(0)
-    results = {(mode, nbytes, name): _fake_latency(rng, s, nbytes, name)
-               for mode in s.modes for nbytes in s.sizes for name in column_names(mode)}  # fmt: skip
+    results = {
+        (mode, nbytes, name): _fake_latency(rng, s, nbytes, name)
+        for mode in s.modes
+        for nbytes in s.sizes
+        for name in column_names(mode)
+    }
     reasons = {TWO_SHOT: "dry run: pretend it raised"} if s.dtype == "fp16" else {}
     path = common.results_path("allreduce", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(results, s, 2, reasons, common.DRY_RUN_GPU, path)

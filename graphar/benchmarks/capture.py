@@ -317,12 +317,17 @@ def table(cells: dict[tuple, common.Cell], s: Settings) -> str:
         DEVICE_MB: f"<= {TARGETS[DEVICE_MB]:.0f} MB",
     }
     first = [cells.get((v, FIRST_S), "-") for v in VARIANTS]
-    rows = [[CAPTURE_S, *(seconds(cells.get((v, CAPTURE_S), "-")) for v in VARIANTS), *added(cells, CAPTURE_S),
-             targets[CAPTURE_S]],
-            [FIRST_S, *map(seconds, first), common.derived(first[1], first[0], "{:+.1%}", lambda g, l: g / l - 1),
-             "-", ""],
-            [PER_SIZE_MS, *(per_size(v) for v in VARIANTS), "-", "-", ""],
-            [REGISTER_MS, *(cells.get((v, REGISTER_MS), "-") for v in VARIANTS), "-", "-", ""]]  # fmt: skip
+    rows = [
+        [
+            CAPTURE_S,
+            *(seconds(cells.get((v, CAPTURE_S), "-")) for v in VARIANTS),
+            *added(cells, CAPTURE_S),
+            targets[CAPTURE_S],
+        ],
+        [FIRST_S, *map(seconds, first), common.derived(first[1], first[0], "{:+.1%}", lambda g, l: g / l - 1), "-", ""],
+        [PER_SIZE_MS, *(per_size(v) for v in VARIANTS), "-", "-", ""],
+        [REGISTER_MS, *(cells.get((v, REGISTER_MS), "-") for v in VARIANTS), "-", "-", ""],
+    ]
     for m in (TORCH_MB, DEVICE_MB):
         rows.append([m, *(cells.get((v, m), "-") for v in VARIANTS), *added(cells, m), targets[m]])
     for m in (COMPILES, SERVED, REGISTERED):  # counts
@@ -394,7 +399,18 @@ def dry_run(s: Settings, out: Path | None) -> None:
             }
         )
     expected = s.repeats * len(s.batches) * (WARMUP + 1) * 2 * s.layers
-    cells.update({(GRAPHAR, SERVED): f"{expected}/{expected}", (GRAPHAR, REGISTERED): float(len(s.batches) * 2),
-                  (GRAPHAR, REGISTER_MS): 0.4})
-    write(cells, s, 2, {}, common.DRY_RUN_GPU, common.results_path("capture", common.DRY_RUN_GPU, 2, out,
-                                                                    common.dry_run_dir()))
+    cells.update(
+        {
+            (GRAPHAR, SERVED): f"{expected}/{expected}",
+            (GRAPHAR, REGISTERED): float(len(s.batches) * 2),
+            (GRAPHAR, REGISTER_MS): 0.4,
+        }
+    )
+    write(
+        cells,
+        s,
+        2,
+        {},
+        common.DRY_RUN_GPU,
+        common.results_path("capture", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
+    )

@@ -324,14 +324,20 @@ def reporter(
     return report_so_far
 
 
-def run_shapes(name: str, s: Any, label: Callable[[Any], str],
-               run_shape: Callable[[Any, Any, dict[str, str]], Mapping[Any, Cell]], write: Writer,
-               out: Path | None) -> None:  # fmt: skip
+def run_shapes(
+    name: str,
+    s: Any,
+    label: Callable[[Any], str],
+    run_shape: Callable[[Any, Any, dict[str, str]], Mapping[Any, Cell]],
+    write: Writer,
+    out: Path | None,
+) -> None:
     """A one-GPU benchmark's run (chunking, pack): run_shape(shape, s, reasons) for each of `s.shapes`,
     its report `name` rewritten after each (`run_units`, `reporter`)."""
     reasons: dict[str, str] = {}
-    run_units(s.shapes, label, lambda shape: run_shape(shape, s, reasons),
-              reporter(name, s, "shapes", write, reasons, out))  # fmt: skip
+    run_units(
+        s.shapes, label, lambda shape: run_shape(shape, s, reasons), reporter(name, s, "shapes", write, reasons, out)
+    )
 
 
 @contextlib.contextmanager

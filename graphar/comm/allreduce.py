@@ -233,8 +233,11 @@ class AllReduce:
         False once the communicator is closed or broken (a call would raise). The question
         `try_all_reduce` answers, asked without a call."""
         comm = self.comm
-        return (comm.usable and ineligible_reason(x, comm.device, comm.max_bytes) is None
-                and self._policy.pick(x.nbytes, policy.EAGER) is not None)  # fmt: skip
+        return (
+            comm.usable
+            and ineligible_reason(x, comm.device, comm.max_bytes) is None
+            and self._policy.pick(x.nbytes, policy.EAGER) is not None
+        )
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""
@@ -386,8 +389,9 @@ class AllReduce:
         # Mappings that only dead graphs read are closed before this rank says which graphs it let go.
         self.comm.close_unused_mappings()
         released, self._released = self._released, []
-        everyone = self.comm.all_gather((self._shared(calls), released, list(lost)),
-                                        f"graph registration on group {self.group_name!r}")  # fmt: skip
+        everyone = self.comm.all_gather(
+            (self._shared(calls), released, list(lost)), f"graph registration on group {self.group_name!r}"
+        )
         self._drop_inputs_closed_everywhere([ids for _, ids, _ in everyone])
         for rank, (_, _, gone) in enumerate(everyone):
             if gone:
@@ -405,8 +409,13 @@ class AllReduce:
                 raise GrapharCommError(f"ranks disagree on all-reduce {i} (bytes, dtype, algorithm): {signatures}")
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
         flat = [everyone[r][0][i] for i in range(len(calls)) for r in range(len(everyone))]
-        self.comm.fill_graph_slots([c.slot for c in calls], b"".join(e.handle for e in flat), [e.offset for e in flat],
-                                   [e.staged for e in flat], [c.ptr for c in calls])  # fmt: skip
+        self.comm.fill_graph_slots(
+            [c.slot for c in calls],
+            b"".join(e.handle for e in flat),
+            [e.offset for e in flat],
+            [e.staged for e in flat],
+            [c.ptr for c in calls],
+        )
 
     def _drop_inputs_closed_everywhere(self, released_by_rank: Sequence[Sequence[int]]) -> None:
         """Registrations every rank has let go of (and closed its mappings for): their inputs may go."""

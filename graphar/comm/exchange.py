@@ -207,8 +207,11 @@ class IpcExchange:
         # Dtypes, layouts and Triton: equal on every rank. The kernel alone places chunks anywhere (the
         # peers' buffers, this rank's own chunk in `out`) and respects the exchange's lease.
         if not pack.kernel_serves([src for stage in stages for src in stage.sources]):
-            self._tell_once("pack", "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
-                            "take), which alone respects the exchange's lease")
+            self._tell_once(
+                "pack",
+                "its pack is not graphar's kernel (no Triton, or a dtype or layout it does not "
+                "take), which alone respects the exchange's lease",
+            )
             return False
         capturing = torch.cuda.is_current_stream_capturing()
         if nbytes > self.capacity:

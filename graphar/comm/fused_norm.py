@@ -12,8 +12,13 @@ from graphar import _cuda
 
 
 def refusal(
-    dtype: torch.dtype, residual: torch.dtype | None, weight: torch.dtype | None, row_bytes: int | torch.SymInt,
-    nbytes: int | torch.SymInt, max_bytes: int, proven: Callable[[object], bool] = bool,
+    dtype: torch.dtype,
+    residual: torch.dtype | None,
+    weight: torch.dtype | None,
+    row_bytes: int | torch.SymInt,
+    nbytes: int | torch.SymInt,
+    max_bytes: int,
+    proven: Callable[[object], bool] = bool,
 ) -> str | None:
     """Why the fused kernel cannot take an input of `dtype` with rows of `row_bytes`, `nbytes` in all,
     beside a residual and a weight of the dtypes given (None: absent), where messages are bounded by

@@ -247,8 +247,16 @@ def _launch(
     shifts = _shifts(pairs) or ()
     grid = (triton.cdiv(rows, block_r), p, sum(triton.cdiv(h, block_h) for h in heads))
     # The interpreter runs no PTX: there the kernel runs on one device and needs no fence.
-    constants = dict(D=d, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_H=block_h, IDX64=idx64, SHIFTED=bool(shifts),
-                     FENCE=bool(shifts) and not interpreting(), GUARDED=guard is not None)  # fmt: skip
+    constants = dict(
+        D=d,
+        D_PAD=d_pad,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        IDX64=idx64,
+        SHIFTED=bool(shifts),
+        FENCE=bool(shifts) and not interpreting(),
+        GUARDED=guard is not None,
+    )
     return grid, [*args, *shifts, *[0] * (_MAX_PEERS - len(shifts)), guard, rows, s], constants
 
 
@@ -272,8 +280,9 @@ def pack_chunks(srcs: Sequence[torch.Tensor], out: Dst, guard: torch.Tensor | No
 
 def pack_heads(xs: Sequence[torch.Tensor], world_size: int, out: Dst, guard: torch.Tensor | None = None) -> bool:
     """Pack `[b, S, h_c, d]` tensors destination-major into `out` `[P, b, S, sum(h_c)/P, d]` (`guard`: relayout's)."""
-    return pack_chunks([x.unflatten(2, (world_size, x.shape[2] // world_size)).permute(2, 0, 1, 3, 4) for x in xs],
-                       out, guard)
+    return pack_chunks(
+        [x.unflatten(2, (world_size, x.shape[2] // world_size)).permute(2, 0, 1, 3, 4) for x in xs], out, guard
+    )
 
 
 def gather_sequence(recv: torch.Tensor, out: torch.Tensor) -> bool:

@@ -35,17 +35,24 @@ _MAX_ROWS = 2**31 - 1  # one program a row: the grid's first dimension
 
 
 if triton is not None:
-
     # Every constexpr comes from the hidden size, the dtypes and which operands there are, all fixed
     # in a model: a new batch never recompiles (its first call may be inside a CUDA-graph capture).
     # There is no runtime integer to specialise on, and the tensors are fresh or aligned (graphar.ops),
     # so the pointers' alignment does not change either.
     @triton.jit
     def _add_rms_norm_kernel(
-        x, residual, weight, normed, h_out, eps,
-        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        x,
+        residual,
+        weight,
+        normed,
+        h_out,
+        eps,
+        N: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
         WEIGHT_FIRST: tl.constexpr,
-    ):  # fmt: skip
+    ):
         start = tl.program_id(0).to(tl.int64) * N
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -65,23 +72,35 @@ if triton is not None:
         tl.store(normed + start + cols, out.to(normed.dtype.element_ty), mask=mask)
 
 
-def serves(summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-           dtypes: tuple[torch.dtype, torch.dtype]) -> bool:  # fmt: skip
+def serves(
+    summed: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    dtypes: tuple[torch.dtype, torch.dtype],
+) -> bool:
     """Whether `add_rms_norm` runs the kernel for these tensors (else it returns None)."""
     if triton is None or summed.dim() == 0 or not 0 < summed.shape[-1] <= MAX_HIDDEN:
         return False
     if summed.numel() // summed.shape[-1] > _MAX_ROWS or not all(d in DTYPES for d in dtypes):
         return False
     if (residual is not None and residual.shape != summed.shape) or (
-            weight is not None and weight.shape != summed.shape[-1:]):  # fmt: skip
+        weight is not None and weight.shape != summed.shape[-1:]
+    ):
         return False
-    return all(t.dtype in DTYPES and t.is_contiguous() and t.device == summed.device
-               and (t.is_cuda or interpreting()) for t in (summed, residual, weight) if t is not None)  # fmt: skip
+    return all(
+        t.dtype in DTYPES and t.is_contiguous() and t.device == summed.device and (t.is_cuda or interpreting())
+        for t in (summed, residual, weight)
+        if t is not None
+    )
 
 
 def add_rms_norm(
-    summed: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-    weight_first: bool, dtypes: tuple[torch.dtype, torch.dtype],
+    summed: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    weight_first: bool,
+    dtypes: tuple[torch.dtype, torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm(summed + residual) * weight, summed + residual) in one launch, as
     `graphar.ops.unfused_add_rms_norm` computes them; None when the kernel cannot take these tensors
@@ -101,9 +120,18 @@ def add_rms_norm(
             # No fused multiply-adds: each product and sum rounds where torch's ops round it, whatever
             # Triton's default (which changes in Triton 3.10).
             _add_rms_norm_kernel[(rows,)](
-                summed, summed if residual is None else residual, summed if weight is None else weight, normed, h,
-                float(eps), N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-                WEIGHT_FIRST=weight is not None and weight_first, num_warps=min(16, max(1, block // 512)),
+                summed,
+                summed if residual is None else residual,
+                summed if weight is None else weight,
+                normed,
+                h,
+                float(eps),
+                N=hidden,
+                BLOCK=block,
+                HAS_RESIDUAL=residual is not None,
+                HAS_WEIGHT=weight is not None,
+                WEIGHT_FIRST=weight is not None and weight_first,
+                num_warps=min(16, max(1, block // 512)),
                 enable_fp_fusion=False,
-            )  # fmt: skip
+            )
     return normed, h

@@ -129,8 +129,9 @@ def _pool_reserved(rank: int, world_size: int) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
-        graphs = graphar.BatchGraphs(fn, lambda b: (integer_valued(b * row, torch.float32).view(b, -1),),
-                                     sizes, warmup=1)  # fmt: skip
+        graphs = graphar.BatchGraphs(
+            fn, lambda b: (integer_valued(b * row, torch.float32).view(b, -1),), sizes, warmup=1
+        )
         x = integer_valued(48 * row, torch.float32).view(48, -1)
         expected = x.clone()
         for _ in range(8):
@@ -138,8 +139,10 @@ def _pool_reserved(rank: int, world_size: int) -> None:
         assert torch.equal(graphs(x), expected), f"{name}: a replay differs"
         held[name] = (torch.cuda.memory_reserved() - before) / MB
         del graphs
-    print(f"rank {rank}: BatchGraphs over {sizes} rows hold {held['graphar']:.1f} MB with graphar's all-reduces, "
-          f"{held['local']:.1f} MB with local ops")  # fmt: skip
+    print(
+        f"rank {rank}: BatchGraphs over {sizes} rows hold {held['graphar']:.1f} MB with graphar's all-reduces, "
+        f"{held['local']:.1f} MB with local ops"
+    )
     # Holding each input instead would add 8 layers x 168 rows x 64 KB = 84 MB; one large segment is 20 MB.
     assert held["graphar"] <= held["local"] + 20.0, f"graphar's graphs hold more of their pool: {held}"
     comm.close()

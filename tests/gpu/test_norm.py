@@ -87,9 +87,12 @@ def _fallback_against_unfused(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
         assert comm.allreduce.policy.fused_norm_max == 0, "1stage forced: no fused norm"
-        cases = [*itertools.product((torch.float32, torch.float16, torch.bfloat16), (4104,), (1, 37), (True, False),
-                                    (None, False, True)),  # weight: none, after the cast back (HF), before it
-                 (torch.bfloat16, rms_norm.MAX_HIDDEN, 3, True, False)]  # fmt: skip
+        cases = [
+            *itertools.product(
+                (torch.float32, torch.float16, torch.bfloat16), (4104,), (1, 37), (True, False), (None, False, True)
+            ),  # weight: none, after the cast back (HF), before it
+            (torch.bfloat16, rms_norm.MAX_HIDDEN, 3, True, False),
+        ]
         for dtype, hidden, rows, with_residual, weight_first in cases:
             x = integer_valued(rows * hidden, dtype, -3, 3).view(rows, hidden)
             residual = integer_valued(rows * hidden, dtype).view(rows, hidden) if with_residual else None
