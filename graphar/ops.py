@@ -12,7 +12,7 @@
   chunks of heads (`graphar.comm.overlap`);
 - `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
   RMS-normalised; returns (normed, the sum plus the residual): one fused kernel up to the policy's
-  size, else the all-reduce and the norm apart.
+  size, else the all-reduce, then the add and the norm in one Triton kernel (graphar.kernels.rms_norm).
 
 Every op takes its group by name (as `_c10d_functional` does), returns new contiguous memory whatever
 the inputs' strides, and has a fake that returns exactly the real op's sizes, strides and dtype:
