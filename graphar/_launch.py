@@ -26,3 +26,23 @@ def end_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def init_nccl_worker(rank: int, world_size: int, port: int, timeout_s: float, bind_device: bool) -> None:
+    """A spawned worker's default group: NCCL, one GPU per rank (cuda:`rank`), rendezvous on 127.0.0.1:`port`.
+    `bind_device` binds the group to that GPU at once (eager NCCL set-up), as the benchmarks want."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    bound = {"device_id": torch.device("cuda", rank)} if bind_device else {}
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **bound,
+    )

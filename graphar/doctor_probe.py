@@ -3,7 +3,6 @@ and writes down what it found (`python -m graphar doctor` reports it; graphar.do
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import json
 import logging
@@ -18,7 +17,7 @@ import torch.multiprocessing as mp
 
 import graphar
 from graphar import native_op
-from graphar._launch import end_worker, free_port
+from graphar._launch import end_worker, free_port, init_nccl_worker
 from graphar.comm import policy
 from graphar.comm.registry import communicator
 
@@ -65,14 +64,7 @@ def _probe_pairs(rank: int, world_size: int, log: _Warnings) -> dict[str, str]:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_nccl_worker(rank, world_size, port, timeout_s, bind_device=False)
     log = _Warnings()
     logging.getLogger("graphar").addHandler(log)
     try:

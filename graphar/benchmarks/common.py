@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphar._launch import free_port
+from graphar._launch import free_port, init_nccl_worker
 from graphar.benchmarks import plot
 from graphar.benchmarks.ranks import Cell, alone, attempt, max_over_ranks, rank
 
@@ -125,16 +125,7 @@ def _entry(
     global _progress
     _progress = _Progress(start, rank == 0)
     _raise_recompile_limit()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device,
-    )
+    init_nccl_worker(rank, world_size, port, timeout_s, bind_device=True)
     try:
         dist.barrier()
         worker(rank, world_size, *args)
