@@ -191,13 +191,14 @@ class BatchGraphs:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
         self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._entries: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        stream = _side_stream()
         for b in sizes:
             inputs = tuple(make_inputs(b))
             if not inputs or any(x.shape[:1] != (b,) for x in inputs):
                 raise ValueError(f"make_inputs({b}) must return tensors whose dim 0 is {b}")
-            _warm_up(fn, inputs, warmup)
+            _warm_up(fn, inputs, warmup, stream)
             cuda_graph = torch.cuda.CUDAGraph()
-            with graph(cuda_graph, pool=self._pool):
+            with graph(cuda_graph, pool=self._pool, stream=stream):
                 out = fn(*inputs)
             if not isinstance(out, torch.Tensor) or out.shape[:1] != (b,):
                 raise ValueError(f"fn must return one tensor whose dim 0 is the batch size {b}")
@@ -228,9 +229,24 @@ class BatchGraphs:
         return out[:b]
 
 
-def _warm_up(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], iterations: int) -> None:
-    """Run fn eagerly on a side stream, as capture needs (lazy init, cuBLAS workspaces, autotuning)."""
-    side = torch.cuda.Stream()
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The current device's one stream for every BatchGraphs warm-up and capture. cuBLAS keeps a
+    workspace for each stream it has run on, for the life of the process: a fresh stream per size
+    (torch's pool hands out up to 32) would leave up to 32 of them behind a serving loop's sizes."""
+    device = torch.cuda.current_device()
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _warm_up(
+    fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], iterations: int, side: torch.cuda.Stream
+) -> None:
+    """Run fn eagerly on the stream its capture will use, as capture needs (lazy init, cuBLAS
+    workspaces, autotuning)."""
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(iterations):

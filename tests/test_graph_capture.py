@@ -5,6 +5,7 @@ until the peers let go."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -168,6 +169,34 @@ def test_an_input_freed_outside_the_pool_is_reported_and_staged_inputs_are_not_h
     gc.collect()
     graphs.finish(cuda_graph, capture)
     assert comm.lost == [[1]] and alive() is None and memory_pool.uses == []
+
+
+def test_batch_graphs_warm_up_and_capture_every_size_on_one_stream(monkeypatch) -> None:
+    """cuBLAS keeps a workspace for every stream it ran on: a stream per size would leave one per size."""
+    made, used = [], []
+
+    class _Stream:
+        def __init__(self, device: int | None = None) -> None:
+            made.append(self)
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def capture(cuda_graph: object, pool: object = None, stream: object = None):
+        used.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: object.__new__(_Stream))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: used.append(stream) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(graphs, "graph", capture)
+    monkeypatch.setattr(graphs, "_side_streams", {})
+    graphs.BatchGraphs(lambda x: x * 2, lambda b: (torch.ones(b, 4),), [1, 2, 4, 8])
+    assert len(made) == 1 and len(used) == 8 and all(s is made[0] for s in used)
 
 
 def test_a_stream_outside_the_capture_is_not_part_of_it(monkeypatch) -> None:
