@@ -215,7 +215,7 @@ def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) ->
     allreduce.try_all_reduce(large)
     assert [c["algo"] for c in comm.launched] == [abi.ALGO_CODES["push-oneshot"], abi.ALGO_CODES["1stage"]]
     assert [c["path"] for c in comm.launched] == [abi.PATH_EAGER, abi.PATH_ZERO_COPY]
-    assert [c.tensor for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
+    assert [c.tensor() for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
 
 
 def test_slots_of_a_freed_graph_are_reused(cpu_all_reduce, monkeypatch) -> None:
