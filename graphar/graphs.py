@@ -124,18 +124,20 @@ class _Keep:
         is gone: freed during the capture outside the pool, so a replay would read reused memory)."""
         held: list[Any] = []
         lost: list[int] = []
+        pooled = False
         for i, call in enumerate(calls):
             if call.staged:  # read locally, into the registered buffer: no peer maps it
                 continue
             if any(start <= call.base < start + size for start, size in self._segments):
-                if self._use is None:
-                    self._use = _PoolUse(self._pool_id)
-                if self._use not in held:
-                    held.append(self._use)
+                pooled = True
             elif (tensor := call.tensor()) is not None:
                 held.append(tensor)
             else:
                 lost.append(i)
+        if pooled:  # one use for the whole graph, shared by every group's registration
+            if self._use is None:
+                self._use = _PoolUse(self._pool_id)
+            held.append(self._use)
         return tuple(held), lost
 
 
