@@ -15,19 +15,15 @@ rounds to nearest even, so bfloat16 outputs here get one more unit of the last p
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import unittest
 from unittest import mock
 
-import pytest
 import torch
 
 from graphar.ops import add_rms_norm_dtypes, unfused_add_rms_norm
+from tests._interpreted import INTERPRETED, run_interpreted
 from tests._norm import ULP, assert_close_to
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = 1e-6
 
@@ -40,14 +36,7 @@ def _bound(normed: torch.Tensor, h: torch.Tensor) -> float:
 
 
 def test_under_interpreter() -> None:
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, "not test_under_interpreter")
 
 
 def _integers(*shape: int, dtype: torch.dtype) -> torch.Tensor:

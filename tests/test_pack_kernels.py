@@ -7,30 +7,19 @@ imported, so the cases run in a subprocess with TRITON_INTERPRET=1 set from the 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import unittest
 from unittest import mock
 
-import pytest
 import torch
 
 from graphar.comm.ulysses_shapes import packed_heads
+from tests._interpreted import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def test_under_interpreter() -> None:
-    if INTERPRETED:
-        pytest.skip("this is the interpreter subprocess")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, "not test_under_interpreter")
 
 
 def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
