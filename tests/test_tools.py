@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -294,3 +295,15 @@ def test_the_session_has_a_soak_stage() -> None:
     full = soak.plan(quick=False)
     for part in ("replay", "exchange,two-streams"):
         assert sum(c.limit_s for c in soak.select(full, part)) + 30 < limit, part
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_the_norm_floor_ladder_compiles_against_the_kernels_headers(tmp_path: Path) -> None:
+    # tools/norm_floor.cu builds its ladder from csrc's own primitives: a renamed one must fail here.
+    out = subprocess.run(
+        ["nvcc", "-c", "-std=c++17", "-arch=sm_90a", str(TOOLS / "norm_floor.cu"), "-o", str(tmp_path / "floor.o")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
