@@ -50,13 +50,15 @@ def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> in
 # tail wave, the pipeline's ramp), so it can only win where chunks stay large. The constants are read
 # from the chunking tax that `python -m graphar bench chunking` measures, bench/results/chunking-h200.md
 # (its notes suggest each kernel's threshold: the smallest chunk at or above which every measured shape
-# keeps the tax within 3 %). On one H200 only Wan-sized attention (655K query rows a rank) chunked
-# within it: flash at 2 chunks (+1.2 %), efficient at up to 5 (+1.7 % at 4); cuDNN met it at no count
-# that the table trusts, so it has no threshold. SDPA's own pick (None) takes flash's, the stricter of
-# the two that have one. A kernel without a threshold (cudnn, math) is never chunked automatically.
+# keeps the tax within 3 %). A threshold stands only where two runs on one H200 (a quick one and the
+# full one, whose run-to-run noise is a few percent) both kept the tax within 3 %: efficient on
+# Wan-sized attention (655K query rows a rank) at 2 chunks (-0.6 %, +0.2 %). Flash there was +1.2 %
+# then +5.2 % at 2 chunks, cuDNN +4.1 % then +1.6 %, and every smaller shape paid more at every
+# count, so neither has a threshold, nor SDPA's own pick (None), which takes flash on Hopper. A kernel
+# without a threshold is never chunked automatically.
 AUTO_CHUNKS = -1
 AUTO_MAX_CHUNKS = 4
-AUTO_MIN_ROWS: dict[str | None, int] = {"flash": 327_600, "efficient": 131_040, None: 327_600}
+AUTO_MIN_ROWS: dict[str | None, int] = {"efficient": 327_600}
 AUTO_CAUSAL_FACTOR = 2
 
 
