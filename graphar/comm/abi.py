@@ -59,46 +59,22 @@ TIMED_OUT, PEER_GAVE_UP, CONCURRENT, OUT_OF_STEP = 0, 1, 2, 3
 class ErrorRecord(ctypes.Structure):
     """struct ErrorRecord, in host-mapped memory the kernels write when they give up on a peer."""
 
-    _fields_ = [
-        ("failed", ctypes.c_uint32),
-        ("where", ctypes.c_uint32),
-        ("peer", ctypes.c_uint32),
-        ("block", ctypes.c_uint32),
-        ("cause", ctypes.c_uint32),
-    ]
+    _fields_ = [(name, ctypes.c_uint32) for name in ("failed", "where", "peer", "block", "cause")]
 
 
-# struct graphar_all_reduce_args, field by field (Q: uint64_t, i: int32_t). A call packs its
-# arguments with ALL_REDUCE_ARGS.pack(...) and passes the bytes: cheaper than a ctypes Structure.
-ALL_REDUCE_ARGS_FIELDS = (
-    ("input", "Q"),
-    ("output", "Q"),
-    ("nbytes", "Q"),
-    ("stream", "Q"),
-    ("dtype", "i"),
-    ("algo", "i"),
-    ("path", "i"),
-    ("slot", "i"),
-    ("pdl", "i"),
-    ("reserved", "i"),
+def _packed(**names_by_code: str) -> tuple[tuple[tuple[str, str], ...], struct.Struct]:
+    """A C argument struct from its fields' names per struct code, in the C order (Q: uint64_t, f: float,
+    i: int32_t): its fields as (name, code) pairs, and its layout without padding ("="). A call packs
+    its arguments with the layout's pack(...) and passes the bytes: cheaper than a ctypes Structure."""
+    fields = tuple((name, code) for code, names in names_by_code.items() for name in names.split())
+    return fields, struct.Struct("=" + "".join(code for _, code in fields))
+
+
+# struct graphar_all_reduce_args and struct graphar_all_reduce_norm_args.
+ALL_REDUCE_ARGS_FIELDS, ALL_REDUCE_ARGS = _packed(Q="input output nbytes stream", i="dtype algo path slot pdl reserved")
+NORM_ARGS_FIELDS, NORM_ARGS = _packed(
+    Q="input residual weight output residual_output nbytes row_bytes stream", f="eps", i="dtype weight_first pdl"
 )
-ALL_REDUCE_ARGS = struct.Struct("=" + "".join(code for _, code in ALL_REDUCE_ARGS_FIELDS))
-# struct graphar_all_reduce_norm_args (f: float).
-NORM_ARGS_FIELDS = (
-    ("input", "Q"),
-    ("residual", "Q"),
-    ("weight", "Q"),
-    ("output", "Q"),
-    ("residual_output", "Q"),
-    ("nbytes", "Q"),
-    ("row_bytes", "Q"),
-    ("stream", "Q"),
-    ("eps", "f"),
-    ("dtype", "i"),
-    ("weight_first", "i"),
-    ("pdl", "i"),
-)
-NORM_ARGS = struct.Struct("=" + "".join(code for _, code in NORM_ARGS_FIELDS))
 
 
 # The op library's (csrc/torch_ops/graphar_op.h): the rows of a published eager kernel choice. The
