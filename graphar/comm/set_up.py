@@ -332,17 +332,17 @@ def _set_up(
     comm: Communicator | None = None
     local: str | None = None
     handles = b""
-    try:
+    try:  # made with the settings' values the ranks compared (`launch`)
         comm = Communicator(
             group_name=name,
             rank=rank,
             world_size=world_size,
             device=device,
-            max_bytes=max_bytes,
+            max_bytes=launch[MAX_BYTES],
             timeout_s=timeout_s,
             blocks=launch[BLOCKS],
             forced_algo=launch[settings.ALLREDUCE_ALGO.name],
-            capability_major=capability_major,
+            capability_major=launch[ARCH],
             store=exchange,
         )
         handles = comm.ipc_handles()
