@@ -330,14 +330,8 @@ class _FakeComm:
     def ipc_handle(self, base: int) -> bytes:
         return base.to_bytes(8, "little") * 8  # a handle that names its allocation
 
-    def fill_graph_slots(
-        self,
-        slots: Sequence[int],
-        handles: bytes,
-        offsets: Sequence[int],
-        staged: Sequence[bool],
-        own_ptrs: Sequence[int],
-    ) -> None:
+    def fill_graph_slots(self, fill: ar.GraphSlots) -> None:
+        slots, handles, offsets, staged, own_ptrs = fill
         self.registered = (list(slots), len(own_ptrs), handles, list(offsets), [int(s) for s in staged], list(own_ptrs))
 
     def forget_graph_slots(self, slots: Sequence[int]) -> None:

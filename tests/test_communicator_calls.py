@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from graphar import _cuda
-from graphar.comm import abi, allreduce, exchange, registry
+from graphar.comm import abi, allreduce, exchange, registry, ulysses_stages
 from graphar.comm.communicator import Communicator, Life
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
 
@@ -116,13 +116,18 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     comm.open_peers([b"a" * 128, b"b" * 128])
     assert comm.probe(0) is None
     assert comm.take_exchange_lease(abi.PATH_EAGER, 5) == 7
-    comm.launch_all_to_all(abi.PATH_CAPTURED_COPY, 1, 2, 3, 4, 5, 6, abi.A2A_LAST, 64, 7, 8)
+    copy = exchange.StageCopy(abi.PATH_CAPTURED_COPY, 2, ulysses_stages.Placement(3, 4, 5, 6), abi.A2A_LAST, 64)
+    comm.launch_all_to_all(copy, 1, 7, 8)
+    # The copy's fields reach the library in its argument order.
+    assert library.calls[-1][1] == (HANDLE, abi.PATH_CAPTURED_COPY, 1, 2, 3, 4, 5, 6, abi.A2A_LAST, 64, 7, 8)
     assert comm.failed_flag() == FLAG
     assert comm.alloc_exchange(4 * MB, True, "grow") == (BUFFER, b"x" * _cuda.IPC_HANDLE_BYTES)
     assert comm.open_exchange(4 * MB, [b"p" * 64, b"q" * 64], "grow") == [BUFFER, BUFFER + 4 * MB]
     assert comm.pointer_info(0x5010) == (0x5000, True)
     assert comm.ipc_handle(0x5000) == b"i" * _cuda.IPC_HANDLE_BYTES
-    comm.fill_graph_slots([1, 2], b"z" * 256, [0, 16, 32, 48], [False, True, False, False], [0x5000, 0x6000])
+    comm.fill_graph_slots(
+        allreduce.GraphSlots([1, 2], b"z" * 256, [0, 16, 32, 48], [False, True, False, False], [0x5000, 0x6000])
+    )
     comm.forget_graph_slots([1, 2])
     comm.close_unused_mappings()
     assert comm.graph_mappings() == (3, 1)

@@ -75,6 +75,18 @@ def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | Non
     return None
 
 
+class GraphSlots(NamedTuple):
+    """A registration's graph slots and what they point at (csrc graphar_comm_register_graph): `slots`,
+    one per recorded call; every rank's input of each call as an entry, call-major ([call 0: rank 0,
+    rank 1, ...][call 1: ...]): its allocation's IPC handle, its offset there, whether it is staged."""
+
+    slots: Sequence[int]
+    handles: bytes  # the entries' handles, joined
+    offsets: Sequence[int]
+    staged: Sequence[bool]
+    own_ptrs: Sequence[int]  # this rank's input of each call
+
+
 class CommCalls(Protocol):
     """What the all-reduce needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
 
@@ -93,14 +105,7 @@ class CommCalls(Protocol):
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
-    def fill_graph_slots(
-        self,
-        slots: Sequence[int],
-        handles: bytes,
-        offsets: Sequence[int],
-        staged: Sequence[bool],
-        own_ptrs: Sequence[int],
-    ) -> None: ...
+    def fill_graph_slots(self, fill: GraphSlots) -> None: ...
     def forget_graph_slots(self, slots: Sequence[int]) -> None: ...  # no CUDA call: safe from a finalizer
     def close_unused_mappings(self) -> None: ...  # waits for the device when there is any
 
@@ -410,11 +415,13 @@ class AllReduce:
         # Call-major, as the C ABI wants: [call 0: rank 0, rank 1, ...][call 1: ...].
         flat = [everyone[r][0][i] for i in range(len(calls)) for r in range(len(everyone))]
         self.comm.fill_graph_slots(
-            [c.slot for c in calls],
-            b"".join(e.handle for e in flat),
-            [e.offset for e in flat],
-            [e.staged for e in flat],
-            [c.ptr for c in calls],
+            GraphSlots(
+                [c.slot for c in calls],
+                b"".join(e.handle for e in flat),
+                [e.offset for e in flat],
+                [e.staged for e in flat],
+                [c.ptr for c in calls],
+            )
         )
 
     def _drop_inputs_closed_everywhere(self, released_by_rank: Sequence[Sequence[int]]) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from graphar import _cuda, native_op
 from graphar.comm import abi, policy, registry
-from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce
-from graphar.comm.exchange import IpcExchange
+from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce, GraphSlots
+from graphar.comm.exchange import IpcExchange, StageCopy
 from graphar.comm.rendezvous import StoreExchange
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
 
@@ -255,34 +255,23 @@ class Communicator:
         self._ok("all_to_all", self._lib.graphar_comm_exchange_lease(self._handle, mode, stream, ctypes.byref(lease)))
         return lease.value
 
-    def launch_all_to_all(
-        self,
-        mode: int,
-        output: int,
-        src_offset: int,
-        chunk_bytes: int,
-        row_bytes: int,
-        dst_row_stride: int,
-        dst_chunk_stride: int,
-        flags: int,
-        blocks: int,
-        lease: int,
-        stream: int,
-    ) -> None:
-        """Copy a stage's chunks into the output (csrc graphar_comm_all_to_all; flags: abi.A2A_*)."""
+    def launch_all_to_all(self, copy: StageCopy, output: int, lease: int, stream: int) -> None:
+        """Copy a stage's chunks into the output, which starts at device address `output` (csrc
+        graphar_comm_all_to_all)."""
+        p = copy.placement
         self._ok(
             "all_to_all",
             self._lib.graphar_comm_all_to_all(
                 self._handle,
-                mode,
+                copy.mode,
                 output,
-                src_offset,
-                chunk_bytes,
-                row_bytes,
-                dst_row_stride,
-                dst_chunk_stride,
-                flags,
-                blocks,
+                copy.src_offset,
+                p.chunk_bytes,
+                p.row_bytes,
+                p.dst_row_stride,
+                p.dst_chunk_stride,
+                copy.flags,
+                copy.blocks,
                 lease,
                 stream,
             ),
@@ -323,27 +312,20 @@ class Communicator:
         self._ok("graph registration", self._lib.graphar_ipc_handle(base, out))
         return out.raw
 
-    def fill_graph_slots(
-        self,
-        slots: Sequence[int],
-        handles: bytes,
-        offsets: Sequence[int],
-        staged: Sequence[bool],
-        own_ptrs: Sequence[int],
-    ) -> None:
-        """After a capture: point `slots` (one per call) at every rank's inputs (call-major entries)."""
-        n = len(own_ptrs)
+    def fill_graph_slots(self, fill: GraphSlots) -> None:
+        """After a capture: point `fill.slots` (one per call) at every rank's inputs."""
+        n = len(fill.own_ptrs)
         with self._graph_lock:
             self._ok(
                 "graph registration",
                 self._lib.graphar_comm_register_graph(
                     self._handle,
-                    (ctypes.c_int32 * n)(*slots),
+                    (ctypes.c_int32 * n)(*fill.slots),
                     n,
-                    handles,
-                    (ctypes.c_uint64 * len(offsets))(*offsets),
-                    (ctypes.c_uint8 * len(staged))(*staged),
-                    (ctypes.c_uint64 * n)(*own_ptrs),
+                    fill.handles,
+                    (ctypes.c_uint64 * len(fill.offsets))(*fill.offsets),
+                    (ctypes.c_uint8 * len(fill.staged))(*fill.staged),
+                    (ctypes.c_uint64 * n)(*fill.own_ptrs),
                 ),
             )
 

@@ -34,7 +34,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -137,6 +137,17 @@ class _DeviceMemory:
         }
 
 
+class StageCopy(NamedTuple):
+    """How one stage's copy moves its chunks into the output (csrc graphar_comm_all_to_all): from byte
+    `src_offset` of the exchange buffers, placed by `placement`, on `blocks` blocks."""
+
+    mode: int  # abi.PATH_EAGER or abi.PATH_CAPTURED_COPY
+    src_offset: int
+    placement: Placement
+    flags: int  # abi.A2A_*
+    blocks: int
+
+
 class ExchangeCalls(Protocol):
     """What the exchange needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
 
@@ -148,20 +159,7 @@ class ExchangeCalls(Protocol):
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def take_exchange_lease(self, mode: int, stream: int) -> int: ...  # eager: after the previous op
-    def launch_all_to_all(
-        self,
-        mode: int,
-        output: int,
-        src_offset: int,
-        chunk_bytes: int,
-        row_bytes: int,
-        dst_row_stride: int,
-        dst_chunk_stride: int,
-        flags: int,
-        blocks: int,
-        lease: int,
-        stream: int,
-    ) -> None: ...
+    def launch_all_to_all(self, copy: StageCopy, output: int, lease: int, stream: int) -> None: ...
     def failed_flag(self) -> int: ...  # device address of the flag the group's kernels set when one gives up
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]: ...  # collective
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]: ...  # collective
@@ -247,30 +245,19 @@ class IpcExchange:
         """Pack one stage, then copy it into `out`: on the side stream, forked from `side`, when given.
         The own chunk skips the buffer when the pack kernel can place it in `out` directly (one run of
         bytes there; only this rank reads or writes it, so ranks need not agree on it)."""
-        p = stage.placement
         own = own_chunk(out, stage, self.comm.rank)
         addresses = self._addresses if self.push else ()
         Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard).fill(stage)
         flags = (A2A_PUSHED if self.push else 0) | (A2A_OWN_PLACED if own is not None else 0)
         flags |= A2A_LAST if last else 0
-        args = (
-            mode,
-            out.data_ptr() + stage.out_offset,
-            stage.src_offset,
-            p.chunk_bytes,
-            p.row_bytes,
-            p.dst_row_stride,
-            p.dst_chunk_stride,
-            flags,
-            self._blocks,
-            lease,
-        )
+        copy = StageCopy(mode, stage.src_offset, stage.placement, flags, self._blocks)
+        output = out.data_ptr() + stage.out_offset
         if side is None:
-            self.comm.launch_all_to_all(*args, _stream(self.comm.device))
+            self.comm.launch_all_to_all(copy, output, lease, _stream(self.comm.device))
             return
         self._side.wait_stream(side)  # in a capture this forks the side stream into it
         with torch.cuda.stream(self._side):
-            self.comm.launch_all_to_all(*args, _stream(self.comm.device))
+            self.comm.launch_all_to_all(copy, output, lease, _stream(self.comm.device))
 
     def reserve(self, nbytes: int) -> None:
         """Collective, outside capture: grow the buffer to at least `nbytes` now."""
