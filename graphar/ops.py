@@ -49,7 +49,8 @@ _lib = torch.library.Library("graphar", "DEF")
 def _define(
     schema: str, impl: Callable[..., Any], fake: Callable[..., Any], keys: tuple[str, ...] = ("CPU", "CUDA")
 ) -> None:
-    """graphar::<schema>, run by `impl` for the dispatch `keys` and by `fake` on fake tensors; side-effectful."""
+    """graphar::<schema>, run by `impl` for the dispatch `keys` and by `fake` on fake tensors; side-effectful.
+    torch calls `fake` with the schema's arguments, positionally, a trailing one at its default left out."""
     name = schema[: schema.index("(")]
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     for key in keys:
@@ -143,15 +144,9 @@ _define(
 )
 
 
+# The attention's options (is_causal, scale, chunks, kernel) do not change its result's shape.
 def _ulysses_attention_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group_name: str,
-    is_causal: bool = False,
-    scale: float | None = None,
-    chunks: int = 2,
-    kernel: str | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, *_: Any
 ) -> torch.Tensor:
     ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name)  # the exchange's checks
     return q.new_empty(q.shape)
@@ -211,38 +206,27 @@ def all_reduce_add_rms_norm(
     # Flat and aligned, as the kernels read them: which kernel serves then depends on shapes alone,
     # equal on every rank, never on where a rank's tensors happen to start.
     residual, weight = (t if t is None else _flat(t) for t in (residual, weight))
+    norm = rms_norm.Norm(residual, weight, eps, weight_first)
     comm = serving(group_name, x.device)
     if comm is not None:
         x = _flat(x)
-        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
+        fused = comm.allreduce.try_all_reduce_norm(x, *norm)
         if fused is not None:
             return fused
-    return add_rms_norm(all_reduce(x, group_name), residual, weight, eps, weight_first)
+    return add_rms_norm(all_reduce(x, group_name), norm)
 
 
-def add_rms_norm(
-    summed: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    weight_first: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(summed: torch.Tensor, norm: rms_norm.Norm) -> tuple[torch.Tensor, torch.Tensor]:
     """`unfused_add_rms_norm`'s results in one Triton launch where the kernel takes the tensors
     (graphar.kernels.rms_norm), else by torch's ops: the norm of the fused op's fallback, which then
     costs what Inductor's unfused graph costs, the all-reduce and one norm kernel."""
-    dtypes = add_rms_norm_dtypes(summed, residual, weight, weight_first)
-    out = rms_norm.add_rms_norm(summed, residual, weight, eps, weight_first, dtypes)
-    return out if out is not None else unfused_add_rms_norm(summed, residual, weight, eps, weight_first)
+    dtypes = add_rms_norm_dtypes(summed, norm.residual, norm.weight, norm.weight_first)
+    out = rms_norm.add_rms_norm(summed, norm, dtypes)
+    return out if out is not None else unfused_add_rms_norm(summed, *norm)
 
 
-def _all_reduce_add_rms_norm_fake(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    group_name: str,
-    weight_first: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+# The output dtypes follow from the tensors and weight_first; the arguments' types are the schema's.
+def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name, weight_first=False):
     normed, summed = add_rms_norm_dtypes(x, residual, weight, weight_first)
     return x.new_empty(x.shape, dtype=normed), x.new_empty(x.shape, dtype=summed)
 

@@ -67,9 +67,8 @@ class NormKernelTest(unittest.TestCase):
         weight_first: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's results, which it must give (not hand back to torch)."""
-        out = self.kernel.add_rms_norm(
-            summed, residual, weight, EPS, weight_first, add_rms_norm_dtypes(summed, residual, weight, weight_first)
-        )
+        norm = self.kernel.Norm(residual, weight, EPS, weight_first)
+        out = self.kernel.add_rms_norm(summed, norm, add_rms_norm_dtypes(summed, residual, weight, weight_first))
         self.assertIsNotNone(out, "the kernel must take these tensors")
         return out
 
@@ -143,7 +142,7 @@ class NormKernelTest(unittest.TestCase):
     def test_what_it_hands_back_to_torch(self) -> None:
         def refused(summed, residual=None, weight=None) -> bool:
             dtypes = add_rms_norm_dtypes(summed, residual, weight)
-            return self.kernel.add_rms_norm(summed, residual, weight, EPS, False, dtypes) is None
+            return self.kernel.add_rms_norm(summed, self.kernel.Norm(residual, weight, EPS), dtypes) is None
 
         x = _integers(2, 64, dtype=torch.bfloat16)
         self.assertTrue(refused(_integers(2, self.kernel.MAX_HIDDEN + 8, dtype=torch.bfloat16)), "a longer row")
@@ -166,11 +165,12 @@ class NormKernelTest(unittest.TestCase):
         )
         for weight_first in (False, True):
             with self.subTest(weight_first=weight_first):
-                got = ops.add_rms_norm(x, residual, weight, EPS, weight_first)
+                got = ops.add_rms_norm(x, self.kernel.Norm(residual, weight, EPS, weight_first))
                 want = self.norm(x, residual, weight, weight_first)
                 self.assertTrue(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want)))
         long = _integers(2, self.kernel.MAX_HIDDEN + 8, dtype=torch.bfloat16)  # torch's ops, the same results
-        got, want = ops.add_rms_norm(long, None, None, EPS), unfused_add_rms_norm(long, None, None, EPS)
+        norm = self.kernel.Norm(None, None, EPS)
+        got, want = ops.add_rms_norm(long, norm), unfused_add_rms_norm(long, *norm)
         self.assertTrue(all(torch.equal(g, w) for g, w in zip(got, want)))
 
 

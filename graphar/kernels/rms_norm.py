@@ -17,6 +17,8 @@ torch's ops (`add_rms_norm` returns None).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from graphar.kernels import interpreting, on_device
@@ -32,6 +34,18 @@ except ImportError:  # graphar works without Triton; the norm then runs as torch
 MAX_HIDDEN = 16384
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROWS = 2**31 - 1  # one program a row: the grid's first dimension
+
+
+class Norm(NamedTuple):
+    """The residual add and RMSNorm after a sum, in the order the norm's functions take them
+    (graphar.ops.unfused_add_rms_norm): `residual` (of the sum's shape) and `weight` (its last dim)
+    may be None; `weight_first`: the weight multiplies before the cast back to the sum's dtype
+    (`F.rms_norm`'s order), else after (HF's)."""
+
+    residual: torch.Tensor | None
+    weight: torch.Tensor | None
+    eps: float
+    weight_first: bool = False
 
 
 if triton is not None:
@@ -95,19 +109,14 @@ def serves(
 
 
 def add_rms_norm(
-    summed: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    weight_first: bool,
-    dtypes: tuple[torch.dtype, torch.dtype],
+    summed: torch.Tensor, norm: Norm, dtypes: tuple[torch.dtype, torch.dtype]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm(summed + residual) * weight, summed + residual) in one launch, as
     `graphar.ops.unfused_add_rms_norm` computes them; None when the kernel cannot take these tensors
-    (the caller then runs torch's ops). `residual` (of `summed`'s shape) and `weight` (its last dim)
-    may be None; `dtypes`: the outputs' (graphar.ops.add_rms_norm_dtypes). Without a residual the
-    second result is `summed` itself. Safe inside a CUDA-graph capture: no sync, and no memory
-    allocated but the outputs."""
+    (the caller then runs torch's ops). `dtypes`: the outputs' (graphar.ops.add_rms_norm_dtypes).
+    Without a residual the second result is `summed` itself. Safe inside a CUDA-graph capture: no
+    sync, and no memory allocated but the outputs."""
+    residual, weight, eps, weight_first = norm
     if not serves(summed, residual, weight, dtypes):
         return None
     hidden = summed.shape[-1]

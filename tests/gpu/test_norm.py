@@ -110,7 +110,7 @@ def _fallback_against_unfused(rank: int, world_size: int) -> None:
             assert_close_to(normed, want_normed, what)
             # The Triton kernel normalised it: its own bits from the same sum (an exact one: integers).
             dtypes = add_rms_norm_dtypes(x, residual, weight, first)
-            kernel = rms_norm.add_rms_norm(nccl_sum(x), residual, weight, EPS, first, dtypes)
+            kernel = rms_norm.add_rms_norm(nccl_sum(x), rms_norm.Norm(residual, weight, EPS, first), dtypes)
             assert kernel is not None and torch.equal(normed, kernel[0]), f"{what}: not the Triton kernel's result"
             assert_equal_across_ranks(torch.cat([normed.flatten(), summed.flatten()]), what)
         # Captured (as reduce-overhead captures it): no sync, no compile (these shapes' kernel ran above).
