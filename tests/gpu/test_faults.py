@@ -7,7 +7,11 @@ finite wrong value (docs/design.md, the failure model).
   the pulled exchange gave rank 1 the sum with rank 0's second input. Every kernel, eager and
   replayed from a torch.cuda.graph and a graphar.graph.
 - Two streams on one communicator, unordered: a graph replay beside eager calls or beside another
-  graph's replay, 1000 times (ITERATIONS).
+  graph's replay, 1000 times (ITERATIONS). Two replays that do not overlap on either rank but run in
+  different orders on the two ranks swap their calls between the ranks: each rank sums its own input
+  of one call with the peer's input of the other, which no kernel detects (the failure model's row
+  "two different graphs replayed in different orders", as with NCCL). Beside a replay, that exact
+  swap is the one finite value allowed besides the right one; any other is a failure.
 """
 
 from __future__ import annotations
@@ -84,10 +88,11 @@ KINDS: dict[str, Callable[[Communicator], Case]] = {
 }
 
 
-def _right_or_nan(out: torch.Tensor, right: torch.Tensor, what: str) -> bool:
-    """Every element is the right value or NaN; whether any is NaN."""
+def _right_or_nan(out: torch.Tensor, right: torch.Tensor, what: str, swapped: torch.Tensor | None = None) -> bool:
+    """Every element is the right value, NaN or (given) the value of the calls swapped between the ranks;
+    whether any is NaN."""
     nan = torch.isnan(out)
-    wrong = ~nan & (out != right)
+    wrong = ~nan & (out != right) & (True if swapped is None else out != swapped)
     assert not wrong.any(), (
         f"{what}: {int(wrong.sum())} finite wrong values, e.g. {out[wrong][:4].tolist()} where "
         f"{right[wrong][:4].tolist()} is right"
@@ -163,7 +168,7 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
     torch.cuda.synchronize()
     calls = [_captured(cases[0]), _captured(cases[1]) if other == "replay" else cases[1].run]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    failed_at = None
+    failed_at, swaps = None, 0
     for i in range(ITERATIONS):
         values = [
             [float((r + 1) * (i % 7 + 1)) for r in range(world_size)],
@@ -180,14 +185,20 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
                     outs.append(None)
         torch.cuda.synchronize()
         for n, (case, out, v) in enumerate(zip(cases, outs, values)):
+            # This rank's input of call n with the peers' of the other call: the undetected swap.
+            swap = [v[r] if r == rank else values[1 - n][r] for r in range(world_size)]
+            swapped = case.right(swap) if other == "replay" else None
+            if out is not None and swapped is not None and torch.equal(out, swapped):
+                swaps += 1
             if out is None or _right_or_nan(
-                out, case.right(v), f"{kind}, replay beside {other}, iteration {i}, call {n}"
+                out, case.right(v), f"{kind}, replay beside {other}, iteration {i}, call {n}", swapped
             ):
                 failed_at = i if failed_at is None else failed_at
                 _raises_at_next_host_call(comm, f"{kind} beside {other}")
     print(
         f"rank {rank}, {kind}, a replay beside {other}: {ITERATIONS} iterations, "
-        f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}"
+        f"{'no failure' if failed_at is None else f'failed from iteration {failed_at} on, with an error'}, "
+        f"{swaps} calls swapped between the ranks"
     )
     dist.barrier()
     comm.close()
