@@ -206,14 +206,13 @@ def all_reduce_add_rms_norm(
     # Flat and aligned, as the kernels read them: which kernel serves then depends on shapes alone,
     # equal on every rank, never on where a rank's tensors happen to start.
     residual, weight = (t if t is None else _flat(t) for t in (residual, weight))
-    norm = rms_norm.Norm(residual, weight, eps, weight_first)
     comm = serving(group_name, x.device)
     if comm is not None:
         x = _flat(x)
-        fused = comm.allreduce.try_all_reduce_norm(x, *norm)
+        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused
-    return add_rms_norm(all_reduce(x, group_name), norm)
+    return add_rms_norm(all_reduce(x, group_name), rms_norm.Norm(residual, weight, eps, weight_first))
 
 
 def add_rms_norm(summed: torch.Tensor, norm: rms_norm.Norm) -> tuple[torch.Tensor, torch.Tensor]:
