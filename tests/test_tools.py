@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphar import _cuda
 from graphar.comm import set_up
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -297,11 +297,12 @@ def test_the_session_has_a_soak_stage() -> None:
         assert sum(c.limit_s for c in soak.select(full, part)) + 30 < limit, part
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+@pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
 def test_the_norm_floor_ladder_compiles_against_the_kernels_headers(tmp_path: Path) -> None:
     # tools/norm_floor.cu builds its ladder from csrc's own primitives: a renamed one must fail here.
+    source, obj = str(TOOLS / "norm_floor.cu"), str(tmp_path / "floor.o")
     out = subprocess.run(
-        ["nvcc", "-c", "-std=c++17", "-arch=sm_90a", str(TOOLS / "norm_floor.cu"), "-o", str(tmp_path / "floor.o")],
+        [_cuda.find_nvcc(), "-c", "-std=c++17", "-arch=sm_90a", source, "-o", obj],
         capture_output=True,
         text=True,
         timeout=600,

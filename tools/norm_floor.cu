@@ -219,7 +219,6 @@ void run_shape(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* er
   a.dtype = GRAPHAR_BFLOAT16;
   int blocks = 0, threads = 0, split = 0;
   auto fused = [&](int pdl) {
-    a.pdl = pdl;
     return [&, pdl](int) {
       a.pdl = pdl;
       CHECK(graphar_comm_norm_loopback(comm, &a, 0, &blocks, &threads, &split));
