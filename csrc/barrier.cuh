@@ -27,6 +27,9 @@ struct Signal {
   // captured: see BarrierParams::graph): every entry is equal between calls, so each block reads the
   // call's epoch without waiting for another block.
   alignas(128) Flag push_epoch[2][kMaxBlocks];
+  // [launch class][epoch parity][block][peer]: the call word (call_word) the peer's block stored when
+  // it pushed its packs of that epoch, 0 when empty; the receiving block resets it, as it does a slot.
+  alignas(128) Flag push_calls[2][2][kMaxBlocks][kMaxRanks];
   // The blocks of this rank's kernels that are running now: (sum of their tags << 16) + their count
   // (enter_running). Only this GPU touches it.
   alignas(128) unsigned long long running;
@@ -69,6 +72,7 @@ enum Cause : uint32_t {
   kPeerGaveUp = 1,  // the peer had given up on this barrier first, and took its arrival back
   kConcurrent = 2,  // another kernel of this communicator ran at the same time on this rank
   kOutOfStep = 3,   // the peer met this barrier in a graph replay and this rank in an eager call, or the reverse
+  kSwapped = 4,     // the peer met it in another captured launch: the ranks replayed graphs in different orders
 };
 
 struct ErrorRecord {
@@ -92,6 +96,12 @@ struct BarrierParams {
   // 1 when the launch was captured into a CUDA graph, 0 when eager: equal on every rank for the same
   // call, so a peer met in the other class is in another call (calls on unordered streams).
   int graph;
+  // This launch's number among the communicator's captured launches (1, 2, ... in capture order),
+  // 0 when eager. Equal on every rank for the same launch, as the ranks capture in one order; replays
+  // of different graphs on streams that are not ordered may still run in different orders on
+  // different ranks, and a peer found in another launch is told apart by it (barrier flags, push call
+  // words). Eager calls need none: each rank runs them in the order it issued them (launch.cu).
+  uint32_t call;
 };
 
 // ---- flag accesses -------------------------------------------------------------------------
@@ -220,28 +230,37 @@ struct Deadline {
   }
 };
 
-// What a barrier flag holds: the barrier's count (30 bits, wrapping), the launch class (graph) and
-// a retraction bit. A rank whose block gave up on a barrier stores its flag back into every peer's
-// slot with kRetracted set: a peer that has not read it yet must not pass and read what the rank
-// leaves behind (its registered buffer refilled by its next call, a graph input rewritten by later
-// kernels).
-constexpr Flag kCount = 0x3FFFFFFFu;
+// What a barrier flag holds: the barrier's count (16 bits, wrapping), the low 14 bits of the launch's
+// call number, the launch class (graph) and a retraction bit. A rank whose block gave up on a barrier
+// stores its flag back into every peer's slot with kRetracted set: a peer that has not read it yet
+// must not pass and read what the rank leaves behind (its registered buffer refilled by its next
+// call, a graph input rewritten by later kernels).
+constexpr Flag kCount = 0xFFFFu;
+constexpr int kCallShift = 16;
+constexpr Flag kCallBits = 0x3FFFu << kCallShift;
 constexpr Flag kGraphCall = 0x40000000u;
 constexpr Flag kRetracted = 0x80000000u;
 
 __device__ __forceinline__ Flag flag_value(Flag count, const BarrierParams& p) {
-  return (count & kCount) | (p.graph ? kGraphCall : 0u);
+  return (count & kCount) | ((p.call << kCallShift) & kCallBits) | (p.graph ? kGraphCall : 0u);
+}
+
+// Why a peer's flag holds this barrier's count but not its value: it took its arrival back, or it is in
+// another call (the other launch class, or another captured launch).
+__device__ __forceinline__ Cause mismatch_cause(Flag seen, Flag val) {
+  if (seen & kRetracted) return kPeerGaveUp;
+  return ((seen ^ val) & kGraphCall) ? kOutOfStep : kSwapped;
 }
 
 // Spins until *flag == val; false on timeout, when the peer took its arrival back, or when it arrived
-// in the other launch class (then it is in another call). Equality, not >=, because the count wraps;
-// the stale value in a slot is always two counts back, never val.
+// in another call. Equality, not >=, because the count wraps; the stale value in a slot is always
+// two counts back, never this count.
 template <bool kOrdered>
 __device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
   Deadline deadline;
   for (Flag v; (v = ld_flag<kOrdered>(flag)) != val;) {
-    if ((v & kCount) == (val & kCount)) {  // this count, but retracted or of the other class
-      record_failure(p.self, p.error, where, peer, (v & kRetracted) ? kPeerGaveUp : kOutOfStep);
+    if ((v & kCount) == (val & kCount)) {  // this count, but retracted or of another call
+      record_failure(p.self, p.error, where, peer, mismatch_cause(v, val));
       return false;
     }
     if (!deadline.keep_waiting(p, where, peer)) return false;

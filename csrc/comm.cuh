@@ -41,6 +41,7 @@ struct Comm {
   cudaStream_t last_stream = nullptr;
   bool launched = false;
   uint64_t launches = 0;  // launches so far, captured ones too: the next one's tag is launches + 1
+  uint32_t captured_launches = 0;  // of them captured: the next captured one's call is this + 1
   // A launch of this communicator went into a CUDA graph, which may be replayed after destroy.
   bool captured = false;
   // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of

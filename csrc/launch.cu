@@ -38,6 +38,7 @@ BarrierParams barrier_params(const Comm* c, bool eager) {
   b.tag = c->launches + 1;
   b.rank = c->rank;
   b.graph = eager ? 0 : 1;
+  b.call = eager ? 0 : c->captured_launches + 1;
   return b;
 }
 
@@ -85,8 +86,11 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
   config.numAttrs = pdl ? 1 : 0;
   void* args[] = {params};
   CUDA_TRY(cudaLaunchKernelExC(&config, kernel, args));
-  c->launches++;  // the tag barrier_params gave this launch is taken
-  if (!eager) return 0;
+  c->launches++;  // the tag barrier_params gave this launch is taken, and its call number
+  if (!eager) {
+    c->captured_launches++;
+    return 0;
+  }
   CUDA_TRY(cudaEventRecord(c->last_event, stream));
   c->last_stream = stream;
   c->launched = true;

@@ -102,6 +102,9 @@ int launch_norm(Comm* c, const graphar_all_reduce_norm_args& a, bool loopback, i
     c->signals.signals[c->rank] = self;  // as graphar_comm_open sets it: destroy marks it failed for graphs
     p.push.barrier.self = self;
     for (int r = 0; r < kMaxRanks; r++) p.push.barrier.signals.signals[r] = self;  // the kernel reads its own only
+    // ... and stores its call word for rank 1 at signals[1]->push_calls[...][0]: one word on, that is
+    // its own word from rank 1, which it checks.
+    p.push.barrier.signals.signals[1] = reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(self) + 1);
     char* own = push_region(c->meta, c->max_bytes);
     p.push.regions.ptrs[0] = own;
     p.push.regions.ptrs[1] = own + a.nbytes;  // + epoch + 0 * packs + i: this rank's slot for rank 1's pack i

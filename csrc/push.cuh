@@ -19,6 +19,13 @@
 // so eager calls and CUDA-graph replays share one sequence; as with the barrier, every rank must
 // issue the group's calls in one order.
 //
+// Call words. Two graphs replayed in different orders on two ranks (unordered streams) meet at one
+// epoch, and each rank would sum its data of one call with the peer's of the other. So each block
+// also stores its launch's call word (BarrierParams::call) into every peer it sends to, in the
+// peer's Signal at the same epoch, and compares the word it receives with its own before any of the
+// block's output stands: another word poisons the block (kSwapped). One word per block and peer, as
+// the data: a word written again two calls later finds the reset done, as a slot does.
+//
 // PDL. Launched with programmatic stream serialization, a kernel may start while the kernel before
 // it on the stream still runs. griddepcontrol.wait holds every thread until that kernel has
 // completed and its writes are visible (the input; the previous call's epoch and resets), and
@@ -86,12 +93,70 @@ __device__ __forceinline__ uint4 ld_slot(const uint4* addr) {
 }
 __device__ __forceinline__ void reset_slot(uint4* addr) { st_slot(addr, make_uint4(kEmpty, kEmpty, kEmpty, kEmpty)); }
 
-// Reloads the slot until its pack has arrived (v: the first load); false on timeout.
+// ---- call words ----------------------------------------------------------------------------
+
+// The call word a receiving block finds from a peer: never 0, which marks an empty word.
+__device__ __forceinline__ Flag call_word(const BarrierParams& p) { return p.call | 0x80000000u; }
+
+// This thread's peer for the call words: threadIdx.x, when it is a peer and the two exchange data in
+// this call (`with(peer)`); -1 otherwise.
+template <int kRanks, typename With>
+__device__ __forceinline__ int word_peer(const BarrierParams& p, With with) {
+  const int peer = threadIdx.x;
+  return peer < kRanks && peer != p.rank && with(peer) ? peer : -1;
+}
+
+// Whether two ranks exchange data in a call, for kernels where every pair does.
+struct EveryPeer {
+  __device__ __forceinline__ bool operator()(int) const { return true; }
+};
+
+// The call word into peer `peer`'s Signal at this epoch, where its block blockIdx.x reads it (-1: none).
+template <int kRanks>
+__device__ __forceinline__ void send_call(const BarrierParams& p, uint32_t epoch, int peer) {
+  if (peer < 0) return;
+  Signal* theirs = nth<kRanks>(p.signals.signals, peer);
+  st_flag<false>(&theirs->push_calls[p.graph][epoch & 1][blockIdx.x][p.rank], call_word(p));
+}
+
+// The call word this thread checks: peer `peer`'s at this epoch (-1: none). It is reloaded beside the
+// packs the thread waits for (await_slot), so that the check costs no round trip of its own.
+struct CallWatch {
+  Flag* word;
+  int peer;
+  Flag seen;  // what the word held at the last load; 0: not there yet
+
+  __device__ __forceinline__ CallWatch(const BarrierParams& p, uint32_t epoch, int peer_)
+      : word(peer_ < 0 ? nullptr : &p.self->push_calls[p.graph][epoch & 1][blockIdx.x][peer_]), peer(peer_), seen(0) {
+    poll();
+  }
+  __device__ __forceinline__ void poll() {
+    if (word != nullptr && seen == 0) seen = ld_flag<false>(word);
+  }
+  // Waits for the word, then empties it; false on timeout or when it is another launch's (the ranks
+  // run different calls at this epoch), recorded at `where`.
+  __device__ __forceinline__ bool check(const BarrierParams& p, Where where) {
+    if (word == nullptr) return true;
+    Deadline deadline;
+    while (seen == 0) {
+      if (!deadline.keep_waiting(p, where, peer)) return false;
+      seen = ld_flag<false>(word);
+    }
+    st_flag<false>(word, 0);
+    if (seen == call_word(p)) return true;
+    record_failure(p.self, p.error, where, peer, kSwapped);
+    return false;
+  }
+};
+
+// Reloads the slot until its pack has arrived (v: the first load), the call word w beside it; false
+// on timeout.
 __device__ __forceinline__ bool await_slot(const uint4* slot, uint4& v, const BarrierParams& p, Where where,
-                                           int peer) {
+                                           int peer, CallWatch& w) {
   Deadline deadline;
   while (!arrived(v)) {
     if (!deadline.keep_waiting(p, where, peer)) return false;
+    w.poll();
     v = ld_slot(slot);
   }
   return true;
@@ -135,9 +200,10 @@ __device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epo
 
 // What every push kernel starts with, in this order: wait for the kernel before it (PDL), let the
 // next one launch, read the call's epoch and count the block in. Then the epoch's regions and the
-// thread's place in the grid. A failed call (failed at entry, another kernel running, or a receive
-// that timed out) sends nothing more, writes its share of the output as poison and leaves the epoch
-// where it is. Every thread ends with finish(), which counts the block out.
+// thread's place in the grid. A failed call (failed at entry, another kernel running, a receive that
+// timed out or a peer in another call) sends nothing more, writes the block's share of the output as
+// poison and leaves the epoch where it is. Thread r < kRanks (r != rank) sends this launch's call word
+// to peer r and checks the one peer r sent (send_call, CallWatch).
 template <int kRanks>
 struct PushCall {
   uint32_t epoch;
@@ -160,10 +226,14 @@ struct PushCall {
     stride = gridDim.x * blockDim.x;
   }
 
-  // ok: this thread's share arrived whole; thread 0's advances the epoch.
-  __device__ __forceinline__ void finish(const BarrierParams& p, bool ok) const {
-    if (ok) leave_epoch(p, epoch);
-    release_block(p);
+  // Every thread, with whether its share arrived whole and right: whether the whole block's did (then
+  // thread 0 advances the epoch). Counts the block out; a block that failed poisons its output after
+  // that, which is the caller's tensor: no kernel of the communicator shares it.
+  __device__ __forceinline__ bool finish(const BarrierParams& p, bool ok) const {
+    const bool block_ok = __syncthreads_and(ok);
+    if (block_ok) leave_epoch(p, epoch);
+    if (threadIdx.x == 0) leave_running(p);
+    return block_ok;
   }
 };
 
@@ -190,7 +260,7 @@ __device__ __forceinline__ void push_packs(const uint4* in, int packs, int first
 // (recorded at `where`).
 template <typename T, int kRanks, int kBatch, typename Call, typename Done>
 __device__ __forceinline__ bool receive_sums(const uint4* own, uint4* mine, int span, int n, const Call& c,
-                                             const BarrierParams& bp, Where where, Done done) {
+                                             const BarrierParams& bp, Where where, CallWatch& w, Done done) {
   for (int base = c.first; base < n; base += kBatch * c.stride) {
     uint4 got[kBatch][kRanks];
 #pragma unroll
@@ -207,7 +277,7 @@ __device__ __forceinline__ bool receive_sums(const uint4* own, uint4* mine, int 
       if (i >= n) continue;
 #pragma unroll
       for (int r = 0; r < kRanks; r++) {
-        if (r != bp.rank && !await_slot(mine + r * span + i, got[b][r], bp, where, r)) return false;
+        if (r != bp.rank && !await_slot(mine + r * span + i, got[b][r], bp, where, r, w)) return false;
       }
       done(i, sum_in_order<T, kRanks>(got[b]));
 #pragma unroll
@@ -237,14 +307,18 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
   const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
   constexpr int kBatch = PushBatch<kRanks>::value;
+  const int peer = c.failed ? -1 : word_peer<kRanks>(bp, EveryPeer{});
   if (!c.failed) {
+    send_call<kRanks>(bp, c.epoch, peer);
     push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
                        [&](int idx, const uint4& v) { send_one_shot(c, bp.rank, p.packs, idx, v); });
   }
-  const bool ok = !c.failed && receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot,
-                                                               [&](int idx, const uint4& sum) { c.out[idx] = sum; });
-  if (!ok) poison_packs(c.out, c.first, p.packs, c.stride);
-  c.finish(bp, ok);
+  CallWatch w(bp, c.epoch, peer);
+  const bool ok = !c.failed &&
+                  receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot, w,
+                                                  [&](int idx, const uint4& sum) { c.out[idx] = sum; }) &&
+                  w.check(bp, kPushOneShot);
+  if (!c.finish(bp, ok)) poison_packs(c.out, c.first, p.packs, c.stride);
 }
 
 // ---- two shot: reduce-scatter by push, then all-gather by push --------------------------------------
@@ -270,8 +344,11 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   const Shards sh(p.packs, kRanks);
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
+  // Two ranks exchange data when either owns a shard: with fewer packs than ranks, only the last does.
+  const int peer = word_peer<kRanks>(bp, [&](int r) { return sh.part > 0 || r == kRanks - 1 || bp.rank == kRanks - 1; });
   // This thread's share, false at the first receive that timed out.
   auto run = [&]() -> bool {
+    send_call<kRanks>(bp, c.epoch, peer);
     // 1. Scatter: each pack of a shard another rank owns goes to its owner's scatter slot.
     push_packs<kBatch>(c.in, p.packs, c.first, c.stride, [&](int idx, const uint4& v) {
       const int o = sh.owner(idx, kRanks);
@@ -279,8 +356,9 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
     });
 
     // 2. Reduce this rank's shard, keep the sum and push it to every peer's gather slot.
+    CallWatch w(bp, c.epoch, peer);
     const bool received = receive_sums<T, kRanks, kBatch>(
-        c.in + start, c.mine, sh.largest, size, c, bp, kPushScatter, [&](int i, const uint4& total) {
+        c.in + start, c.mine, sh.largest, size, c, bp, kPushScatter, w, [&](int i, const uint4& total) {
           const uint4 sum = sendable(total);  // a sum is never kEmpty; kept uniform
           c.out[start + i] = sum;
 #pragma unroll
@@ -305,19 +383,17 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
         const int o = sh.owner(idx, kRanks);
         if (idx >= p.packs || o == bp.rank) continue;
         uint4* slot = c.mine + (kRanks + o) * sh.largest + idx - o * sh.part;
-        if (!await_slot(slot, got[b], bp, kPushGather, o)) return false;
+        if (!await_slot(slot, got[b], bp, kPushGather, o, w)) return false;
         c.out[idx] = got[b];
         reset_slot(slot);
       }
     }
-    return true;
+    return w.check(bp, kPushGather);
   };
-  const bool ok = !c.failed && run();
-  if (!ok) {  // the thread's share: the gathered packs and its own shard's
+  if (!c.finish(bp, !c.failed && run())) {  // the thread's share: the gathered packs and its own shard's
     poison_packs(c.out, c.first, p.packs, c.stride);
     poison_packs(c.out + start, c.first, size, c.stride);
   }
-  c.finish(bp, ok);
 }
 
 // Packs an epoch needs: the one-shot's ws slots of the message, the two-shot's 2 * ws of its largest shard.

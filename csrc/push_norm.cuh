@@ -194,7 +194,9 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   epoch_regions<kRanks>(q, epoch, region);
   uint4* mine = nth<kRanks>(region, bp.rank);
 
+  const int peer = refused ? -1 : word_peer<kRanks>(bp, EveryPeer{});  // call words (push.cuh)
   if (!refused) {  // push every pack of the block's slices into every peer's slot, kBatch loads in flight
+    send_call<kRanks>(bp, epoch, peer);
     constexpr int kBatch = PushBatch<kRanks>::value;
     for (int row = first_row; row < rows; row += row_step) {
       const int base = row * p.row_packs;
@@ -219,6 +221,8 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
       }
     }
   }
+
+  CallWatch w(bp, epoch, peer);
 
   // Segment partials of the row at hand, double-buffered: a warp may start the next row while
   // another still sums this one's (the block meets once per row).
@@ -247,7 +251,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
         }
 #pragma unroll
         for (int r = 0; r < kRanks; r++) {
-          if (r != bp.rank && !bad) bad = !await_slot(mine + r * q.packs + idx, got[r], bp, kPushOneShot, r);
+          if (r != bp.rank && !bad) bad = !await_slot(mine + r * q.packs + idx, got[r], bp, kPushOneShot, r, w);
         }
         if (!bad) {
 #pragma unroll
@@ -300,6 +304,8 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
         }
       }
     }
+    // The peers' data of this call, not another's, before the block's first row stands.
+    if (row == first_row && !bad) bad = !w.check(bp, kPushOneShot);
     // Every thread reaches the block's barrier, given up or not; then all leave together.
     if (__syncthreads_or(bad)) {
       failed_row = row;

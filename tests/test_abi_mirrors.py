@@ -86,6 +86,7 @@ def test_failure_causes() -> None:
         "kPeerGaveUp": str(abi.PEER_GAVE_UP),
         "kConcurrent": str(abi.CONCURRENT),
         "kOutOfStep": str(abi.OUT_OF_STEP),
+        "kSwapped": str(abi.SWAPPED),
     }
 
 

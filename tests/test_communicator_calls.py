@@ -205,6 +205,33 @@ def test_a_kernel_that_gave_up_fails_it_at_the_next_check(library: _Library) -> 
     assert comm.life is Life.CLOSED
 
 
+@pytest.mark.parametrize(
+    "cause, error, says",
+    [
+        (
+            abi.PEER_GAVE_UP,
+            GrapharTimeoutError,
+            "rank 1 gave up at the all_reduce push-oneshot receive .block 3. first",
+        ),
+        (abi.CONCURRENT, GrapharCommError, "two of its kernels ran at once on this rank"),
+        (abi.OUT_OF_STEP, GrapharCommError, "in another call .a graph replay where this rank made an eager call"),
+        (
+            abi.SWAPPED,
+            GrapharCommError,
+            "in another captured launch: the ranks replayed their graphs in different orders",
+        ),
+    ],
+)
+def test_each_failure_cause_reads_as_its_own_error(library: _Library, cause: int, error: type, says: str) -> None:
+    comm = _communicator()
+    record = library.record
+    record.failed, record.peer, record.where, record.block, record.cause = 1, 1, 7, 3, cause
+    with pytest.raises(error, match=says) as raised:
+        comm.check()
+    assert type(raised.value) is error
+    comm.close()
+
+
 # ---- the seams: what each collective asks of its communicator, declared whole ---------------------
 
 

@@ -52,8 +52,9 @@ WHERE = {
 
 # Why a kernel gave up (enum Cause): a peer never arrived; it had given up on the barrier first; another
 # kernel of the communicator ran at the same time on this rank; the peer was in a graph replay and this
-# rank in an eager call, or the reverse.
-TIMED_OUT, PEER_GAVE_UP, CONCURRENT, OUT_OF_STEP = 0, 1, 2, 3
+# rank in an eager call, or the reverse; the peer was in another captured launch (graphs replayed in
+# different orders on the ranks).
+TIMED_OUT, PEER_GAVE_UP, CONCURRENT, OUT_OF_STEP, SWAPPED = 0, 1, 2, 3, 4
 
 
 class ErrorRecord(ctypes.Structure):

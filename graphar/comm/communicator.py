@@ -167,6 +167,11 @@ class Communicator:
                 f"rank {r.peer} met the {where} in another call (a graph replay where this rank made "
                 f"an eager call, or the reverse): {unordered}"
             ),
+            abi.SWAPPED: (
+                f"rank {r.peer} met the {where} in another captured launch: the ranks replayed their graphs "
+                f"in different orders ({unordered}; or the program replays them so), or captured them in "
+                "different orders (every rank must capture its graphar launches in one order)"
+            ),
         }.get(r.cause, f"the kernels recorded an unknown failure {r.cause} at the {where}")
 
     def mark_broken(self, reason: str) -> None:
