@@ -154,15 +154,22 @@ def _captured(case: Case, mode: str = "torch.cuda.graph") -> Callable[[], torch.
     return lambda: graph.replay() or out
 
 
-def _swapped_replays(rank: int, world_size: int, kind: str, mode: str) -> None:
+def _two_cases(world_size: int, kind: str) -> tuple[Communicator, list[Case]]:
+    """A communicator and two calls of `kind` on it, each run once: every rank sizes the exchange buffer
+    (collective) and warms up before a capture."""
     os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if kind == "pushed exchange" else "pull"
-    what = f"{kind}, {mode}"
     comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S)
     cases = [KINDS[kind](comm), KINDS[kind](comm)]
     for case in cases:
         case.x.fill_(LATE)
-        case.run()  # sizes the exchange buffer (collective), warms up before the captures
+        case.run()
     torch.cuda.synchronize()
+    return comm, cases
+
+
+def _swapped_replays(rank: int, world_size: int, kind: str, mode: str) -> None:
+    what = f"{kind}, {mode}"
+    comm, cases = _two_cases(world_size, kind)
     calls = [_captured(case, mode) for case in cases]  # in one order on every rank
     values = [[float(r + 1) for r in range(world_size)], [float(10 * (r + 1)) for r in range(world_size)]]
     for case, v in zip(cases, values):
@@ -194,13 +201,7 @@ def _two_streams(rank: int, world_size: int, kind: str, other: str) -> None:
     """A graph replayed on one stream and, unordered with it, an eager call (or a second graph's replay)
     of the same communicator on another: each output is right or NaN, and a NaN comes with an error at
     the next host call. In one process the two streams' kernels do run at once."""
-    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if kind == "pushed exchange" else "pull"
-    comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=TIMEOUT_S)
-    cases = [KINDS[kind](comm), KINDS[kind](comm)]
-    for case in cases:
-        case.x.fill_(LATE)
-        case.run()  # sizes the exchange buffer (collective), warms up before the captures
-    torch.cuda.synchronize()
+    comm, cases = _two_cases(world_size, kind)
     calls = [_captured(cases[0]), _captured(cases[1]) if other == "replay" else cases[1].run]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     failed_at = None
