@@ -174,35 +174,35 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
 
 // The call's epoch, and whether the group failed before it or another kernel of the communicator is
 // running (barrier.cuh), read once per block before any thread of it works; the three accesses are in
-// flight together.
+// flight together. A block that may go on advances its epoch copy at once (block 0 also those of blocks
+// this launch does not have), so that the store reaches memory while the call works instead of holding
+// up the release that counts the block out. The next call reads the copies after its
+// griddepcontrol.wait (or stream order), so after this kernel completed. A call that then fails leaves
+// them advanced, which no call reads: the group is marked failed, and every later kernel refuses.
 __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
   __shared__ uint32_t epoch, refused;
   if (threadIdx.x == 0) {
-    epoch = p.self->push_epoch[p.graph][blockIdx.x];
+    Flag* epochs = p.self->push_epoch[p.graph];
+    epoch = epochs[blockIdx.x];
     const bool failed_before = group_failed(p);
     refused = !enter_alone(p, kPushEntry) || failed_before;
+    if (!refused) {
+      epochs[blockIdx.x] = epoch + 1;
+      if (blockIdx.x == 0) {
+        for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = epoch + 1;
+      }
+    }
   }
   __syncthreads();
   failed = refused != 0;
   return epoch;
 }
 
-// Advances every block's copy, including those of blocks this launch did not have; the next call
-// reads them after its griddepcontrol.wait (or stream order), so after this kernel completed.
-__device__ __forceinline__ void leave_epoch(const BarrierParams& p, uint32_t epoch) {
-  if (threadIdx.x != 0) return;
-  Flag* epochs = p.self->push_epoch[p.graph];
-  epochs[blockIdx.x] = epoch + 1;
-  if (blockIdx.x == 0) {
-    for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = epoch + 1;
-  }
-}
-
 // What every push kernel starts with, in this order: wait for the kernel before it (PDL), let the
 // next one launch, read the call's epoch and count the block in. Then the epoch's regions and the
 // thread's place in the grid. A failed call (failed at entry, another kernel running, a receive that
-// timed out or a peer in another call) sends nothing more, writes the block's share of the output as
-// poison and leaves the epoch where it is. Thread r < kRanks (r != rank) sends this launch's call word
+// timed out or a peer in another call) sends nothing more and writes the block's share of the output
+// as poison. Thread r < kRanks (r != rank) sends this launch's call word
 // to peer r and checks the one peer r sent (send_call, CallWatch).
 template <int kRanks>
 struct PushCall {
@@ -226,12 +226,11 @@ struct PushCall {
     stride = gridDim.x * blockDim.x;
   }
 
-  // Every thread, with whether its share arrived whole and right: whether the whole block's did (then
-  // thread 0 advances the epoch). Counts the block out; a block that failed poisons its output after
-  // that, which is the caller's tensor: no kernel of the communicator shares it.
+  // Every thread, with whether its share arrived whole and right: whether the whole block's did.
+  // Counts the block out; a block that failed poisons its output after that, which is the caller's
+  // tensor: no kernel of the communicator shares it.
   __device__ __forceinline__ bool finish(const BarrierParams& p, bool ok) const {
     const bool block_ok = __syncthreads_and(ok);
-    if (block_ok) leave_epoch(p, epoch);
     if (threadIdx.x == 0) leave_running(p);
     return block_ok;
   }

@@ -65,11 +65,10 @@ __global__ void claim_relaxed(NormParams p) {
   }
 }
 
-// + the epoch: read with the claim at entry, advanced at exit, as every push kernel does.
+// + the epoch: read with the claim at entry and advanced right after it, as every push kernel does.
 __global__ void epoch_and_claim(NormParams p) {
   bool refused;
-  const uint32_t epoch = enter_epoch(p.push.barrier, refused);
-  if (!refused) leave_epoch(p.push.barrier, epoch);
+  enter_epoch(p.push.barrier, refused);
   release_block(p.push.barrier);
 }
 
@@ -94,7 +93,6 @@ __global__ void own_slot_round_trip(NormParams p) {
       static_cast<uint4*>(q.out)[i] = got;
     }
   }
-  if (__syncthreads_and(ok)) leave_epoch(bp, epoch);
   release_block(bp);
 }
 
