@@ -21,10 +21,10 @@
 //
 // Call words. Two graphs replayed in different orders on two ranks (unordered streams) meet at one
 // epoch, and each rank would sum its data of one call with the peer's of the other. So each block
-// also stores its launch's call word (BarrierParams::call) into every peer it sends to, in the
-// peer's Signal at the same epoch, and compares the word it receives with its own before any of the
-// block's output stands: another word poisons the block (kSwapped). One word per block and peer, as
-// the data: a word written again two calls later finds the reset done, as a slot does.
+// also stores its launch's call word (BarrierParams::call) into every peer it exchanges data with,
+// in the peer's Signal at the same epoch, and compares the word it receives with its own before any
+// of the block's output stands: another word poisons the block (kSwapped). One word per block and
+// peer, as the data: a word written again two calls later finds the reset done, as a slot does.
 //
 // PDL. Launched with programmatic stream serialization, a kernel may start while the kernel before
 // it on the stream still runs. griddepcontrol.wait holds every thread until that kernel has
@@ -202,8 +202,8 @@ __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& fa
 // next one launch, read the call's epoch and count the block in. Then the epoch's regions and the
 // thread's place in the grid. A failed call (failed at entry, another kernel running, a receive that
 // timed out or a peer in another call) sends nothing more and writes the block's share of the output
-// as poison. Thread r < kRanks (r != rank) sends this launch's call word
-// to peer r and checks the one peer r sent (send_call, CallWatch).
+// as poison. Thread r < kRanks (r != rank) sends this launch's call word to peer r and checks the one
+// peer r sent (send_call, CallWatch).
 template <int kRanks>
 struct PushCall {
   uint32_t epoch;
@@ -344,7 +344,8 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
   // Two ranks exchange data when either owns a shard: with fewer packs than ranks, only the last does.
-  const int peer = word_peer<kRanks>(bp, [&](int r) { return sh.part > 0 || r == kRanks - 1 || bp.rank == kRanks - 1; });
+  const int peer =
+      word_peer<kRanks>(bp, [&](int r) { return sh.part > 0 || r == kRanks - 1 || bp.rank == kRanks - 1; });
   // This thread's share, false at the first receive that timed out.
   auto run = [&]() -> bool {
     send_call<kRanks>(bp, c.epoch, peer);
