@@ -13,11 +13,12 @@
 // in the same order (rank 0..ws-1): the ranks agree bitwise.
 //
 // Epochs. The receive region has two epochs that calls alternate between; whoever reads a slot
-// writes kEmpty back right after. A peer writes epoch e again two calls later, which it can only
-// reach with this rank's data of the call in between, stored after this call ended: the reset
-// always lands first. The epoch count is in the rank's Signal (push_epoch), advanced by the kernel,
-// so eager calls and CUDA-graph replays share one sequence; as with the barrier, every rank must
-// issue the group's calls in one order.
+// writes kEmpty back right after. A peer writes epoch e again two calls later, after it completed
+// the call in between, which needs data this rank sends when that call starts, after this call
+// ended: directly, or (two-shot with fewer packs than ranks, where only the last rank owns a shard)
+// through the last rank, which needs every rank's. So the reset always lands first. The epoch count
+// is in the rank's Signal (push_epoch), one sequence per launch class, advanced by the kernel; as
+// with the barrier, every rank must issue the group's calls in one order.
 //
 // Call words. Two graphs replayed in different orders on two ranks (unordered streams) meet at one
 // epoch, and each rank would sum its data of one call with the peer's of the other. So each block
