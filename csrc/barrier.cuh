@@ -215,6 +215,14 @@ __device__ __forceinline__ void release_block(const BarrierParams& p) {
   if (threadIdx.x == 0) leave_running(p);
 }
 
+// The same, with whether this thread's share came out right: whether every thread's did. A block that
+// did not then poisons its output, which is the caller's tensor: no kernel of the communicator shares it.
+__device__ __forceinline__ bool release_block(const BarrierParams& p, bool ok) {
+  const bool block_ok = __syncthreads_and(ok);
+  if (threadIdx.x == 0) leave_running(p);
+  return block_ok;
+}
+
 // The time bound of one spin loop: the clock starts at the first miss, so a wait that succeeds at
 // once never reads it.
 struct Deadline {

@@ -276,7 +276,7 @@ int graphar_comm_destroy(void* comm) {
   const cudaError_t e = cudaDeviceSynchronize();
   // Mappings no live graph reads can go even when the communicator stays for graphs.
   const int closed = e == cudaSuccess ? close_unused_mappings(c) : 0;
-  int freed = c->captured ? retire_for_graphs(c) : close_and_free(c);
+  int freed = c->captured_launches != 0 ? retire_for_graphs(c) : close_and_free(c);
   if (freed == 0) freed = closed;
   if (rc == 0 && e != cudaSuccess) rc = cuda_fail(e, "cudaDeviceSynchronize");
   return rc != 0 ? rc : freed;

@@ -41,9 +41,9 @@ struct Comm {
   cudaStream_t last_stream = nullptr;
   bool launched = false;
   uint64_t launches = 0;  // launches so far, captured ones too: the next one's tag is launches + 1
-  uint32_t captured_launches = 0;  // of them captured: the next captured one's call is this + 1
-  // A launch of this communicator went into a CUDA graph, which may be replayed after destroy.
-  bool captured = false;
+  // Of them captured, into CUDA graphs that may be replayed after destroy: the next one's call is
+  // this + 1 (BarrierParams::call).
+  uint64_t captured_launches = 0;
   // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of
   // exchange_bytes; zero until graphar_comm_exchange_open. Buffers a captured graph may still use
   // are retired (kept until destroy) when they are replaced.

@@ -38,7 +38,7 @@ BarrierParams barrier_params(const Comm* c, bool eager) {
   b.tag = c->launches + 1;
   b.rank = c->rank;
   b.graph = eager ? 0 : 1;
-  b.call = eager ? 0 : c->captured_launches + 1;
+  b.call = eager ? 0 : static_cast<uint32_t>(c->captured_launches + 1);
   return b;
 }
 
@@ -72,8 +72,6 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
            bool pdl) {
   if (eager) {
     if (int rc = wait_for_previous(c, stream)) return rc;
-  } else {
-    c->captured = true;
   }
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -226,15 +226,6 @@ struct PushCall {
     first = blockIdx.x * blockDim.x + threadIdx.x;
     stride = gridDim.x * blockDim.x;
   }
-
-  // Every thread, with whether its share arrived whole and right: whether the whole block's did.
-  // Counts the block out; a block that failed poisons its output after that, which is the caller's
-  // tensor: no kernel of the communicator shares it.
-  __device__ __forceinline__ bool finish(const BarrierParams& p, bool ok) const {
-    const bool block_ok = __syncthreads_and(ok);
-    if (threadIdx.x == 0) leave_running(p);
-    return block_ok;
-  }
 };
 
 // send(idx, v) for each of this thread's packs idx < packs of `in`, v made sendable; kBatch loads in
@@ -318,7 +309,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
                   receive_sums<T, kRanks, kBatch>(c.in, c.mine, p.packs, p.packs, c, bp, kPushOneShot, w,
                                                   [&](int idx, const uint4& sum) { c.out[idx] = sum; }) &&
                   w.check(bp, kPushOneShot);
-  if (!c.finish(bp, ok)) poison_packs(c.out, c.first, p.packs, c.stride);
+  if (!release_block(bp, ok)) poison_packs(c.out, c.first, p.packs, c.stride);
 }
 
 // ---- two shot: reduce-scatter by push, then all-gather by push --------------------------------------
@@ -391,7 +382,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
     }
     return w.check(bp, kPushGather);
   };
-  if (!c.finish(bp, !c.failed && run())) {  // the thread's share: the gathered packs and its own shard's
+  if (!release_block(bp, !c.failed && run())) {  // the thread's share: the gathered packs and its own shard's
     poison_packs(c.out, c.first, p.packs, c.stride);
     poison_packs(c.out + start, c.first, size, c.stride);
   }
