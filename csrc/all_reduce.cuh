@@ -36,17 +36,20 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
   const int stride = gridDim.x * blockDim.x;
   const uint4* in = static_cast<const uint4*>(p.copy_in);
-  uint4 first{};  // the first pack to copy in, in flight while the block claims the communicator
+  // The first pack to copy in and the entry barrier's arrival, in flight while the block claims the
+  // communicator.
+  uint4 first{};
   if (in != nullptr && tid < p.packs) first = in[tid];
-  bool ok = claim_block(bp, kOneStageEntry);
+  Arrival entry;
+  bool ok = claim_block<kRanks>(bp, kOneStageEntry, entry);
   if (ok && in != nullptr) {
     // Same idx -> block mapping as the reduce loop: block b's barrier covers what block b copied.
     uint4* mine = static_cast<uint4*>(const_cast<void*>(p.data->ptrs[bp.rank]));
     if (tid < p.packs) mine[tid] = first;
     for (int idx = tid + stride; idx < p.packs; idx += stride) mine[idx] = in[idx];
-    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kOneStageEntry);
+    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kOneStageEntry, entry);
   } else if (ok) {
-    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kOneStageEntry);
+    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kOneStageEntry, entry);
   }
   const uint4* src[kRanks];
 #pragma unroll
@@ -82,7 +85,8 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
     tmps[r] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, (bp.rank + r) % kRanks));
   }
   uint4* tmp_out = tmp_buffer<uint4>(bp.self);
-  bool ok = claim_block(bp, kTwoStageEntry);
+  Arrival entry;
+  bool ok = claim_block<kRanks>(bp, kTwoStageEntry, entry);
   if (ok && p.copy_in != nullptr) {
     // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
     const uint4* in = static_cast<const uint4*>(p.copy_in);
@@ -93,9 +97,9 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
         if (s == kRanks - 1 || idx < part) mine[s * part + idx] = in[s * part + idx];
       }
     }
-    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageEntry);
+    ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageEntry, entry);
   } else if (ok) {
-    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kTwoStageEntry);
+    ok = multi_gpu_barrier<kRanks, Form::kStart>(bp, kTwoStageEntry, entry);
   }
   if (ok) {
     for (int idx = start + tid; idx < end; idx += stride) {

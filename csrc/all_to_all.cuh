@@ -35,7 +35,7 @@ struct AllToAllParams {
 // An exchange's lease. The packs of an exchange write the exchange buffers (this rank's, or pushed,
 // the peers') before any of its copies claims the communicator, so another exchange's copy running
 // beside them on another stream would read half of each. One thread counts the exchange in at
-// Signal::running under the tag its copies will carry (enter_running: the copies' blocks then find
+// Signal::running under the tag its copies will carry (count_in: the copies' blocks then find
 // only their own tag) before the first pack; the last copy counts it out. A lease taken beside
 // another kernel of the communicator marks the group failed, and every pack reads that flag before
 // it stores (graphar/kernels/pack.py): the loser writes nothing shared, its copies and the kernel it
@@ -62,7 +62,9 @@ template <int kRanks>
 __global__ void __launch_bounds__(kPullThreads, 1) gather_all_to_all(AllToAllParams p) {
   const BarrierParams& bp = p.barrier;
   // Failed: every chunk of this thread's share, the own one placed by the pack too, is poison instead.
-  const bool ok = claim_block(bp, kAllToAllEntry) && multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry);
+  Arrival entry;
+  const bool ok = claim_block<kRanks>(bp, kAllToAllEntry, entry) &&
+                  multi_gpu_barrier<kRanks, Form::kFenced>(bp, kAllToAllEntry, entry);
   const Placement pl = p.place;
   const uint4* src[kRanks];
 #pragma unroll

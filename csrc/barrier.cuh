@@ -31,7 +31,7 @@ struct Signal {
   // it pushed its packs of that epoch, 0 when empty; the receiving block resets it, as it does a slot.
   alignas(128) Flag push_calls[2][2][kMaxBlocks][kMaxRanks];
   // The blocks of this rank's kernels that are running now: (sum of their tags << 16) + their count
-  // (enter_running). Only this GPU touches it.
+  // (count_in). Only this GPU touches it.
   alignas(128) unsigned long long running;
   // Set by this rank's kernel whose spin gave up: the ranks are out of step from then on. Every later
   // kernel reads it at entry and writes poison instead of communicating (see poison_packs).
@@ -89,7 +89,7 @@ struct BarrierParams {
   Signal* self;
   ErrorRecord* error;
   uint64_t timeout_ns;  // 0: spin without bound
-  // This launch's number on this rank (1, 2, ... below 2^48), as enter_running tells its blocks from
+  // This launch's number on this rank (1, 2, ... below 2^48), as count_in and alone tell its blocks from
   // another kernel's. A replay of a graph repeats it, and replays of one graph never overlap.
   uint64_t tag;
   int rank;
@@ -176,15 +176,25 @@ __device__ __forceinline__ unsigned long long running_entry(const BarrierParams&
   return (p.tag << kRunningCountBits) + 1;
 }
 
-// Thread 0 of each block: counts the block in; false when another kernel's block is running.
-__device__ __forceinline__ bool enter_running(const BarrierParams& p) {
+// Thread 0 of each block: counts the block in, and returns the word as it was before. The atomic's
+// result is not waited for here: accesses the caller issues next are in flight beside it.
+__device__ __forceinline__ unsigned long long count_in(const BarrierParams& p) {
   unsigned long long before;  // acquire: the last kernel to count out had finished with the buffers
   asm volatile("atom.acquire.gpu.global.add.u64 %0, [%1], %2;"
                : "=l"(before)
                : "l"(&p.self->running), "l"(running_entry(p))
                : "memory");
+  return before;
+}
+
+// Whether the block counted in alone (`before`: count_in's result): false when another kernel's block
+// is running, after recording it (found at `where`).
+__device__ __forceinline__ bool alone(const BarrierParams& p, unsigned long long before, Where where) {
   const unsigned long long blocks = before & kRunningCount;
-  return (before >> kRunningCountBits) == ((blocks * p.tag) & ((1ull << (64 - kRunningCountBits)) - 1));
+  const bool only_ours =
+      (before >> kRunningCountBits) == ((blocks * p.tag) & ((1ull << (64 - kRunningCountBits)) - 1));
+  if (!only_ours) record_failure(p.self, p.error, where, p.rank, kConcurrent);
+  return only_ours;
 }
 
 // Thread 0 of each block, after every thread of the block is done with the shared buffers: counts it
@@ -194,20 +204,8 @@ __device__ __forceinline__ void leave_running(const BarrierParams& p) {
                : "memory");
 }
 
-// Thread 0 of each block: enter_running, and a block that lost records why (found at `where`).
-__device__ __forceinline__ bool enter_alone(const BarrierParams& p, Where where) {
-  const bool alone = enter_running(p);
-  if (!alone) record_failure(p.self, p.error, where, p.rank, kConcurrent);
-  return alone;
-}
-
-// Every thread of the block learns whether it may go on. Before the block touches anything shared.
-__device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where) {
-  __shared__ int alone;
-  if (threadIdx.x == 0) alone = enter_alone(p, where);
-  __syncthreads();
-  return alone != 0;
-}
+// Thread 0 of each block: counts it in; false, recorded, when another kernel's block is running.
+__device__ __forceinline__ bool enter_alone(const BarrierParams& p, Where where) { return alone(p, count_in(p), where); }
 
 // The block is done with everything shared (every thread reaches this, the block's losers too).
 __device__ __forceinline__ void release_block(const BarrierParams& p) {
@@ -308,8 +306,47 @@ enum class Form {
   kEnd,
 };
 
+// What lane i < kRanks reads before it meets peer i, as loaded: the group's failed flag (the exit skips
+// it: its kernel passed the check at entry) and its count for the edge, which the barrier advances.
+// At a kernel's entry these loads go out beside the claim (claim_block), where no acquire orders them
+// after the previous kernel's count-out, so both are volatile (never a stale L1 line). A count read
+// before that kernel's stores to it is short and meets the peer's flag of one of that kernel's
+// barriers, which carries another launch's bits (barrier flags below: an eager call follows the
+// previous eager call in stream order, and replays of one graph never overlap) or nothing:
+// kOutOfStep, kSwapped or a timeout, never a pass.
+struct Arrival {
+  Flag failed = 0;
+  Flag counter = 0;
+};
+
+template <int kRanks>
+__device__ __forceinline__ Arrival arrival(const BarrierParams& p, bool check_failed) {
+  Arrival a;
+  if (threadIdx.x < kRanks) {
+    if (check_failed) a.failed = ld_flag<false>(&p.self->failed);
+    a.counter = ld_flag<false>(&p.self->self_counter[blockIdx.x][threadIdx.x]);
+  }
+  return a;
+}
+
+// A kernel's claim (one kernel at a time, above) and its entry barrier's arrival, whose loads travel
+// beside the claim's atomic: they go out first (a load after the acquire would wait for it), and
+// nothing reads them before the block barrier (the compiler would wait for them there, before the
+// atomic goes out). Every thread learns whether the block may go on. Before the block touches anything
+// shared.
+template <int kRanks>
+__device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where, Arrival& entry) {
+  __shared__ int claimed;
+  entry = arrival<kRanks>(p, true);
+  if (threadIdx.x == 0) claimed = alone(p, count_in(p), where);
+  __syncthreads();
+  asm volatile("" : "+r"(entry.failed), "+r"(entry.counter));  // their first use is after this point
+  return claimed != 0;
+}
+
+// The barrier, with the arrival its lanes read before (at a kernel's entry, beside the claim).
 template <int kRanks, Form kForm>
-__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where) {
+__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where, const Arrival& a) {
   constexpr bool kOrdered = kForm == Form::kFenced;
   if constexpr (kForm != Form::kStart) __syncthreads();
   bool timed_out = false;
@@ -317,12 +354,9 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
   Flag val = 0;
   if (threadIdx.x < kRanks) {
     const int peer = threadIdx.x;
-    // Loaded beside the counter, so the check costs no extra round trip. The exit needs none: its
-    // kernel passed this check at entry.
-    const bool failed = kForm != Form::kEnd && group_failed(p);
-    const Flag count = p.self->self_counter[blockIdx.x][peer] + 1;
+    const Flag count = a.counter + 1;
     val = flag_value(count, p);
-    if (failed) {
+    if (a.failed != 0) {
       timed_out = true;  // meets no peer: they give up too, then fail alike
     } else {
       p.self->self_counter[blockIdx.x][peer] = count;
@@ -335,6 +369,13 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
   const bool block_failed = __syncthreads_or(timed_out);  // tells the whole block whether to go on
   if (block_failed && theirs != nullptr) st_flag<false>(theirs, val ^ kRetracted);
   return !block_failed;
+}
+
+// The barrier in the middle or at the end of a kernel: the arrival's loads are in flight during the
+// leading block sync.
+template <int kRanks, Form kForm>
+__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where) {
+  return multi_gpu_barrier<kRanks, kForm>(p, where, arrival<kRanks>(p, kForm != Form::kEnd));
 }
 
 }  // namespace graphar

@@ -174,23 +174,29 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
 }
 
 // The call's epoch, and whether the group failed before it or another kernel of the communicator is
-// running (barrier.cuh), read once per block before any thread of it works; the three accesses are in
-// flight together. A block that may go on advances its epoch copy at once (block 0 also those of blocks
-// this launch does not have), so that the store reaches memory while the call works instead of holding
-// up the release that counts the block out. The next call reads the copies after its
-// griddepcontrol.wait (or stream order), so after this kernel completed. A call that then fails leaves
-// them advanced, which no call reads: the group is marked failed, and every later kernel refuses.
+// running (barrier.cuh), read once per block before any thread of it works. The epoch and failed flag
+// are loaded before the claim's atomic (a load after its acquire would wait for it) and read after it
+// went out, so that the three round trips overlap; the epoch's load is then not ordered after the
+// acquire, so it is volatile (barrier.cuh arrival says why that suffices). A block that may go on
+// advances its epoch copy at once (block 0 also those of blocks this launch does not have), so that
+// the store reaches memory while the call works instead of holding up the release that counts the
+// block out. The next call reads the copies after its griddepcontrol.wait (or stream order), so after
+// this kernel completed. A call that then fails leaves them advanced, which no call reads: the group
+// is marked failed, and every later kernel refuses.
 __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
   __shared__ uint32_t epoch, refused;
   if (threadIdx.x == 0) {
     Flag* epochs = p.self->push_epoch[p.graph];
-    epoch = epochs[blockIdx.x];
-    const bool failed_before = group_failed(p);
-    refused = !enter_alone(p, kPushEntry) || failed_before;
+    Flag e = ld_flag<false>(&epochs[blockIdx.x]);
+    Flag failed_before = ld_flag<false>(&p.self->failed);
+    const unsigned long long before = count_in(p);
+    asm volatile("" : "+r"(e), "+r"(failed_before));  // their first use is after the atomic went out
+    epoch = e;
+    refused = !alone(p, before, kPushEntry) || failed_before != 0;
     if (!refused) {
-      epochs[blockIdx.x] = epoch + 1;
+      epochs[blockIdx.x] = e + 1;
       if (blockIdx.x == 0) {
-        for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = epoch + 1;
+        for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = e + 1;
       }
     }
   }

@@ -178,18 +178,18 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
 
   griddep_wait();  // before any access: the previous kernel wrote the input, the epoch and the resets
   griddep_launch_dependents();
-  // The thread's first pack of input and weight, and its residual's way into L1: the caller's tensors,
-  // which no kernel of the communicator writes, in flight while thread 0 claims the communicator and
-  // reads the epoch.
   const int i0 = begin + threadIdx.x;
+  bool refused;
+  const uint32_t epoch = enter_epoch(bp, refused);
+  // The thread's first pack of input and weight, and its residual's way into L1. Not before the claim:
+  // loads issued ahead of its atomic made the kernel slower on one H200 (tools/norm_floor.cu), and
+  // the acquire's L1 invalidation (CCTL.IVALL) may drop the prefetched line.
   uint4 in0{}, weight0{};
   if (i0 < end) {
     in0 = in[first_row * p.row_packs + i0];
     if (residual != nullptr) prefetch_l1(residual + first_row * p.row_packs + i0);
     if (weight != nullptr) weight0 = weight[i0];
   }
-  bool refused;
-  const uint32_t epoch = enter_epoch(bp, refused);
   uint4* region[kRanks];  // each rank's receive region at this epoch
   epoch_regions<kRanks>(q, epoch, region);
   uint4* mine = nth<kRanks>(region, bp.rank);

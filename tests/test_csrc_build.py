@@ -94,8 +94,9 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
 @needs_nvcc
 def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
     """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
-    itself in (acquire) before any flag, slot or buffer access, and out (release) at its very end; an
-    exchange's last copy then gives the exchange's lease back (all_to_all.cuh exchange_lease)."""
+    itself in (acquire) before any flag, slot or buffer store, with its entry's own loads already in
+    flight, and out (release) at its very end; an exchange's last copy then gives the exchange's lease
+    back (all_to_all.cuh exchange_lease)."""
     _, out, _ = build
     ptx = _ptx(out)
     for fragment in (
@@ -112,6 +113,10 @@ def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) 
         releases = 2 if fragment.startswith("gather") else 1  # the block's count, then the lease
         assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == releases, fragment
         assert all(i < release for i in shared), fragment
+        # What the entry reads before it may wait (the barrier's failed flag and counts, the push epoch
+        # and failed flag) goes out ahead of the claim: after the acquire it would wait a round trip.
+        before_claim = body[:claim].count("ld.volatile.global.u32")
+        assert before_claim >= 2, (fragment, before_claim)
     lease = _ptx_function(ptx, "exchange_lease")
     assert lease.count("atom.acquire.gpu.global.add.u64") == 1 and "red.release" not in lease
 
