@@ -298,9 +298,11 @@ def test_the_session_has_a_soak_stage() -> None:
 
 
 @pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
-def test_the_norm_floor_ladder_compiles_against_the_kernels_headers(tmp_path: Path) -> None:
-    # tools/norm_floor.cu builds its ladder from csrc's own primitives: a renamed one must fail here.
-    source, obj = str(TOOLS / "norm_floor.cu"), str(tmp_path / "floor.o")
+@pytest.mark.parametrize("tool", ["norm_floor.cu", "all_reduce_floor.cu"])
+def test_the_floor_tools_compile_against_the_kernels_headers(tmp_path: Path, tool: str) -> None:
+    # The floor tools build their kernels and ladders from csrc's own headers: a renamed primitive must
+    # fail here.
+    source, obj = str(TOOLS / tool), str(tmp_path / "floor.o")
     out = subprocess.run(
         [_cuda.find_nvcc(), "-c", "-std=c++17", "-arch=sm_90a", source, "-o", obj],
         capture_output=True,

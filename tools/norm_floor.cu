@@ -4,32 +4,17 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/norm_floor tools/norm_floor.cu \
 //     -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/norm_floor
 // (a diagnostic, not part of the library; needs graphar/libgraphar_cuda.so built for this GPU).
-// Each figure: us per launch over a CUDA graph of kLaunches back-to-back launches, median of kReplays.
-#include <cuda_runtime.h>
-
+// Each figure: us per launch (graph_timing.cuh).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
-#include "../csrc/graphar_cuda.h"
 #include "../csrc/push_norm.cuh"
+#include "graph_timing.cuh"
 
 using namespace graphar;
 using T = __nv_bfloat16;
 
-#define CHECK(call)                                                                     \
-  do {                                                                                  \
-    const int rc_ = static_cast<int>(call);                                             \
-    if (rc_ != 0) {                                                                     \
-      std::fprintf(stderr, "%s failed (%d) at line %d: %s\n", #call, rc_, __LINE__,     \
-                   rc_ > 0 ? cudaGetErrorString(static_cast<cudaError_t>(rc_)) : graphar_last_error()); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-constexpr int kLaunches = 50;
-constexpr int kReplays = 9;
 constexpr float kEps = 1e-6f;
 
 // ---- the ladder: each kernel adds one step of push_one_shot_norm to the one before ----------------
@@ -41,8 +26,8 @@ __global__ void launch_only(NormParams p) {
 
 // + the claim: each block counted in and out of Signal::running (an acquire atomic, a release reduction).
 __global__ void claim_only(NormParams p) {
-  claim_block(p.push.barrier, kPushEntry);
-  release_block(p.push.barrier);
+  if (threadIdx.x == 0) enter_alone(p.push.barrier, kPushEntry);
+  release_block(p.push.barrier);  // its block barrier is the one that ends a claim
 }
 
 // The claim's two atomics made relaxed: what its acquire and release orderings cost beyond the round
@@ -128,38 +113,6 @@ __global__ void plain_add_norm(NormParams p) {
     const int i = threadIdx.x + k * blockDim.x;
     if (i < p.row_packs) out[i] = normalise<T>(h[k], scale, w[i], true, false);
   }
-}
-
-// ---- timing ---------------------------------------------------------------------------------------
-
-template <typename Launch>
-double us_per_launch(cudaStream_t s, Launch launch) {
-  launch(0);  // warm-up, outside the graph
-  CHECK(cudaStreamSynchronize(s));
-  cudaGraph_t graph;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kLaunches; i++) launch(i + 1);
-  CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec;
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CHECK(cudaGraphLaunch(exec, s));
-  cudaEvent_t start, end;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&end));
-  std::vector<float> ms(kReplays);
-  for (float& m : ms) {
-    CHECK(cudaEventRecord(start, s));
-    CHECK(cudaGraphLaunch(exec, s));
-    CHECK(cudaEventRecord(end, s));
-    CHECK(cudaEventSynchronize(end));
-    CHECK(cudaEventElapsedTime(&m, start, end));
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(end));
-  return ms[kReplays / 2] * 1000.0 / kLaunches;
 }
 
 // ---- one shape ------------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+// The all-reduce kernels' local time on one GPU: 1stage (the graph path, inputs read in place, and
+// the eager path's copy-in) and the push one-shot (with and without PDL), launched by this tool on a
+// world-size-2 rank 0 that stands in for its peer, against a launch of the same grid that does
+// nothing. Rank 1's Signal is rank 0's own, one Flag on, and rank 1's receive region is rank 0's,
+// one message on, so that every flag and pack the kernel sends "to rank 1" lands where it reads rank
+// 1's (as graphar_comm_norm_loopback places the fused norm's): the kernel runs its whole protocol
+// with the peer's part already there. The kernels come from csrc's headers, so this tool built from
+// two trees compares two versions of them in one session.
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/all_reduce_floor \
+//     tools/all_reduce_floor.cu -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/all_reduce_floor
+// (a diagnostic, not part of the library). Each figure: us per launch (graph_timing.cuh).
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "../csrc/all_reduce.cuh"
+#include "../csrc/push.cuh"
+#include "graph_timing.cuh"
+
+using namespace graphar;
+using T = __nv_bfloat16;
+
+constexpr uint64_t kMaxBytes = 2ull << 20;
+constexpr int kBlockLimit = 64;
+constexpr uint16_t kInput = 0x3c3c;  // bf16, about 0.0115: twice it is exact
+constexpr uint16_t kTwice = 0x3cbc;
+
+__global__ void launch_only(Params p) {
+  if (p.packs < 0) asm volatile("trap;");
+}
+
+// 1stage's claim and entry barrier alone: its arrival loaded beside the claim, as the kernel does
+// (kBeside), or after it.
+template <bool kBeside>
+__global__ void one_stage_entry(Params p) {
+  Arrival entry;
+  if (claim_block<2>(p.barrier, kOneStageEntry, entry)) {
+    if (kBeside) multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry, entry);
+    else multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry);
+  }
+  release_block(p.barrier);
+}
+
+// Rank 0's memory, and the barrier parameters of a loopback launch over it.
+struct Loopback {
+  Signal* self;
+  ErrorRecord* error;
+  uint4* region;  // 2 launch classes x 2 epochs of two messages of kMaxBytes, every slot kEmpty
+  void *in, *registered, *out;
+  RankData* in_place;  // {in, in}: 1stage's graph path
+  RankData* staged;    // {registered, registered}: its copy-in
+
+  Loopback() {
+    CHECK(cudaMalloc(&self, sizeof(Signal)));
+    CHECK(cudaMemset(self, 0, sizeof(Signal)));
+    CHECK(cudaHostAlloc(&error, sizeof(ErrorRecord), cudaHostAllocMapped));
+    *error = ErrorRecord{};
+    CHECK(cudaMalloc(&region, 8 * kMaxBytes));
+    CHECK(cudaMemset(region, 0xFF, 8 * kMaxBytes));
+    for (void** t : {&in, &registered, &out}) CHECK(cudaMalloc(t, kMaxBytes));
+    const std::vector<uint16_t> x(kMaxBytes / 2, kInput);
+    CHECK(cudaMemcpy(in, x.data(), kMaxBytes, cudaMemcpyHostToDevice));
+    in_place = rank_data(in);
+    staged = rank_data(registered);
+  }
+  static RankData* rank_data(void* ptr) {
+    RankData host{}, *device;
+    host.ptrs[0] = host.ptrs[1] = ptr;
+    CHECK(cudaMalloc(&device, sizeof(RankData)));
+    CHECK(cudaMemcpy(device, &host, sizeof(RankData), cudaMemcpyHostToDevice));
+    return device;
+  }
+  // Launch i of a graph (i = 0: the warm-up) as the call number and tag tell them apart.
+  BarrierParams barrier(int i) const {
+    BarrierParams bp{};
+    for (int r = 0; r < kMaxRanks; r++) bp.signals.signals[r] = self;
+    bp.signals.signals[1] = reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(self) + 1);
+    bp.self = self;
+    bp.error = error;
+    bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
+    bp.tag = static_cast<uint64_t>(i) + 1;
+    bp.rank = 0;
+    bp.graph = 1;
+    bp.call = static_cast<uint32_t>(i) + 1;
+    return bp;
+  }
+  Params one_stage_params(int i, int packs, bool copy_in) const {
+    Params p{};
+    p.barrier = barrier(i);
+    p.data = copy_in ? staged : in_place;
+    p.copy_in = copy_in ? in : nullptr;
+    p.out = out;
+    p.packs = packs;
+    return p;
+  }
+  PushParams push_params(int i, int packs) const {
+    PushParams p{};
+    p.barrier = barrier(i);
+    p.regions.ptrs[0] = region;
+    p.regions.ptrs[1] = region + packs;  // + epoch + 0 * packs + idx: rank 0's slot of rank 1's pack idx
+    p.in = in;
+    p.out = out;
+    p.packs = packs;
+    p.epoch_packs = 2 * packs;
+    return p;
+  }
+  // The kernel wrote every pack of its output, each twice the input, and gave up no wait.
+  void check_output(uint64_t nbytes, const char* what) const {
+    std::vector<uint16_t> got(nbytes / 2);
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(got.data(), out, nbytes, cudaMemcpyDeviceToHost));
+    for (uint16_t v : got) {
+      if (v != kTwice || error->failed) {
+        std::fprintf(stderr, "%s, %llu bytes: output %#x (failed %u, where %u, cause %u)\n", what,
+                     static_cast<unsigned long long>(nbytes), v, error->failed, error->where, error->cause);
+        std::exit(1);
+      }
+    }
+    CHECK(cudaMemset(out, 0, kMaxBytes));
+  }
+};
+
+template <typename Kernel, typename Args>
+void launch(Kernel kernel, int blocks, int threads, bool pdl, cudaStream_t s, Args args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.stream = s;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  CHECK(cudaLaunchKernelEx(&config, kernel, args));
+}
+
+void run_size(const Loopback& lb, uint64_t nbytes, cudaStream_t s) {
+  const int packs = static_cast<int>(nbytes / 16);
+  const int v1_blocks = std::min(kBlockLimit, (packs + kThreads - 1) / kThreads);
+  const int push_blocks = std::min(kBlockLimit, (packs + kPushThreads - 1) / kPushThreads);
+  auto v1 = [&](auto kernel, bool copy_in) {
+    return us_per_launch(s, [&](int i) {
+      launch(kernel, v1_blocks, kThreads, false, s, lb.one_stage_params(i, packs, copy_in));
+    });
+  };
+  auto push = [&](bool pdl) {
+    return us_per_launch(s, [&](int i) {
+      launch(push_one_shot<T, 2>, push_blocks, kPushThreads, pdl, s, lb.push_params(i, packs));
+    });
+  };
+  const double empty_v1 = v1(launch_only, false);
+  const double entry_after = v1(one_stage_entry<false>, false);
+  const double entry_beside = v1(one_stage_entry<true>, false);
+  const double in_place = v1(one_stage<T, 2>, false);
+  lb.check_output(nbytes, "1stage in place");
+  const double copy_in = v1(one_stage<T, 2>, true);
+  lb.check_output(nbytes, "1stage copy-in");
+  const double oneshot = push(false);
+  lb.check_output(nbytes, "push one-shot");
+  const double oneshot_pdl = push(true);
+  lb.check_output(nbytes, "push one-shot, PDL");
+  std::printf("| %llu KB | %d x %d | %.2f | %.2f | %.2f | %.2f | %.2f | %d x %d | %.2f | %.2f |\n",
+              static_cast<unsigned long long>(nbytes >> 10), v1_blocks, kThreads, empty_v1, entry_after,
+              entry_beside, in_place, copy_in, push_blocks, kPushThreads, oneshot, oneshot_pdl);
+}
+
+int main() {
+  const Loopback lb;
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s; us per launch, CUDA graph of %d launches, median of %d replays; bf16, 2 ranks (loopback)\n\n",
+              prop.name, kLaunches, kReplays);
+  std::printf("| message | 1stage grid | launch only | claim + entry, loads after | claim + entry, loads beside "
+              "| 1stage in place | 1stage copy-in | push grid | push one-shot | push one-shot, PDL |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, s);
+  return 0;
+}
