@@ -166,12 +166,7 @@ void run_size(const Loopback& lb, uint64_t nbytes, cudaStream_t s) {
 
 int main() {
   const Loopback lb;
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s; us per launch, CUDA graph of %d launches, median of %d replays; bf16, 2 ranks (loopback)\n\n",
-              prop.name, kLaunches, kReplays);
+  const cudaStream_t s = open_report("bf16, 2 ranks (loopback)");
   std::printf("| message | 1stage grid | launch only | claim + entry, loads after | claim + entry, loads beside "
               "| 1stage in place | 1stage copy-in | push grid | push one-shot | push one-shot, PDL |\n"
               "|---|---|---|---|---|---|---|---|---|---|\n");

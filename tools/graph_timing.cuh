@@ -55,3 +55,15 @@ double us_per_launch(cudaStream_t s, Launch launch) {
   CHECK(cudaEventDestroy(end));
   return ms[kReplays / 2] * 1000.0 / kLaunches;
 }
+
+// A stream to time on, after the report's first line: the GPU, how each figure was timed, and what
+// the rows are (`rows`).
+inline cudaStream_t open_report(const char* rows) {
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s; us per launch, CUDA graph of %d launches, median of %d replays; %s\n\n", prop.name, kLaunches,
+              kReplays, rows);
+  return s;
+}

@@ -218,12 +218,7 @@ int main() {
   ErrorRecord* error;
   CHECK(cudaHostAlloc(&error, sizeof(ErrorRecord), cudaHostAllocMapped));
   *error = ErrorRecord{};
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s; us per launch, CUDA graph of %d launches, median of %d replays; bf16 [tokens, hidden]\n\n",
-              prop.name, kLaunches, kReplays);
+  const cudaStream_t s = open_report("bf16 [tokens, hidden]");
   std::printf("| hidden | tokens | fused grid | launch only | + claim, relaxed | + claim | + epoch | + own slots | "
               "plain add + norm | fused local | fused local, PDL |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int hidden : {4096, 8192}) {
