@@ -146,8 +146,10 @@ inline __device__ __noinline__ void record_failure(Signal* self, ErrorRecord* e,
   e->failed = 1;
 }
 
-// Whether an earlier kernel of this rank gave up a spin (volatile: it may have run on another stream).
-__device__ __forceinline__ bool group_failed(const BarrierParams& p) { return ld_flag<false>(&p.self->failed) != 0; }
+// Nonzero once an earlier kernel of this rank gave up a spin (volatile: it may have run on another
+// stream). As loaded, for the entries that read it only after the claim's atomic went out.
+__device__ __forceinline__ Flag failed_flag(const BarrierParams& p) { return ld_flag<false>(&p.self->failed); }
+__device__ __forceinline__ bool group_failed(const BarrierParams& p) { return failed_flag(p) != 0; }
 
 // What a kernel writes instead of its result once the group failed (or when its own spin gave up):
 // all ones, a NaN in every lane of every float dtype, so that a CUDA-graph replay after a timeout,
@@ -323,7 +325,7 @@ template <int kRanks>
 __device__ __forceinline__ Arrival arrival(const BarrierParams& p, bool check_failed) {
   Arrival a;
   if (threadIdx.x < kRanks) {
-    if (check_failed) a.failed = ld_flag<false>(&p.self->failed);
+    if (check_failed) a.failed = failed_flag(p);
     a.counter = ld_flag<false>(&p.self->self_counter[blockIdx.x][threadIdx.x]);
   }
   return a;

@@ -188,7 +188,7 @@ __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& fa
   if (threadIdx.x == 0) {
     Flag* epochs = p.self->push_epoch[p.graph];
     Flag e = ld_flag<false>(&epochs[blockIdx.x]);
-    Flag failed_before = ld_flag<false>(&p.self->failed);
+    Flag failed_before = failed_flag(p);
     const unsigned long long before = count_in(p);
     asm volatile("" : "+r"(e), "+r"(failed_before));  // their first use is after the atomic went out
     epoch = e;
