@@ -8,11 +8,12 @@
 // came or gave up, or the group failed before), writes its share of the output as poison (barrier.cuh)
 // and meets no later barrier. 1stage's exit barrier
 // counts too: a peer that gave up after this rank passed the entry may have refilled the buffer this
-// rank was reading.
+// rank was reading. Both kernels start with the PDL wait (pdl.cuh), before they read anything.
 #pragma once
 
 #include "barrier.cuh"
 #include "pack.cuh"
+#include "pdl.cuh"
 
 namespace graphar {
 
@@ -31,6 +32,8 @@ struct Params {
 // Every rank pulls every rank's input and sums in rank order 0..ws-1.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
+  griddep_wait();
+  griddep_launch_dependents();
   const BarrierParams& bp = p.barrier;
   const RankData dp = *p.data;  // in a graph this slot holds the pointers filled in after capture
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -58,7 +61,14 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   for (int idx = tid; idx < p.packs; idx += stride) {
     out[idx] = ok ? reduce_in_order<T, kRanks>(src, idx) : poison_pack();
   }
-  if (ok && !multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit)) poison_packs(out, tid, p.packs, stride);
+  if (ok) {
+    if (multi_gpu_barrier<kRanks, Form::kEnd>(bp, kOneStageExit)) {
+      // Passed: the barrier's closing block sync already follows every thread's last shared access.
+      if (threadIdx.x == 0) leave_running(bp);
+      return;
+    }
+    poison_packs(out, tid, p.packs, stride);
+  }
   release_block(bp);
 }
 
@@ -67,6 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
 // and the next call writes tmp only after its own entry barrier.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
+  griddep_wait();
+  griddep_launch_dependents();
   const BarrierParams& bp = p.barrier;
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
   const int stride = gridDim.x * blockDim.x;

@@ -150,7 +150,7 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
                              stream));
   }
   const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
-  return launch(c, eager, kernel, &p, blocks, kThreads, stream, false);
+  return launch(c, eager, kernel, &p, blocks, kThreads, stream, a.pdl != 0 && c->pdl);
 }
 
 int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {

@@ -26,16 +26,11 @@
 // in the peer's Signal at the same epoch, and compares the word it receives with its own before any
 // of the block's output stands: another word poisons the block (kSwapped). One word per block and
 // peer, as the data: a word written again two calls later finds the reset done, as a slot does.
-//
-// PDL. Launched with programmatic stream serialization, a kernel may start while the kernel before
-// it on the stream still runs. griddepcontrol.wait holds every thread until that kernel has
-// completed and its writes are visible (the input; the previous call's epoch and resets), and
-// nothing is read or written before it. launch_dependents then lets the next kernel's launch start,
-// to meet the same wait. Both are no-ops in a launch without the attribute.
 #pragma once
 
 #include "barrier.cuh"
 #include "pack.cuh"
+#include "pdl.cuh"
 
 namespace graphar {
 
@@ -57,17 +52,6 @@ template <int kRanks>
 struct PushBatch {
   static constexpr int value = kRanks == 2 ? 4 : 2;
 };
-
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
 
 __device__ __forceinline__ uint32_t sendable(uint32_t w) { return w == kEmpty ? kStandIn : w; }
 __device__ __forceinline__ uint4 sendable(const uint4& v) {

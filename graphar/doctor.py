@@ -306,13 +306,10 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
         items.append(("size limit (GRAPHAR_MAX_ALLREDUCE_BYTES)", _size(first["max_bytes"])))
         push = first["push"]
         items.append(
-            (
-                "push kernels",
-                f"one-shot up to {_size(push['one_shot'])}, fused norm up to "
-                f"{_size(push['fused_norm'])}, programmatic dependent launch "
-                f"{'on' if push['pdl'] else 'off (GRAPHAR_PDL=0, or a GPU before Hopper)'}",
-            )
+            ("push kernels", f"one-shot up to {_size(push['one_shot'])}, fused norm up to {_size(push['fused_norm'])}")
         )
+        pdl = "on" if first["pdl"] else "off (GRAPHAR_PDL=0, or a GPU before Hopper)"
+        items.append(("programmatic dependent launch", pdl))
         plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
         items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
         python = [r for r, f in enumerate(facts) if not f["native_op"]]

@@ -77,8 +77,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
             facts["plan"] = {
                 n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes
             }
-            pdl = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
-            facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max, "pdl": pdl}
+            facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max}
+            facts["pdl"] = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
             facts["alltoall"] = "push" if comm.exchange.push else "pull"
             facts["native_op"] = native_op.library() is not None
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.

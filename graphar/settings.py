@@ -159,7 +159,7 @@ AUTO_INIT = _switch(
 PDL = _switch(
     "GRAPHAR_PDL",
     True,
-    "launch the push all-reduce kernels with programmatic dependent launch (Hopper and later, where the CUDA "
+    "launch the all-reduce kernels with programmatic dependent launch (Hopper and later, where the CUDA "
     "library holds code for the GPU's architecture: `GRAPHAR_CUDA_ARCHS`), so that a kernel's start overlaps the "
     "end of the kernel before it",
 )

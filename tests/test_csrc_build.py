@@ -91,28 +91,35 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
     assert one.count("bar.sync") == 4 and two.count("bar.sync") == 4
 
 
+# One instance of each all-reduce kernel, as its mangled name holds it (dtype, world size).
+ALL_REDUCE_KERNELS = (
+    "one_stageI13__nv_bfloat16Li2E",
+    "two_stageIfLi8E",
+    "push_one_shotI13__nv_bfloat16Li2E",
+    "push_two_shotIfLi8E",
+    "push_one_shot_normI6__halfLi4E",
+)
+
+
 @needs_nvcc
 def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
     """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
     itself in (acquire) before any flag, slot or buffer store, with its entry's own loads already in
     flight, and out (release) at its very end; an exchange's last copy then gives the exchange's lease
-    back (all_to_all.cuh exchange_lease)."""
+    back (all_to_all.cuh exchange_lease). 1stage counts out in one of two places: right after its exit
+    barrier's closing block sync when it passed, after release_block's otherwise."""
     _, out, _ = build
     ptx = _ptx(out)
-    for fragment in (
-        "one_stageI13__nv_bfloat16Li2E",
-        "two_stageIfLi8E",
-        "push_one_shotI13__nv_bfloat16Li2E",
-        "push_two_shotIfLi8E",
-        "push_one_shot_normI6__halfLi4E",
-        "gather_all_to_allILi4E",
-    ):
+    for fragment in (*ALL_REDUCE_KERNELS, "gather_all_to_allILi4E"):
         body = _ptx_function(ptx, fragment)
         claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.index("red.release.gpu.global.add.u64")
         shared = [body.find(op) for op in ("st.volatile", "st.release", "ld.volatile.global.v4", "st.global.v4")]
-        releases = 2 if fragment.startswith("gather") else 1  # the block's count, then the lease
+        # the block's count, then the lease; 1stage's count on its two paths
+        releases = 2 if fragment.startswith(("gather", "one_stage")) else 1
         assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == releases, fragment
         assert all(i < release for i in shared), fragment
+        if fragment.startswith("one_stage"):
+            assert body.rindex("bar.red.or") < release, "1stage counts out before its exit barrier's block sync"
         # What the entry reads before it may wait (the barrier's failed flag and counts, the push epoch
         # and failed flag) goes out ahead of the claim: after the acquire it would wait a round trip.
         before_claim = body[:claim].count("ld.volatile.global.u32")
@@ -122,19 +129,28 @@ def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) 
 
 
 @needs_nvcc
-def test_push_ptx_waits_for_the_previous_kernel_first(build) -> None:
+def test_all_reduce_ptx_waits_for_the_previous_kernel_first(build) -> None:
+    """PDL (pdl.cuh): griddepcontrol.wait before any global access (the input, the slot pointers, the
+    counts, the epoch, the slots, the claim), then the early launch of the next kernel."""
+    _, out, _ = build
+    ptx = _ptx(out)
+    for fragment in ALL_REDUCE_KERNELS:
+        body = _ptx_function(ptx, fragment)
+        wait = body.index("griddepcontrol.wait")
+        first_access = min(
+            body.index(op) for op in ("ld.global", "st.global", "ld.volatile", "st.volatile", "atom.") if op in body
+        )
+        assert wait < first_access < len(body), fragment
+        assert wait < body.index("griddepcontrol.launch_dependents"), fragment
+
+
+@needs_nvcc
+def test_push_ptx_moves_whole_slots(build) -> None:
     _, out, _ = build
     ptx = _ptx(out)
     for fragment in ("push_one_shotI13__nv_bfloat16Li2E", "push_two_shotIfLi8E", "push_one_shot_normI6__halfLi4E"):
         body = _ptx_function(ptx, fragment)
-        # PDL: griddepcontrol.wait before any global access (the input, the epoch, the slots), then the
-        # early launch of the next kernel; slots stored and polled whole with volatile 16-byte accesses
-        wait = body.index("griddepcontrol.wait")
-        first_access = min(
-            body.index(op) for op in ("ld.global", "st.global", "ld.volatile", "st.volatile") if op in body
-        )
-        assert wait < first_access < len(body), fragment
-        assert wait < body.index("griddepcontrol.launch_dependents"), fragment
+        # slots stored and polled whole with volatile 16-byte accesses
         for instruction in ("st.volatile.global.v4.u32", "ld.volatile.global.v4.u32", "%globaltimer"):
             assert instruction in body, (fragment, instruction)
         assert "trap" not in body and ".local" not in body and "ld.acquire" not in body, fragment

@@ -58,8 +58,10 @@ def _facts(verdict: str, warnings: list[str], shareable: bool = True) -> list[di
         # As the probe writes it, through JSON: sizes as strings, one kernel per capture mode.
         plan = {str(n): ["1stage"] * 3 for n in doctor.PLAN_SIZES if n <= 8 << 20}
         plan[str(256 << 10)] = ["push-oneshot", "push-oneshot", "1stage"]
-        push = {"one_shot": 8 << 20, "fused_norm": 512 << 10, "pdl": True}
-        one.update(max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, alltoall="pull", native_op=True)
+        push = {"one_shot": 8 << 20, "fused_norm": 512 << 10}
+        one.update(
+            max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, pdl=True, alltoall="pull", native_op=True
+        )
     return [one, {**one, "native_op": False}]
 
 
@@ -84,7 +86,8 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
         "all-reduce of 16 KB: 1stage",
         "all-reduce of 8 MB: 1stage",
         "all-reduce of 256 KB: eager: push-oneshot, graph: push-oneshot, graphar.graph: 1stage",
-        "push kernels: one-shot up to 8 MB, fused norm up to 512 KB, programmatic dependent launch on",
+        "push kernels: one-shot up to 8 MB, fused norm up to 512 KB",
+        "programmatic dependent launch: on",
         "all-reduce of 16 MB: NCCL (over the limit)",
         "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",
         "Ulysses exchange: CUDA IPC, pull (GRAPHAR_ALLTOALL_ALGO)",

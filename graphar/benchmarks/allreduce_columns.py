@@ -26,7 +26,7 @@ class Kernel:
 
     algo: str | None
     zero_copy: bool = False  # captured under graphar.graphs.graph (the v1 kernels read inputs in place)
-    pdl: bool = True  # push kernels: programmatic dependent launch
+    pdl: bool = True  # programmatic dependent launch
 
 
 GRAPHAR_KERNELS = {
@@ -36,6 +36,8 @@ GRAPHAR_KERNELS = {
     "graphar 2stage zero-copy": Kernel("2stage", zero_copy=True),
     "graphar push-oneshot": Kernel("push-oneshot"),
     "graphar push-twoshot": Kernel("push-twoshot"),
+    "graphar 1stage no-PDL": Kernel("1stage", pdl=False),
+    "graphar 1stage zero-copy no-PDL": Kernel("1stage", zero_copy=True, pdl=False),
     "graphar push-oneshot no-PDL": Kernel("push-oneshot", pdl=False),
     "graphar push-twoshot no-PDL": Kernel("push-twoshot", pdl=False),
     G_AUTO: Kernel(None),

@@ -175,7 +175,7 @@ class AllReduce:
 
     @property
     def pdl(self) -> bool:
-        """Whether the push kernels launch with programmatic dependent launch (GRAPHAR_PDL)."""
+        """Whether the kernels launch with programmatic dependent launch (GRAPHAR_PDL)."""
         return self._pdl
 
     @pdl.setter

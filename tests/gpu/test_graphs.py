@@ -91,7 +91,7 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
     try:
         for algo in ("1stage", "2stage"):
             x = integer_valued(2 * MB, torch.bfloat16)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
             slots_before = comm.allreduce.graph_calls
             with capture(graph):
                 y = comm.all_reduce(x, algo=algo)
@@ -99,6 +99,9 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
                 z = comm.all_reduce(x, algo=algo)
                 x.add_(3)
             assert comm.allreduce.graph_calls - slots_before == (2 if graphar_capture else 0)
+            graph.instantiate()
+            total, programmatic = _cuda.graph_edges(graph)  # the mul_ -> all-reduce edge: PDL kept
+            assert programmatic >= 1, f"{algo}: PDL edge lost in capture ({total} edges)"
             for i in range(20):
                 values = _refill(x)
                 graph.replay()
