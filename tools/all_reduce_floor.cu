@@ -1,5 +1,5 @@
 // The all-reduce kernels' local time on one GPU: 1stage (the graph path, inputs read in place, and
-// the eager path's copy-in) and the push one-shot (with and without PDL), launched by this tool on a
+// the eager path's copy-in) and the push one-shot, each with and without PDL, launched by this tool on a
 // world-size-2 rank 0 that stands in for its peer, against a launch of the same grid that does
 // nothing. Rank 1's Signal is rank 0's own, one Flag on, and rank 1's receive region is rank 0's,
 // one message on, so that every flag and pack the kernel sends "to rank 1" lands where it reads rank
@@ -8,9 +8,12 @@
 // two trees compares two versions of them in one session.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/all_reduce_floor \
 //     tools/all_reduce_floor.cu -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/all_reduce_floor
-// (a diagnostic, not part of the library). Each figure: us per launch (graph_timing.cuh).
+// (a diagnostic, not part of the library). Each figure: us per launch (graph_timing.cuh). With the
+// argument `no-v1-pdl` 1stage is never launched with PDL: for kernels from a tree whose 1stage does
+// not wait for the kernel before it.
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "../csrc/all_reduce.cuh"
@@ -29,15 +32,10 @@ __global__ void launch_only(Params p) {
   if (p.packs < 0) asm volatile("trap;");
 }
 
-// 1stage's claim and entry barrier alone: its arrival loaded beside the claim, as the kernel does
-// (kBeside), or after it.
-template <bool kBeside>
+// 1stage's claim and entry barrier alone, its arrival loaded beside the claim as the kernel does.
 __global__ void one_stage_entry(Params p) {
   Arrival entry;
-  if (claim_block<2>(p.barrier, kOneStageEntry, entry)) {
-    if (kBeside) multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry, entry);
-    else multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry);
-  }
+  if (claim_block<2>(p.barrier, kOneStageEntry, entry)) multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry, entry);
   release_block(p.barrier);
 }
 
@@ -134,42 +132,46 @@ void launch(Kernel kernel, int blocks, int threads, bool pdl, cudaStream_t s, Ar
   CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
-void run_size(const Loopback& lb, uint64_t nbytes, cudaStream_t s) {
+void run_size(const Loopback& lb, uint64_t nbytes, bool v1_pdl, cudaStream_t s) {
   const int packs = static_cast<int>(nbytes / 16);
   const int v1_blocks = std::min(kBlockLimit, (packs + kThreads - 1) / kThreads);
   const int push_blocks = std::min(kBlockLimit, (packs + kPushThreads - 1) / kPushThreads);
-  auto v1 = [&](auto kernel, bool copy_in) {
+  auto v1 = [&](auto kernel, bool copy_in, bool pdl) {
     return us_per_launch(s, [&](int i) {
-      launch(kernel, v1_blocks, kThreads, false, s, lb.one_stage_params(i, packs, copy_in));
+      launch(kernel, v1_blocks, kThreads, pdl, s, lb.one_stage_params(i, packs, copy_in));
     });
+  };
+  auto one_stage_us = [&](bool copy_in, bool pdl) {
+    if (pdl && !v1_pdl) return -1.0;
+    const double us = v1(one_stage<T, 2>, copy_in, pdl);
+    lb.check_output(nbytes, copy_in ? "1stage copy-in" : "1stage in place");
+    return us;
   };
   auto push = [&](bool pdl) {
-    return us_per_launch(s, [&](int i) {
+    const double us = us_per_launch(s, [&](int i) {
       launch(push_one_shot<T, 2>, push_blocks, kPushThreads, pdl, s, lb.push_params(i, packs));
     });
+    lb.check_output(nbytes, "push one-shot");
+    return us;
   };
-  const double empty_v1 = v1(launch_only, false);
-  const double entry_after = v1(one_stage_entry<false>, false);
-  const double entry_beside = v1(one_stage_entry<true>, false);
-  const double in_place = v1(one_stage<T, 2>, false);
-  lb.check_output(nbytes, "1stage in place");
-  const double copy_in = v1(one_stage<T, 2>, true);
-  lb.check_output(nbytes, "1stage copy-in");
-  const double oneshot = push(false);
-  lb.check_output(nbytes, "push one-shot");
-  const double oneshot_pdl = push(true);
-  lb.check_output(nbytes, "push one-shot, PDL");
-  std::printf("| %llu KB | %d x %d | %.2f | %.2f | %.2f | %.2f | %.2f | %d x %d | %.2f | %.2f |\n",
-              static_cast<unsigned long long>(nbytes >> 10), v1_blocks, kThreads, empty_v1, entry_after,
-              entry_beside, in_place, copy_in, push_blocks, kPushThreads, oneshot, oneshot_pdl);
+  std::printf("| %llu KB | %d x %d | %.2f | %.2f", static_cast<unsigned long long>(nbytes >> 10), v1_blocks, kThreads,
+              v1(launch_only, false, false), v1(one_stage_entry, false, false));
+  for (bool copy_in : {false, true}) {
+    for (bool pdl : {false, true}) {
+      const double us = one_stage_us(copy_in, pdl);
+      us < 0 ? std::printf(" | -") : std::printf(" | %.2f", us);
+    }
+  }
+  std::printf(" | %d x %d | %.2f | %.2f |\n", push_blocks, kPushThreads, push(false), push(true));
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool v1_pdl = !(argc > 1 && std::string(argv[1]) == "no-v1-pdl");
   const Loopback lb;
   const cudaStream_t s = open_report("bf16, 2 ranks (loopback)");
-  std::printf("| message | 1stage grid | launch only | claim + entry, loads after | claim + entry, loads beside "
-              "| 1stage in place | 1stage copy-in | push grid | push one-shot | push one-shot, PDL |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n");
-  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, s);
+  std::printf("| message | 1stage grid | launch only | claim + entry | 1stage in place | in place, PDL "
+              "| 1stage copy-in | copy-in, PDL | push grid | push one-shot | push one-shot, PDL |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, v1_pdl, s);
   return 0;
 }
