@@ -4,7 +4,7 @@
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
 # Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
 #        [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]]
-#        [eager-breakdown] [soak[=ARGS]]
+#        [eager-breakdown] [soak[=ARGS]] [floor]
 # NAME: allreduce, decode, norm, attention, ulysses, capture, or the one-GPU chunking and pack (they run
 # in one process on one GPU); ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
@@ -12,6 +12,8 @@
 # one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
 # numbers), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
+# floor builds and runs the one-GPU floor tools (tools/all_reduce_floor.cu, tools/norm_floor.cu) against the
+# library in graphar/ (built by `build`, or carried), each table in the log.
 # soak runs tools/soak.py (issue 33): the full soak on 2 GPUs, its report under bench/results/; ARGS go to it,
 # e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, 1-2 minutes) or
 # "soak=--cases replay" then "soak=--cases exchange,two-streams" (the full run in two calls of the device tool).
@@ -69,6 +71,11 @@ for stage in "$@"; do
     doctor) step doctor 240 python -m graphar doctor ;;
     eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
     demo) step demo 240 python -m graphar demo ;;
+    floor)
+      for tool in all_reduce_floor norm_floor; do
+        step "$tool" 180 bash -c "nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/$tool \
+          tools/$tool.cu -Lgraphar -lgraphar_cuda -Xlinker -rpath=\$PWD/graphar && /tmp/$tool"
+      done ;;
     soak|soak=*)  # each case bounds itself (tools/soak.py); a run cut here keeps the report of the cases done
       args=""; [ "$stage" != soak ] && args=${stage#soak=}
       step soak 560 python tools/soak.py $args ;;
