@@ -32,8 +32,7 @@ struct Params {
 // Every rank pulls every rank's input and sums in rank order 0..ws-1.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
-  griddep_wait();
-  griddep_launch_dependents();
+  pdl_enter();
   const BarrierParams& bp = p.barrier;
   const RankData dp = *p.data;  // in a graph this slot holds the pointers filled in after capture
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -77,8 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
 // and the next call writes tmp only after its own entry barrier.
 template <typename T, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
-  griddep_wait();
-  griddep_launch_dependents();
+  pdl_enter();
   const BarrierParams& bp = p.barrier;
   const int tid = blockIdx.x * blockDim.x + threadIdx.x;
   const int stride = gridDim.x * blockDim.x;

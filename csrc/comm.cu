@@ -77,7 +77,7 @@ uint64_t push_region_bytes(const Comm* c) { return 4 * static_cast<uint64_t>(c->
 __global__ void compiled_arch() {}
 
 // Whether the kernels running on this device wait for the previous kernel with griddepcontrol.wait,
-// which only their code for sm_90 and up holds (push.cuh). A GPU newer than the build's targets
+// which only their code for sm_90 and up holds (pdl.cuh). A GPU newer than the build's targets
 // runs the library's compute_80 PTX instead, whose kernels would read what the previous kernel has
 // not written yet if they were launched with programmatic dependent launch.
 int pdl_compiled_in(bool* yes) {

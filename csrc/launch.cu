@@ -81,7 +81,7 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
   config.blockDim = dim3(threads);
   config.stream = stream;
   config.attrs = &attr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = pdl && c->pdl ? 1 : 0;
   void* args[] = {params};
   CUDA_TRY(cudaLaunchKernelExC(&config, kernel, args));
   c->launches++;  // the tag barrier_params gave this launch is taken, and its call number
@@ -150,13 +150,13 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
                              stream));
   }
   const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
-  return launch(c, eager, kernel, &p, blocks, kThreads, stream, a.pdl != 0 && c->pdl);
+  return launch(c, eager, kernel, &p, blocks, kThreads, stream, a.pdl != 0);
 }
 
 int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
   PushParams p = push_params(c, eager, a.input, a.output, a.nbytes);
   const int blocks = std::min(c->block_limit, (p.packs + kPushThreads - 1) / kPushThreads);
-  return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0 && c->pdl);
+  return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0);
 }
 
 }  // namespace

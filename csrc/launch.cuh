@@ -62,7 +62,8 @@ int is_eager(cudaStream_t stream, bool* eager);
 
 // Launches kernel(*params) on the communicator's device (current already); an eager launch first
 // waits for the previous eager op and then becomes the op the next one waits for. pdl: the kernel may
-// start before the previous kernel on the stream ends (it waits for it with griddepcontrol.wait).
+// start before the previous kernel on the stream ends (it waits for it with griddepcontrol.wait), where
+// the loaded code holds that wait (Comm::pdl); otherwise it launches without the attribute.
 int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, int threads, cudaStream_t stream,
            bool pdl);
 

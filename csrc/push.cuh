@@ -206,8 +206,7 @@ struct PushCall {
   int first, stride;
 
   __device__ __forceinline__ explicit PushCall(const PushParams& p) {
-    griddep_wait();
-    griddep_launch_dependents();
+    pdl_enter();
     epoch = enter_epoch(p.barrier, failed);
     epoch_regions<kRanks>(p, epoch, region);
     mine = nth<kRanks>(region, p.barrier.rank);

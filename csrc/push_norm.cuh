@@ -176,8 +176,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   const int end = min(p.row_packs, last_segment * kNormSegmentPacks);
   const int lane = threadIdx.x % 32;
 
-  griddep_wait();  // before any access: the previous kernel wrote the input, the epoch and the resets
-  griddep_launch_dependents();
+  pdl_enter();  // before any access: the previous kernel wrote the input, the epoch and the resets
   const int i0 = begin + threadIdx.x;
   bool refused;
   const uint32_t epoch = enter_epoch(bp, refused);
