@@ -166,10 +166,19 @@ __device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t 
 // and the peers' slots, so two of them running at once on a rank (a graph replay and an eager call on
 // streams that are not ordered, say) would corrupt each other. Each block adds (tag << 16) + 1 to
 // Signal::running when it starts and takes it away when it ends: a block that finds a block of
-// another kernel running (the tags in the sum are not all its own) has lost, touches nothing shared,
-// writes poison and marks the group failed. The kernel it met has not been disturbed; the peers then
-// fail at their next meeting with this rank. Tags below 2^48 and at most 2^16 blocks running: the sum
-// of n tags equals n times one tag only if they are all that tag.
+// another kernel running (the tags in the sum are not all its own) has lost, writes poison and marks
+// the group failed. It touches nothing shared, but for the arrival that claim_and_start stores beside
+// the claim and takes back; the kernel it met then fails too, or is undisturbed; the peers fail at
+// their next meeting with this rank. Tags below 2^48 and at most 2^16 blocks running: the sum of n tags
+// equals n times one tag only if they are all that tag.
+//
+// The count-out is relaxed: a release would fence every block's end (0.3 us a launch on a loopback).
+// Kernels of one stream are ordered by it (PDL's wait included), so the count-out orders only kernels
+// on streams that are not ordered, and there nothing needs it. What a kernel stores after its last
+// barrier is its output (the caller's), flags, counts, epochs, call words and emptied slots: a later
+// kernel reads those as it polls or ahead of its claim (Arrival), unordered either way, and an old
+// value there fails a barrier or a wait, or shows another launch's number, never passes. Its data
+// (buffers, slots' packs) a kernel reads only after a barrier or an arrival that orders it.
 
 constexpr int kRunningCountBits = 16;
 constexpr unsigned long long kRunningCount = (1ull << kRunningCountBits) - 1;
@@ -178,10 +187,10 @@ __device__ __forceinline__ unsigned long long running_entry(const BarrierParams&
   return (p.tag << kRunningCountBits) + 1;
 }
 
-// Thread 0 of each block: counts the block in, and returns the word as it was before. The atomic's
+// One thread of each block: counts the block in, and returns the word as it was before. The atomic's
 // result is not waited for here: accesses the caller issues next are in flight beside it.
 __device__ __forceinline__ unsigned long long count_in(const BarrierParams& p) {
-  unsigned long long before;  // acquire: the last kernel to count out had finished with the buffers
+  unsigned long long before;  // acquire: no line in this SM's L1 that a kernel beside it loaded is read
   asm volatile("atom.acquire.gpu.global.add.u64 %0, [%1], %2;"
                : "=l"(before)
                : "l"(&p.self->running), "l"(running_entry(p))
@@ -200,13 +209,13 @@ __device__ __forceinline__ bool alone(const BarrierParams& p, unsigned long long
 }
 
 // Thread 0 of each block, after every thread of the block is done with the shared buffers: counts it
-// out. Release: the next kernel to count in finds this one's writes done.
+// out. Relaxed (above): the block's loads are done, as their values were used before the block sync.
 __device__ __forceinline__ void leave_running(const BarrierParams& p) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(&p.self->running), "l"(0ull - running_entry(p))
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&p.self->running), "l"(0ull - running_entry(p))
                : "memory");
 }
 
-// Thread 0 of each block: counts it in; false, recorded, when another kernel's block is running.
+// One thread of each block: counts it in; false, recorded, when another kernel's block is running.
 __device__ __forceinline__ bool enter_alone(const BarrierParams& p, Where where) { return alone(p, count_in(p), where); }
 
 // The block is done with everything shared (every thread reaches this, the block's losers too).
@@ -346,9 +355,11 @@ __device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where,
   return claimed != 0;
 }
 
-// The barrier, with the arrival its lanes read before (at a kernel's entry, beside the claim).
+// The barrier, with the arrival its lanes read before (at a kernel's entry, beside the claim), and whether
+// the block lost its claim meanwhile (claim_and_start; in one thread, which the block's vote tells all).
 template <int kRanks, Form kForm>
-__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where, const Arrival& a) {
+__device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where, const Arrival& a,
+                                                  bool lost = false) {
   constexpr bool kOrdered = kForm == Form::kFenced;
   if constexpr (kForm != Form::kStart) __syncthreads();
   bool timed_out = false;
@@ -368,7 +379,7 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
       timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
     }
   }
-  const bool block_failed = __syncthreads_or(timed_out);  // tells the whole block whether to go on
+  const bool block_failed = __syncthreads_or(timed_out || lost);  // tells the whole block whether to go on
   if (block_failed && theirs != nullptr) st_flag<false>(theirs, val ^ kRetracted);
   return !block_failed;
 }
@@ -378,6 +389,20 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
 template <int kRanks, Form kForm>
 __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where) {
   return multi_gpu_barrier<kRanks, kForm>(p, where, arrival<kRanks>(p, kForm != Form::kEnd));
+}
+
+// The claim and the entry barrier of a kernel whose input was written before it (Form::kStart), at
+// once: the lanes store their arrival and wait while thread kClaimer, in another warp (its acquire
+// stalls its warp, not theirs), counts the block in. A block that lost has stored its arrival but read
+// nothing shared; it takes the arrival back like a block whose peer never came, so a peer that passed
+// on it fails at its next barrier with this rank, which this rank never reaches.
+constexpr int kClaimer = 32;
+
+template <int kRanks>
+__device__ __forceinline__ bool claim_and_start(const BarrierParams& p, Where where) {
+  const Arrival a = arrival<kRanks>(p, true);
+  const bool lost = threadIdx.x == kClaimer && !enter_alone(p, where);
+  return multi_gpu_barrier<kRanks, Form::kStart>(p, where, a, lost);
 }
 
 }  // namespace graphar

@@ -163,10 +163,10 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
 // went out, so that the three round trips overlap; the epoch's load is then not ordered after the
 // acquire, so it is volatile (barrier.cuh arrival says why that suffices). A block that may go on
 // advances its epoch copy at once (block 0 also those of blocks this launch does not have), so that
-// the store reaches memory while the call works instead of holding up the release that counts the
-// block out. The next call reads the copies after its griddepcontrol.wait (or stream order), so after
-// this kernel completed. A call that then fails leaves them advanced, which no call reads: the group
-// is marked failed, and every later kernel refuses.
+// the store reaches memory while the call works instead of at the block's end. The next call reads
+// the copies after its griddepcontrol.wait (or stream order), so after this kernel completed. A call
+// that then fails leaves them advanced, which no call reads: the group is marked failed, and every
+// later kernel refuses.
 __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
   __shared__ uint32_t epoch, refused;
   if (threadIdx.x == 0) {

@@ -105,27 +105,33 @@ ALL_REDUCE_KERNELS = (
 def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
     """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
     itself in (acquire) before any flag, slot or buffer store, with its entry's own loads already in
-    flight, and out (release) at its very end; an exchange's last copy then gives the exchange's lease
+    flight, and out (relaxed) at its very end; an exchange's last copy then gives the exchange's lease
     back (all_to_all.cuh exchange_lease). 1stage counts out in one of two places: right after its exit
-    barrier's closing block sync when it passed, after release_block's otherwise."""
+    barrier's closing block sync when it passed, after release_block's otherwise. The v1 kernels' graph
+    path claims beside its entry barrier (claim_and_start): the barrier's vote, which carries the claim,
+    comes before any load of the data."""
     _, out, _ = build
     ptx = _ptx(out)
     for fragment in (*ALL_REDUCE_KERNELS, "gather_all_to_allILi4E"):
         body = _ptx_function(ptx, fragment)
-        claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.index("red.release.gpu.global.add.u64")
+        claim, release = body.index("atom.acquire.gpu.global.add.u64"), body.index("red.relaxed.gpu.global.add.u64")
         shared = [body.find(op) for op in ("st.volatile", "st.release", "ld.volatile.global.v4", "st.global.v4")]
         # the block's count, then the lease; 1stage's count on its two paths
         releases = 2 if fragment.startswith(("gather", "one_stage")) else 1
-        assert claim < min(i for i in shared if i >= 0) and body.count("red.release.gpu") == releases, fragment
-        assert all(i < release for i in shared), fragment
+        assert claim < min(i for i in shared if i >= 0) and body.count("red.relaxed.gpu") == releases, fragment
+        assert "red.release" not in body and all(i < release for i in shared), fragment
         if fragment.startswith("one_stage"):
             assert body.rindex("bar.red.or") < release, "1stage counts out before its exit barrier's block sync"
+        if fragment.startswith(("one_stage", "two_stage")):
+            beside = body.rindex("atom.acquire.gpu.global.add.u64")
+            vote = body.index("bar.red.or", beside)
+            assert beside > claim and not re.search(r"ld(\.global)?(\.nc)?\.v4", body[beside:vote]), fragment
         # What the entry reads before it may wait (the barrier's failed flag and counts, the push epoch
         # and failed flag) goes out ahead of the claim: after the acquire it would wait a round trip.
         before_claim = body[:claim].count("ld.volatile.global.u32")
         assert before_claim >= 2, (fragment, before_claim)
     lease = _ptx_function(ptx, "exchange_lease")
-    assert lease.count("atom.acquire.gpu.global.add.u64") == 1 and "red.release" not in lease
+    assert lease.count("atom.acquire.gpu.global.add.u64") == 1 and "red." not in lease
 
 
 @needs_nvcc

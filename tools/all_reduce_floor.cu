@@ -32,10 +32,9 @@ __global__ void launch_only(Params p) {
   if (p.packs < 0) asm volatile("trap;");
 }
 
-// 1stage's claim and entry barrier alone, its arrival loaded beside the claim as the kernel does.
+// 1stage's claim and entry barrier alone, as its graph path meets them.
 __global__ void one_stage_entry(Params p) {
-  Arrival entry;
-  if (claim_block<2>(p.barrier, kOneStageEntry, entry)) multi_gpu_barrier<2, Form::kStart>(p.barrier, kOneStageEntry, entry);
+  claim_and_start<2>(p.barrier, kOneStageEntry);
   release_block(p.barrier);
 }
 
