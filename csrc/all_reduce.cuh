@@ -18,6 +18,7 @@
 namespace graphar {
 
 constexpr int kThreads = 512;
+static_assert(kClaimer < kThreads, "claim_and_start's claimer is a thread of the block");
 
 struct Params {
   BarrierParams barrier;
