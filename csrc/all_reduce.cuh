@@ -43,20 +43,12 @@ __global__ void __launch_bounds__(kThreads, 1) one_stage(Params p) {
   // communicator.
   uint4 first{};
   if (in != nullptr && tid < p.packs) first = in[tid];
-  bool ok;
-  if (in != nullptr) {
-    Arrival entry;
-    ok = claim_block<kRanks>(bp, kOneStageEntry, entry);
-    if (ok) {
-      // Same idx -> block mapping as the reduce loop: block b's barrier covers what block b copied.
-      uint4* mine = static_cast<uint4*>(const_cast<void*>(p.data->ptrs[bp.rank]));
-      if (tid < p.packs) mine[tid] = first;
-      for (int idx = tid + stride; idx < p.packs; idx += stride) mine[idx] = in[idx];
-      ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kOneStageEntry, entry);
-    }
-  } else {
-    ok = claim_and_start<kRanks>(bp, kOneStageEntry);
-  }
+  bool ok = claim_and_enter<kRanks>(bp, kOneStageEntry, in != nullptr, [&] {
+    // Same idx -> block mapping as the reduce loop: block b's barrier covers what block b copied.
+    uint4* mine = static_cast<uint4*>(const_cast<void*>(p.data->ptrs[bp.rank]));
+    if (tid < p.packs) mine[tid] = first;
+    for (int idx = tid + stride; idx < p.packs; idx += stride) mine[idx] = in[idx];
+  });
   const uint4* src[kRanks];
 #pragma unroll
   for (int r = 0; r < kRanks; r++) src[r] = static_cast<const uint4*>(dp.ptrs[r]);
@@ -99,25 +91,17 @@ __global__ void __launch_bounds__(kThreads, 1) two_stage(Params p) {
     tmps[r] = tmp_buffer<uint4>(nth<kRanks>(bp.signals.signals, (bp.rank + r) % kRanks));
   }
   uint4* tmp_out = tmp_buffer<uint4>(bp.self);
-  bool ok;
-  if (p.copy_in != nullptr) {
-    Arrival entry;
-    ok = claim_block<kRanks>(bp, kTwoStageEntry, entry);
-    if (ok) {
-      // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
-      const uint4* in = static_cast<const uint4*>(p.copy_in);
-      uint4* mine = const_cast<uint4*>(nth<kRanks>(src, bp.rank));
-      for (int idx = tid; idx < largest; idx += stride) {
+  bool ok = claim_and_enter<kRanks>(bp, kTwoStageEntry, p.copy_in != nullptr, [&] {
+    // Shard s, offset i is copied by thread i mod stride, the thread that reduces it on rank s.
+    const uint4* in = static_cast<const uint4*>(p.copy_in);
+    uint4* mine = const_cast<uint4*>(nth<kRanks>(src, bp.rank));
+    for (int idx = tid; idx < largest; idx += stride) {
 #pragma unroll
-        for (int s = 0; s < kRanks; s++) {
-          if (s == kRanks - 1 || idx < part) mine[s * part + idx] = in[s * part + idx];
-        }
+      for (int s = 0; s < kRanks; s++) {
+        if (s == kRanks - 1 || idx < part) mine[s * part + idx] = in[s * part + idx];
       }
-      ok = multi_gpu_barrier<kRanks, Form::kFenced>(bp, kTwoStageEntry, entry);
     }
-  } else {
-    ok = claim_and_start<kRanks>(bp, kTwoStageEntry);
-  }
+  });
   if (ok) {
     for (int idx = start + tid; idx < end; idx += stride) {
       tmp_out[idx - start] = reduce_in_order<T, kRanks>(src, idx);

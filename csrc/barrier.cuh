@@ -405,4 +405,22 @@ __device__ __forceinline__ bool claim_and_start(const BarrierParams& p, Where wh
   return multi_gpu_barrier<kRanks, Form::kStart>(p, where, a, lost);
 }
 
+// A v1 kernel's claim and entry, either way: with copy-in (`copy` writes this rank's registered buffer,
+// which peers read) the claim comes first and the barrier is fenced; without, claim_and_start.
+template <int kRanks, typename Copy>
+__device__ __forceinline__ bool claim_and_enter(const BarrierParams& p, Where where, bool copy_in, Copy&& copy) {
+  bool ok;
+  if (copy_in) {
+    Arrival entry;
+    ok = claim_block<kRanks>(p, where, entry);
+    if (ok) {
+      copy();
+      ok = multi_gpu_barrier<kRanks, Form::kFenced>(p, where, entry);
+    }
+  } else {
+    ok = claim_and_start<kRanks>(p, where);
+  }
+  return ok;
+}
+
 }  // namespace graphar
