@@ -409,18 +409,11 @@ __device__ __forceinline__ bool claim_and_start(const BarrierParams& p, Where wh
 // which peers read) the claim comes first and the barrier is fenced; without, claim_and_start.
 template <int kRanks, typename Copy>
 __device__ __forceinline__ bool claim_and_enter(const BarrierParams& p, Where where, bool copy_in, Copy&& copy) {
-  bool ok;
-  if (copy_in) {
-    Arrival entry;
-    ok = claim_block<kRanks>(p, where, entry);
-    if (ok) {
-      copy();
-      ok = multi_gpu_barrier<kRanks, Form::kFenced>(p, where, entry);
-    }
-  } else {
-    ok = claim_and_start<kRanks>(p, where);
-  }
-  return ok;
+  if (!copy_in) return claim_and_start<kRanks>(p, where);
+  Arrival entry;
+  if (!claim_block<kRanks>(p, where, entry)) return false;
+  copy();
+  return multi_gpu_barrier<kRanks, Form::kFenced>(p, where, entry);
 }
 
 }  // namespace graphar

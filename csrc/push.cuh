@@ -162,30 +162,29 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
 // are loaded before the claim's atomic (a load after its acquire would wait for it) and read after it
 // went out, so that the three round trips overlap; the epoch's load is then not ordered after the
 // acquire, so it is volatile (barrier.cuh arrival says why that suffices). A block that may go on
-// advances its epoch copy at once (block 0 also those of blocks this launch does not have), so that
-// the store reaches memory while the call works instead of at the block's end. The next call reads
-// the copies after its griddepcontrol.wait (or stream order), so after this kernel completed. A call
-// that then fails leaves them advanced, which no call reads: the group is marked failed, and every
-// later kernel refuses.
+// advances its epoch copy at once, so that the store reaches memory while the call works instead of
+// at the block's end. Block 0's threads advance those of blocks this launch does not have, spread
+// over them after the block sync (thread 0 storing them before it held every thread back: up to 63
+// stores in a row). The next call reads the copies after its griddepcontrol.wait (or stream order), so after this
+// kernel completed. A call that then fails leaves them advanced, which no call reads: the group is
+// marked failed, and every later kernel refuses.
 __device__ __forceinline__ uint32_t enter_epoch(const BarrierParams& p, bool& failed) {
   __shared__ uint32_t epoch, refused;
+  Flag* epochs = p.self->push_epoch[p.graph];
   if (threadIdx.x == 0) {
-    Flag* epochs = p.self->push_epoch[p.graph];
     Flag e = ld_flag<false>(&epochs[blockIdx.x]);
     Flag failed_before = failed_flag(p);
     const unsigned long long before = count_in(p);
     asm volatile("" : "+r"(e), "+r"(failed_before));  // their first use is after the atomic went out
     epoch = e;
     refused = !alone(p, before, kPushEntry) || failed_before != 0;
-    if (!refused) {
-      epochs[blockIdx.x] = e + 1;
-      if (blockIdx.x == 0) {
-        for (int b = gridDim.x; b < kMaxBlocks; b++) epochs[b] = e + 1;
-      }
-    }
+    if (!refused) epochs[blockIdx.x] = e + 1;
   }
   __syncthreads();
   failed = refused != 0;
+  if (!failed && blockIdx.x == 0) {
+    for (int b = gridDim.x + threadIdx.x; b < kMaxBlocks; b += blockDim.x) epochs[b] = epoch + 1;
+  }
   return epoch;
 }
 
