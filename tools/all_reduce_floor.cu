@@ -6,6 +6,11 @@
 // 1's (as graphar_comm_norm_loopback places the fused norm's): the kernel runs its whole protocol
 // with the peer's part already there. The kernels come from csrc's headers, so this tool built from
 // two trees compares two versions of them in one session.
+//
+// A second table runs the two ranks for real, as two streams of one process on one GPU, each rank
+// with its own memory: every flag, call word and pack then comes from another SM through L2, where
+// the loopback finds what its own thread stored. Not NVLink's latency, but the protocol's waits as
+// two ranks meet them; a pair's time is one launch of each rank, running at once.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/all_reduce_floor \
 //     tools/all_reduce_floor.cu -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/all_reduce_floor
 // (a diagnostic, not part of the library). Each figure: us per launch (graph_timing.cuh). With the
@@ -38,18 +43,17 @@ __global__ void one_stage_entry(Params p) {
   release_block(p.barrier);
 }
 
-// Rank 0's memory, and the barrier parameters of a loopback launch over it.
-struct Loopback {
-  Signal* self;
+// One rank's memory: its Signal, its receive region (2 launch classes x 2 epochs of two messages of
+// kMaxBytes, every slot kEmpty), its input (kInput everywhere), registered buffer and output.
+struct RankMemory {
+  Signal* signal;
   ErrorRecord* error;
-  uint4* region;  // 2 launch classes x 2 epochs of two messages of kMaxBytes, every slot kEmpty
+  uint4* region;
   void *in, *registered, *out;
-  RankData* in_place;  // {in, in}: 1stage's graph path
-  RankData* staged;    // {registered, registered}: its copy-in
 
-  Loopback() {
-    CHECK(cudaMalloc(&self, sizeof(Signal)));
-    CHECK(cudaMemset(self, 0, sizeof(Signal)));
+  RankMemory() {
+    CHECK(cudaMalloc(&signal, sizeof(Signal)));
+    CHECK(cudaMemset(signal, 0, sizeof(Signal)));
     CHECK(cudaHostAlloc(&error, sizeof(ErrorRecord), cudaHostAllocMapped));
     *error = ErrorRecord{};
     CHECK(cudaMalloc(&region, 8 * kMaxBytes));
@@ -57,49 +61,6 @@ struct Loopback {
     for (void** t : {&in, &registered, &out}) CHECK(cudaMalloc(t, kMaxBytes));
     const std::vector<uint16_t> x(kMaxBytes / 2, kInput);
     CHECK(cudaMemcpy(in, x.data(), kMaxBytes, cudaMemcpyHostToDevice));
-    in_place = rank_data(in);
-    staged = rank_data(registered);
-  }
-  static RankData* rank_data(void* ptr) {
-    RankData host{}, *device;
-    host.ptrs[0] = host.ptrs[1] = ptr;
-    CHECK(cudaMalloc(&device, sizeof(RankData)));
-    CHECK(cudaMemcpy(device, &host, sizeof(RankData), cudaMemcpyHostToDevice));
-    return device;
-  }
-  // Launch i of a graph (i = 0: the warm-up) as the call number and tag tell them apart.
-  BarrierParams barrier(int i) const {
-    BarrierParams bp{};
-    for (int r = 0; r < kMaxRanks; r++) bp.signals.signals[r] = self;
-    bp.signals.signals[1] = reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(self) + 1);
-    bp.self = self;
-    bp.error = error;
-    bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
-    bp.tag = static_cast<uint64_t>(i) + 1;
-    bp.rank = 0;
-    bp.graph = 1;
-    bp.call = static_cast<uint32_t>(i) + 1;
-    return bp;
-  }
-  Params one_stage_params(int i, int packs, bool copy_in) const {
-    Params p{};
-    p.barrier = barrier(i);
-    p.data = copy_in ? staged : in_place;
-    p.copy_in = copy_in ? in : nullptr;
-    p.out = out;
-    p.packs = packs;
-    return p;
-  }
-  PushParams push_params(int i, int packs) const {
-    PushParams p{};
-    p.barrier = barrier(i);
-    p.regions.ptrs[0] = region;
-    p.regions.ptrs[1] = region + packs;  // + epoch + 0 * packs + idx: rank 0's slot of rank 1's pack idx
-    p.in = in;
-    p.out = out;
-    p.packs = packs;
-    p.epoch_packs = 2 * packs;
-    return p;
   }
   // The kernel wrote every pack of its output, each twice the input, and gave up no wait.
   void check_output(uint64_t nbytes, const char* what) const {
@@ -117,6 +78,94 @@ struct Loopback {
   }
 };
 
+RankData* rank_data(const void* rank0, const void* rank1) {
+  RankData host{}, *device;
+  host.ptrs[0] = rank0;
+  host.ptrs[1] = rank1;
+  CHECK(cudaMalloc(&device, sizeof(RankData)));
+  CHECK(cudaMemcpy(device, &host, sizeof(RankData), cudaMemcpyHostToDevice));
+  return device;
+}
+
+// Launch i of a graph (i = 0: the warm-up) by `rank` of m, the ranks' Signals at rank0 and rank1, as
+// the call number and tag tell launches apart.
+BarrierParams barrier_params(const RankMemory& m, int rank, Signal* rank0, Signal* rank1, int i) {
+  BarrierParams bp{};
+  bp.signals.signals[0] = rank0;
+  bp.signals.signals[1] = rank1;
+  bp.self = m.signal;
+  bp.error = m.error;
+  bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
+  bp.tag = static_cast<uint64_t>(i) + 1;
+  bp.rank = rank;
+  bp.graph = 1;
+  bp.call = static_cast<uint32_t>(i) + 1;
+  return bp;
+}
+
+Params one_stage_params(const BarrierParams& bp, const RankData* data, const void* copy_in, void* out, int packs) {
+  Params p{};
+  p.barrier = bp;
+  p.data = data;
+  p.copy_in = copy_in;
+  p.out = out;
+  p.packs = packs;
+  return p;
+}
+
+// The one-shot's parameters: rank r's receive region at regions[r], two epochs of ws = 2 slots.
+PushParams push_params(const BarrierParams& bp, uint4* region0, uint4* region1, const RankMemory& m, int packs) {
+  PushParams p{};
+  p.barrier = bp;
+  p.regions.ptrs[0] = region0;
+  p.regions.ptrs[1] = region1;
+  p.in = m.in;
+  p.out = m.out;
+  p.packs = packs;
+  p.epoch_packs = 2 * packs;
+  return p;
+}
+
+// Rank 0 alone, standing in for rank 1 (the header says how).
+struct Loopback {
+  static constexpr int kRanks = 1;  // ranks launched
+  RankMemory m;
+  RankData* in_place = rank_data(m.in, m.in);                   // 1stage's graph path
+  RankData* staged = rank_data(m.registered, m.registered);  // its copy-in
+
+  BarrierParams barrier(int i) const {
+    return barrier_params(m, 0, m.signal, reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(m.signal) + 1), i);
+  }
+  Params one_stage(int, int i, int packs, bool copy_in) const {
+    return one_stage_params(barrier(i), copy_in ? staged : in_place, copy_in ? m.in : nullptr, m.out, packs);
+  }
+  // + packs: rank 0's slot of rank 1's pack idx is at epoch + 0 * packs + idx.
+  PushParams push(int, int i, int packs) const {
+    return push_params(barrier(i), m.region, m.region + packs, m, packs);
+  }
+  void check_output(uint64_t nbytes, const char* what) const { m.check_output(nbytes, what); }
+};
+
+// Two ranks, each with its own memory, launched on two streams that run at once.
+struct Pair {
+  static constexpr int kRanks = 2;
+  RankMemory m[2];
+  RankData* in_place = rank_data(m[0].in, m[1].in);
+  RankData* staged = rank_data(m[0].registered, m[1].registered);
+
+  BarrierParams barrier(int rank, int i) const { return barrier_params(m[rank], rank, m[0].signal, m[1].signal, i); }
+  Params one_stage(int rank, int i, int packs, bool copy_in) const {
+    return one_stage_params(barrier(rank, i), copy_in ? staged : in_place, copy_in ? m[rank].in : nullptr,
+                            m[rank].out, packs);
+  }
+  PushParams push(int rank, int i, int packs) const {
+    return push_params(barrier(rank, i), m[0].region, m[1].region, m[rank], packs);
+  }
+  void check_output(uint64_t nbytes, const char* what) const {
+    for (const RankMemory& r : m) r.check_output(nbytes, what);
+  }
+};
+
 template <typename Kernel, typename Args>
 void launch(Kernel kernel, int blocks, int threads, bool pdl, cudaStream_t s, Args args) {
   cudaLaunchConfig_t config{};
@@ -131,30 +180,41 @@ void launch(Kernel kernel, int blocks, int threads, bool pdl, cudaStream_t s, Ar
   CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
-void run_size(const Loopback& lb, uint64_t nbytes, bool v1_pdl, cudaStream_t s) {
+// us per launch of `kernel` by each rank g launches, rank r on streams[r], params(r, i) its parameters.
+template <typename Group, typename Kernel, typename MakeParams>
+double us_per_ranks(const cudaStream_t* streams, Kernel kernel, int blocks, int threads, bool pdl, MakeParams params) {
+  return us_per_launch(
+      streams[0],
+      [&](int i) {
+        for (int r = 0; r < Group::kRanks; r++) launch(kernel, blocks, threads, pdl, streams[r], params(r, i));
+      },
+      Group::kRanks > 1 ? streams[1] : nullptr);
+}
+
+// One row: the loopback's also with the launch-only and claim + entry floors.
+template <typename Group>
+void run_size(const Group& g, uint64_t nbytes, bool v1_pdl, const cudaStream_t* streams) {
   const int packs = static_cast<int>(nbytes / 16);
   const int v1_blocks = std::min(kBlockLimit, (packs + kThreads - 1) / kThreads);
   const int push_blocks = std::min(kBlockLimit, (packs + kPushThreads - 1) / kPushThreads);
   auto v1 = [&](auto kernel, bool copy_in, bool pdl) {
-    return us_per_launch(s, [&](int i) {
-      launch(kernel, v1_blocks, kThreads, pdl, s, lb.one_stage_params(i, packs, copy_in));
-    });
+    return us_per_ranks<Group>(streams, kernel, v1_blocks, kThreads, pdl,
+                               [&](int r, int i) { return g.one_stage(r, i, packs, copy_in); });
   };
   auto one_stage_us = [&](bool copy_in, bool pdl) {
     if (pdl && !v1_pdl) return -1.0;
     const double us = v1(one_stage<T, 2>, copy_in, pdl);
-    lb.check_output(nbytes, copy_in ? "1stage copy-in" : "1stage in place");
+    g.check_output(nbytes, copy_in ? "1stage copy-in" : "1stage in place");
     return us;
   };
   auto push = [&](bool pdl) {
-    const double us = us_per_launch(s, [&](int i) {
-      launch(push_one_shot<T, 2>, push_blocks, kPushThreads, pdl, s, lb.push_params(i, packs));
-    });
-    lb.check_output(nbytes, "push one-shot");
+    const double us = us_per_ranks<Group>(streams, push_one_shot<T, 2>, push_blocks, kPushThreads, pdl,
+                                          [&](int r, int i) { return g.push(r, i, packs); });
+    g.check_output(nbytes, "push one-shot");
     return us;
   };
-  std::printf("| %llu KB | %d x %d | %.2f | %.2f", static_cast<unsigned long long>(nbytes >> 10), v1_blocks, kThreads,
-              v1(launch_only, false, false), v1(one_stage_entry, false, false));
+  std::printf("| %llu KB | %d x %d", static_cast<unsigned long long>(nbytes >> 10), v1_blocks, kThreads);
+  if (Group::kRanks == 1) std::printf(" | %.2f | %.2f", v1(launch_only, false, false), v1(one_stage_entry, false, false));
   for (bool copy_in : {false, true}) {
     for (bool pdl : {false, true}) {
       const double us = one_stage_us(copy_in, pdl);
@@ -166,11 +226,19 @@ void run_size(const Loopback& lb, uint64_t nbytes, bool v1_pdl, cudaStream_t s) 
 
 int main(int argc, char** argv) {
   const bool v1_pdl = !(argc > 1 && std::string(argv[1]) == "no-v1-pdl");
+  cudaStream_t streams[2];
+  streams[0] = open_report("bf16, 2 ranks");
+  CHECK(cudaStreamCreateWithFlags(&streams[1], cudaStreamNonBlocking));
+  const char* columns =
+      " | 1stage in place | in place, PDL | 1stage copy-in | copy-in, PDL | push grid | push one-shot | push "
+      "one-shot, PDL |\n";
+  std::printf("Loopback (rank 0 alone):\n\n| message | 1stage grid | launch only | claim + entry%s"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n", columns);
   const Loopback lb;
-  const cudaStream_t s = open_report("bf16, 2 ranks (loopback)");
-  std::printf("| message | 1stage grid | launch only | claim + entry | 1stage in place | in place, PDL "
-              "| 1stage copy-in | copy-in, PDL | push grid | push one-shot | push one-shot, PDL |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, v1_pdl, s);
+  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, v1_pdl, streams);
+  std::printf("\nTwo ranks on two streams (us per pair of launches):\n\n| message | 1stage grid%s"
+              "|---|---|---|---|---|---|---|---|---|\n", columns);
+  const Pair pair;
+  for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(pair, kb << 10, v1_pdl, streams);
   return 0;
 }

@@ -26,13 +26,26 @@ constexpr int kLaunches = 50;
 constexpr int kReplays = 9;
 
 // us per launch of launch(i): i = 0 once outside the graph (warm-up), then 1..kLaunches captured.
+// With `also`, a second stream that launch(i) launches on too, forked from s at the capture's start
+// and joined to it at its end.
 template <typename Launch>
-double us_per_launch(cudaStream_t s, Launch launch) {
+double us_per_launch(cudaStream_t s, Launch launch, cudaStream_t also = nullptr) {
   launch(0);
-  CHECK(cudaStreamSynchronize(s));
+  CHECK(cudaDeviceSynchronize());
+  cudaEvent_t fork, join;
+  CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   cudaGraph_t graph;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  if (also != nullptr) {
+    CHECK(cudaEventRecord(fork, s));
+    CHECK(cudaStreamWaitEvent(also, fork, 0));
+  }
   for (int i = 0; i < kLaunches; i++) launch(i + 1);
+  if (also != nullptr) {
+    CHECK(cudaEventRecord(join, also));
+    CHECK(cudaStreamWaitEvent(s, join, 0));
+  }
   CHECK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec;
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -53,6 +66,8 @@ double us_per_launch(cudaStream_t s, Launch launch) {
   CHECK(cudaGraphDestroy(graph));
   CHECK(cudaEventDestroy(start));
   CHECK(cudaEventDestroy(end));
+  CHECK(cudaEventDestroy(fork));
+  CHECK(cudaEventDestroy(join));
   return ms[kReplays / 2] * 1000.0 / kLaunches;
 }
 
