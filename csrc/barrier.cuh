@@ -347,12 +347,11 @@ __device__ __forceinline__ Arrival arrival(const BarrierParams& p, bool check_fa
 // shared.
 template <int kRanks>
 __device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where, Arrival& entry) {
-  __shared__ int claimed;
   entry = arrival<kRanks>(p, true);
-  if (threadIdx.x == 0) claimed = alone(p, count_in(p), where);
-  __syncthreads();
+  const bool lost = threadIdx.x == 0 && !enter_alone(p, where);
+  const bool won = __syncthreads_or(lost) == 0;  // the block sync's reduction tells every thread
   asm volatile("" : "+r"(entry.failed), "+r"(entry.counter));  // their first use is after this point
-  return claimed != 0;
+  return won;
 }
 
 // The barrier, with the arrival its lanes read before (at a kernel's entry, beside the claim), and whether
