@@ -87,79 +87,56 @@ RankData* rank_data(const void* rank0, const void* rank1) {
   return device;
 }
 
-// Launch i of a graph (i = 0: the warm-up) by `rank` of m, the ranks' Signals at rank0 and rank1, as
-// the call number and tag tell launches apart.
-BarrierParams barrier_params(const RankMemory& m, int rank, Signal* rank0, Signal* rank1, int i) {
-  BarrierParams bp{};
-  bp.signals.signals[0] = rank0;
-  bp.signals.signals[1] = rank1;
-  bp.self = m.signal;
-  bp.error = m.error;
-  bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
-  bp.tag = static_cast<uint64_t>(i) + 1;
-  bp.rank = rank;
-  bp.graph = 1;
-  bp.call = static_cast<uint32_t>(i) + 1;
-  return bp;
-}
+// The ranks of one table, kRanks of them launched: 1, rank 0 alone standing in for rank 1 (the header
+// says how); 2, each rank with its own memory, on two streams that run at once.
+template <int kLaunched>
+struct Ranks {
+  static constexpr int kRanks = kLaunched;
+  RankMemory m[kRanks];
+  RankData* in_place = rank_data(m[0].in, m[kRanks - 1].in);                    // 1stage's graph path
+  RankData* staged = rank_data(m[0].registered, m[kRanks - 1].registered);  // its copy-in
 
-Params one_stage_params(const BarrierParams& bp, const RankData* data, const void* copy_in, void* out, int packs) {
-  Params p{};
-  p.barrier = bp;
-  p.data = data;
-  p.copy_in = copy_in;
-  p.out = out;
-  p.packs = packs;
-  return p;
-}
-
-// The one-shot's parameters: rank r's receive region at regions[r], two epochs of ws = 2 slots.
-PushParams push_params(const BarrierParams& bp, uint4* region0, uint4* region1, const RankMemory& m, int packs) {
-  PushParams p{};
-  p.barrier = bp;
-  p.regions.ptrs[0] = region0;
-  p.regions.ptrs[1] = region1;
-  p.in = m.in;
-  p.out = m.out;
-  p.packs = packs;
-  p.epoch_packs = 2 * packs;
-  return p;
-}
-
-// Rank 0 alone, standing in for rank 1 (the header says how).
-struct Loopback {
-  static constexpr int kRanks = 1;  // ranks launched
-  RankMemory m;
-  RankData* in_place = rank_data(m.in, m.in);                   // 1stage's graph path
-  RankData* staged = rank_data(m.registered, m.registered);  // its copy-in
-
-  BarrierParams barrier(int i) const {
-    return barrier_params(m, 0, m.signal, reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(m.signal) + 1), i);
+  Signal* signal(int rank) const {
+    if (kRanks == 1 && rank == 1) return reinterpret_cast<Signal*>(reinterpret_cast<Flag*>(m[0].signal) + 1);
+    return m[rank].signal;
   }
-  Params one_stage(int, int i, int packs, bool copy_in) const {
-    return one_stage_params(barrier(i), copy_in ? staged : in_place, copy_in ? m.in : nullptr, m.out, packs);
-  }
-  // + packs: rank 0's slot of rank 1's pack idx is at epoch + 0 * packs + idx.
-  PushParams push(int, int i, int packs) const {
-    return push_params(barrier(i), m.region, m.region + packs, m, packs);
-  }
-  void check_output(uint64_t nbytes, const char* what) const { m.check_output(nbytes, what); }
-};
+  // In the loopback rank 0's slot of rank 1's pack idx is at epoch + 0 * packs + idx.
+  uint4* region(int rank, int packs) const { return kRanks == 1 ? m[0].region + rank * packs : m[rank].region; }
 
-// Two ranks, each with its own memory, launched on two streams that run at once.
-struct Pair {
-  static constexpr int kRanks = 2;
-  RankMemory m[2];
-  RankData* in_place = rank_data(m[0].in, m[1].in);
-  RankData* staged = rank_data(m[0].registered, m[1].registered);
-
-  BarrierParams barrier(int rank, int i) const { return barrier_params(m[rank], rank, m[0].signal, m[1].signal, i); }
+  // Launch i of a graph (i = 0: the warm-up) by `rank`, as the call number and tag tell launches apart.
+  BarrierParams barrier(int rank, int i) const {
+    BarrierParams bp{};
+    bp.signals.signals[0] = signal(0);
+    bp.signals.signals[1] = signal(1);
+    bp.self = m[rank].signal;
+    bp.error = m[rank].error;
+    bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
+    bp.tag = static_cast<uint64_t>(i) + 1;
+    bp.rank = rank;
+    bp.graph = 1;
+    bp.call = static_cast<uint32_t>(i) + 1;
+    return bp;
+  }
   Params one_stage(int rank, int i, int packs, bool copy_in) const {
-    return one_stage_params(barrier(rank, i), copy_in ? staged : in_place, copy_in ? m[rank].in : nullptr,
-                            m[rank].out, packs);
+    Params p{};
+    p.barrier = barrier(rank, i);
+    p.data = copy_in ? staged : in_place;
+    p.copy_in = copy_in ? m[rank].in : nullptr;
+    p.out = m[rank].out;
+    p.packs = packs;
+    return p;
   }
+  // Two epochs of ws = 2 slots in each rank's receive region.
   PushParams push(int rank, int i, int packs) const {
-    return push_params(barrier(rank, i), m[0].region, m[1].region, m[rank], packs);
+    PushParams p{};
+    p.barrier = barrier(rank, i);
+    p.regions.ptrs[0] = region(0, packs);
+    p.regions.ptrs[1] = region(1, packs);
+    p.in = m[rank].in;
+    p.out = m[rank].out;
+    p.packs = packs;
+    p.epoch_packs = 2 * packs;
+    return p;
   }
   void check_output(uint64_t nbytes, const char* what) const {
     for (const RankMemory& r : m) r.check_output(nbytes, what);
@@ -191,7 +168,7 @@ double us_per_ranks(const cudaStream_t* streams, Kernel kernel, int blocks, int 
       Group::kRanks > 1 ? streams[1] : nullptr);
 }
 
-// One row: the loopback's also with the launch-only and claim + entry floors.
+// One row of a table; the loopback's also has the launch-only and claim + entry floors.
 template <typename Group>
 void run_size(const Group& g, uint64_t nbytes, bool v1_pdl, const cudaStream_t* streams) {
   const int packs = static_cast<int>(nbytes / 16);
@@ -234,11 +211,11 @@ int main(int argc, char** argv) {
       "one-shot, PDL |\n";
   std::printf("Loopback (rank 0 alone):\n\n| message | 1stage grid | launch only | claim + entry%s"
               "|---|---|---|---|---|---|---|---|---|---|---|\n", columns);
-  const Loopback lb;
+  const Ranks<1> lb;
   for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(lb, kb << 10, v1_pdl, streams);
   std::printf("\nTwo ranks on two streams (us per pair of launches):\n\n| message | 1stage grid%s"
               "|---|---|---|---|---|---|---|---|---|\n", columns);
-  const Pair pair;
+  const Ranks<2> pair;
   for (uint64_t kb : {8, 32, 128, 512, 2048}) run_size(pair, kb << 10, v1_pdl, streams);
   return 0;
 }
