@@ -25,20 +25,25 @@ const void* norm_kernel_for(int dtype, int ranks) {
 }
 
 // How push_one_shot_norm covers `rows` rows of row_packs packs with at most block_limit blocks
-// (push_norm.cuh): as many rows as blocks or more, a block per row (every gridDim-th row); fewer, each
-// row split between `split` blocks of slice_segments segments each, so that a few tokens spread over
-// up to block_limit SMs. A split needs rows * split * segments scratch words (the partials each block
-// hands its siblings), at most scratch_words: a split that needs more is cut down to fit. max_split > 0
-// caps the split (1: a block per row). The threads cover the slice with at most kNormPacksPerThread
-// packs each, in whole warps. Ranks may be split differently without their results differing: the
-// kernel's mean square does not depend on the grid.
+// (push_norm.cuh). A row of up to kNormThreads packs goes to one block whole (every gridDim-th row, a
+// pack per thread). A longer one is split between `split` blocks of slice_segments segments each,
+// slices of about kNormSlicePacks packs, while rows * split stays within block_limit (at and above
+// block_limit rows, a block per row). Fewer blocks are faster here: each adds its claim, epoch and
+// call word, and a split row the exchange of partial sums, which blocks of kNormThreads threads pay
+// more for than blocks of kNormSlicePacks (bench/results/norm-floor-h200.md, the split sweep). A split
+// needs rows * split * segments scratch words (the partials each block hands its siblings), at most
+// scratch_words: a split that needs more is cut down to fit. max_split > 0 caps the split (1: a block
+// per row). The threads cover the slice with at most kNormPacksPerThread packs each, in whole warps.
+// Ranks may be split differently without their results differing: the kernel's mean square does not
+// depend on the grid.
 struct NormGrid {
   int blocks, threads, split, slice_segments;
 };
 
 NormGrid norm_grid(int64_t rows, int row_packs, int block_limit, uint64_t scratch_words, int max_split) {
   const int64_t segments = (row_packs + kNormSegmentPacks - 1) / kNormSegmentPacks;
-  int64_t split = rows >= block_limit ? 1 : std::min<int64_t>(block_limit / rows, segments);
+  const int64_t slices = row_packs <= kNormThreads ? 1 : (row_packs + kNormSlicePacks - 1) / kNormSlicePacks;
+  int64_t split = std::min<int64_t>({slices, block_limit / rows, segments});
   if (max_split > 0) split = std::min<int64_t>(split, max_split);
   if (split > 1) split = std::min<int64_t>(split, static_cast<int64_t>(scratch_words / (rows * segments)));
   split = std::max<int64_t>(split, 1);

@@ -5,8 +5,8 @@
 //
 // The grid (launch_norm.cu norm_grid). With at least as many rows as blocks, a block owns whole rows
 // (every gridDim.x-th). With fewer, each row is split between `split` blocks: block b takes slice
-// b % split (a run of whole segments, below) of row b / split, so that a decode step of a few tokens
-// spreads over many SMs instead of one per token. The blocks of a split row hand each other their
+// b % split (a run of whole segments, below) of row b / split, so that a long row is not left to a
+// block with several packs a thread. The blocks of a split row hand each other their
 // segments' partial sums through this rank's scratch words (below).
 //
 // The mean square's bits depend on the row's size alone, never on the grid: a row is cut into
@@ -43,6 +43,8 @@ constexpr int kNormPacksPerThread = 8;  // rows of up to 4096 packs: hidden 3276
 constexpr uint64_t kNormMaxRowBytes = static_cast<uint64_t>(kNormThreads) * kNormPacksPerThread * 16;
 // Packs of a segment: the unit of the mean square's tree and of a row's split between blocks.
 constexpr int kNormSegmentPacks = 8;
+// Packs of a split row's slice, about (launch_norm.cu norm_grid): a pack per thread, as push_one_shot.
+constexpr int kNormSlicePacks = kPushThreads;
 constexpr int kNormMaxSegments = kNormThreads * kNormPacksPerThread / kNormSegmentPacks;
 constexpr uint32_t kPartialTagBit = 0x80000000u;
 

@@ -202,27 +202,30 @@ def _norm_grid(
 
 
 @needs_nvcc
-def test_the_fused_norm_spreads_a_few_tokens_over_many_blocks(build) -> None:
-    """(blocks, threads per block, blocks per row) of the fused norm's launch: a decode step of a few tokens
-    of bf16 hidden 4096 or 8192 covers 64 blocks (one per SM; the issue asked for 32 at one token), from
-    64 tokens on a block per row; slices are whole segments of 8 packs, no block without any; a split
-    that needs more scratch words than there are is cut down to fit."""
+def test_the_fused_norm_grid_takes_short_rows_whole_and_splits_long_ones(build) -> None:
+    """(blocks, threads per block, blocks per row) of the fused norm's launch: a row of up to 512 packs
+    (bf16 hidden 4096) goes to one block, a pack per thread; a longer one is split into slices of about
+    256 packs while the rows' blocks fit the launch's 64; slices are whole segments of 8 packs, no block
+    without any; a split that needs more scratch words than there are is cut down to fit."""
     lib = _cuda.bind(ctypes.CDLL(str(build[0])), _cuda.PROTOTYPES)
-    for hidden in (4096, 8192):
-        for tokens in (1, 2, 4, 8, 16, 32):
-            blocks, threads, split = _norm_grid(lib, tokens, hidden)
-            assert (blocks, split) == (64, 64 // tokens) and threads == max(32, hidden // 8 // split), (hidden, tokens)
-        for tokens in (64, 128, 512):
-            assert _norm_grid(lib, tokens, hidden) == (64, 512, 1)
-    assert _norm_grid(lib, 1, 4096, max_split=1) == (1, 512, 1)  # the grid before rows were split
-    assert _norm_grid(lib, 1, 4096, max_split=16) == (16, 32, 16)
-    assert _norm_grid(lib, 1, 4096, scratch_words=0) == (1, 512, 1)
-    assert _norm_grid(lib, 1, 4096, scratch_words=32 * 64) == (32, 32, 32)  # 64 segments per reader block
-    assert _norm_grid(lib, 1, 5120) == (40, 32, 40)  # 80 segments: 2 per block
-    assert _norm_grid(lib, 3, 4096) == (48, 32, 16)  # 21 blocks a row at most: 64 segments in slices of 4
+    for tokens in (1, 2, 8, 32, 64):
+        assert _norm_grid(lib, tokens, 4096) == (tokens, 512, 1), tokens
+    for tokens in (1, 2, 8, 16):
+        assert _norm_grid(lib, tokens, 8192) == (4 * tokens, 256, 4), tokens
+    assert _norm_grid(lib, 32, 8192) == (64, 512, 2)  # 64 blocks at most: 2 a row
+    for tokens in (64, 128, 512):
+        assert _norm_grid(lib, tokens, 4096) == (64, 512, 1)
+        assert _norm_grid(lib, tokens, 8192) == (64, 512, 1)  # 2 packs per thread
+    assert _norm_grid(lib, 1, 8192, max_split=1) == (1, 512, 1)
+    assert _norm_grid(lib, 1, 8192, max_split=3) == (3, 352, 3)  # 128 segments in slices of 43
+    assert _norm_grid(lib, 1, 8192, scratch_words=0) == (1, 512, 1)
+    assert _norm_grid(lib, 1, 8192, scratch_words=2 * 128) == (2, 512, 2)  # 128 segments per reader block
+    assert _norm_grid(lib, 1, 4104) == (3, 192, 3)  # 513 packs, 65 segments: 22, 22 and 21
+    assert _norm_grid(lib, 1, 32768) == (16, 256, 16)  # the longest rows
+    assert _norm_grid(lib, 8, 32768) == (64, 512, 8)  # 64 blocks at most: slices of 512
+    assert _norm_grid(lib, 64, 32768) == (64, 512, 1)  # 8 packs per thread
     assert _norm_grid(lib, 1, 8) == (1, 32, 1)  # one pack
-    assert _norm_grid(lib, 64, 32768) == (64, 512, 1)  # the longest rows: 8 packs per thread
-    assert _norm_grid(lib, 1, 4096, block_limit=36) == (32, 32, 32)  # before Hopper: 36 blocks, whole segments
+    assert _norm_grid(lib, 4, 32768, block_limit=36) == (36, 480, 9)  # before Hopper: 36 blocks, whole segments
     blocks = ctypes.c_int()
     assert (
         lib.graphar_norm_grid(72, 24, 64, 0, 0, ctypes.byref(blocks), ctypes.byref(blocks), ctypes.byref(blocks)) == -1

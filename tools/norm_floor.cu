@@ -1,6 +1,7 @@
 // Where the fused norm kernel's local time goes on one GPU: a ladder of kernels that each add one of
 // its fixed steps, on the fused kernel's own grid, against the kernel itself (the library's loopback
-// launch, as `python -m graphar bench norm-local` runs it) and a plain add + RMSNorm with no protocol.
+// launch, as `python -m graphar bench norm-local` runs it) and a plain add + RMSNorm with no protocol;
+// then the fused kernel with its split capped at each of kSplitCaps blocks per row.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/norm_floor tools/norm_floor.cu \
 //     -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/norm_floor
 // (a diagnostic, not part of the library; needs graphar/libgraphar_cuda.so built for this GPU).
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 
 #include "../csrc/push_norm.cuh"
 #include "graph_timing.cuh"
@@ -117,13 +119,58 @@ __global__ void plain_add_norm(NormParams p) {
 
 // ---- one shape ------------------------------------------------------------------------------------
 
-struct Buffers {
+// One shape's tensors (bf16 0x3c3c, about 0.011, finite; weight 0x3f3f) and the library's arguments.
+struct Shape {
+  int hidden, tokens, packs, row_packs;
   void *x, *residual, *weight, *out, *residual_out;
+  graphar_all_reduce_norm_args args{};
+
+  Shape(int hidden_, int tokens_, cudaStream_t s) : hidden(hidden_), tokens(tokens_) {
+    const uint64_t row_bytes = static_cast<uint64_t>(hidden) * sizeof(T);
+    const uint64_t nbytes = row_bytes * tokens;
+    packs = static_cast<int>(nbytes / 16);
+    row_packs = static_cast<int>(row_bytes / 16);
+    for (void** t : {&x, &residual, &out, &residual_out}) {
+      CHECK(cudaMalloc(t, nbytes));
+      CHECK(cudaMemset(*t, 0x3c, nbytes));
+    }
+    CHECK(cudaMalloc(&weight, row_bytes));
+    CHECK(cudaMemset(weight, 0x3f, row_bytes));
+    args.input = reinterpret_cast<uint64_t>(x);
+    args.residual = reinterpret_cast<uint64_t>(residual);
+    args.weight = reinterpret_cast<uint64_t>(weight);
+    args.output = reinterpret_cast<uint64_t>(out);
+    args.residual_output = reinterpret_cast<uint64_t>(residual_out);
+    args.nbytes = nbytes;
+    args.row_bytes = row_bytes;
+    args.stream = reinterpret_cast<uint64_t>(s);
+    args.eps = kEps;
+    args.dtype = GRAPHAR_BFLOAT16;
+  }
+  ~Shape() {
+    for (void* t : {x, residual, out, residual_out, weight}) CHECK(cudaFree(t));
+  }
+
+  // us per launch of the library's fused kernel through its loopback launch, its split capped at
+  // max_split (0: the library's own grid); the grid it used in *grid.
+  double fused_us(void* comm, cudaStream_t s, int pdl, int max_split, int grid[3]) {
+    args.pdl = pdl;
+    return us_per_launch(s, [&](int) {
+      CHECK(graphar_comm_norm_loopback(comm, &args, max_split, &grid[0], &grid[1], &grid[2]));
+    });
+  }
 };
+
+void check_no_failure(const ErrorRecord* error) {
+  if (error->failed) {
+    std::fprintf(stderr, "a kernel gave up a wait (where %u, cause %u): times are void\n", error->where, error->cause);
+    std::exit(1);
+  }
+}
 
 // The ladder's parameters: a rank-0 Signal of its own, a receive region laid out as the loopback's
 // (rank 1's region starts `packs` packs after rank 0's), graph launches (BarrierParams::graph).
-NormParams ladder_params(const Buffers& b, Signal* self, ErrorRecord* error, uint4* region, int packs, int row_packs) {
+NormParams ladder_params(const Shape& b, Signal* self, ErrorRecord* error, uint4* region) {
   NormParams p{};
   BarrierParams& bp = p.push.barrier;
   for (int r = 0; r < kMaxRanks; r++) bp.signals.signals[r] = self;
@@ -132,58 +179,31 @@ NormParams ladder_params(const Buffers& b, Signal* self, ErrorRecord* error, uin
   bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
   bp.graph = 1;
   p.push.regions.ptrs[0] = region;
-  p.push.regions.ptrs[1] = region + packs;
+  p.push.regions.ptrs[1] = region + b.packs;
   p.push.in = b.x;
   p.push.out = b.out;
-  p.push.packs = packs;
-  p.push.epoch_packs = 2 * packs;
+  p.push.packs = b.packs;
+  p.push.epoch_packs = 2 * b.packs;
   p.residual = b.residual;
   p.weight = b.weight;
   p.residual_out = b.residual_out;
-  p.row_packs = row_packs;
+  p.row_packs = b.row_packs;
   p.eps = kEps;
   return p;
 }
 
-void run_shape(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* error, uint4* region,
-               cudaStream_t s) {
-  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * sizeof(T);
-  const uint64_t nbytes = row_bytes * tokens;
-  const int packs = static_cast<int>(nbytes / 16), row_packs = static_cast<int>(row_bytes / 16);
-  Buffers b{};
-  for (void** t : {&b.x, &b.residual, &b.out, &b.residual_out}) {
-    CHECK(cudaMalloc(t, nbytes));
-    CHECK(cudaMemset(*t, 0x3c, nbytes));  // bf16 0x3c3c: about 0.011, finite
-  }
-  CHECK(cudaMalloc(&b.weight, row_bytes));
-  CHECK(cudaMemset(b.weight, 0x3f, row_bytes));
+void run_ladder(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* error, uint4* region, cudaStream_t s) {
+  Shape b(hidden, tokens, s);
+  int grid[3] = {};  // blocks, threads, split
+  const double fused_us = b.fused_us(comm, s, 0, 0, grid);
+  const double fused_pdl_us = b.fused_us(comm, s, 1, 0, grid);
+  const int blocks = grid[0], threads = grid[1];
 
-  graphar_all_reduce_norm_args a{};
-  a.input = reinterpret_cast<uint64_t>(b.x);
-  a.residual = reinterpret_cast<uint64_t>(b.residual);
-  a.weight = reinterpret_cast<uint64_t>(b.weight);
-  a.output = reinterpret_cast<uint64_t>(b.out);
-  a.residual_output = reinterpret_cast<uint64_t>(b.residual_out);
-  a.nbytes = nbytes;
-  a.row_bytes = row_bytes;
-  a.stream = reinterpret_cast<uint64_t>(s);
-  a.eps = kEps;
-  a.dtype = GRAPHAR_BFLOAT16;
-  int blocks = 0, threads = 0, split = 0;
-  auto fused = [&](int pdl) {
-    return [&, pdl](int) {
-      a.pdl = pdl;
-      CHECK(graphar_comm_norm_loopback(comm, &a, 0, &blocks, &threads, &split));
-    };
-  };
-  const double fused_us = us_per_launch(s, fused(0));
-  const double fused_pdl_us = us_per_launch(s, fused(1));
-
-  NormParams p = ladder_params(b, self, error, region, packs, row_packs);
-  auto ladder = [&](auto kernel, int grid, int block) {
-    return us_per_launch(s, [&, kernel, grid, block](int launch) {
+  NormParams p = ladder_params(b, self, error, region);
+  auto ladder = [&](auto kernel, int grid_blocks, int block) {
+    return us_per_launch(s, [&, kernel, grid_blocks, block](int launch) {
       p.push.barrier.tag = static_cast<uint64_t>(launch) + 1;
-      kernel<<<grid, block, 0, s>>>(p);
+      kernel<<<grid_blocks, block, 0, s>>>(p);
       CHECK(cudaGetLastError());
     });
   };
@@ -192,16 +212,28 @@ void run_shape(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* er
   const double relaxed_us = ladder(claim_relaxed, blocks, threads);
   const double epoch_us = ladder(epoch_and_claim, blocks, threads);
   const double slot_us = ladder(own_slot_round_trip, blocks, threads);
-  const int norm_threads = std::min(kNormThreads, (row_packs + 31) / 32 * 32);
-  const double plain_us = row_packs <= kNormThreads * kNormPacksPerThread ? ladder(plain_add_norm, tokens, norm_threads) : -1;
-  if (error->failed) {
-    std::fprintf(stderr, "a kernel gave up a wait (where %u, cause %u): times are void\n", error->where, error->cause);
-    std::exit(1);
-  }
+  const int norm_threads = std::min(kNormThreads, (b.row_packs + 31) / 32 * 32);
+  const double plain_us =
+      b.row_packs <= kNormThreads * kNormPacksPerThread ? ladder(plain_add_norm, tokens, norm_threads) : -1;
+  check_no_failure(error);
   std::printf("| %d | %d | %d x %d, %d/row | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", hidden,
-              tokens, blocks, threads, split, empty_us, relaxed_us, claim_us, epoch_us, slot_us, plain_us,
-              fused_us, fused_pdl_us);
-  for (void* t : {b.x, b.residual, b.out, b.residual_out, b.weight}) CHECK(cudaFree(t));
+              tokens, blocks, threads, grid[2], empty_us, relaxed_us, claim_us, epoch_us, slot_us, plain_us, fused_us,
+              fused_pdl_us);
+}
+
+// The fused kernel with PDL at each cap on its split: what spreading a few rows over more blocks buys
+// or costs locally.
+constexpr int kSplitCaps[] = {0, 32, 16, 8, 4, 2, 1};
+
+void run_split_sweep(int hidden, int tokens, void* comm, cudaStream_t s) {
+  Shape b(hidden, tokens, s);
+  std::printf("| %d | %d |", hidden, tokens);
+  for (int cap : kSplitCaps) {
+    int grid[3] = {};
+    const double us = b.fused_us(comm, s, 1, cap, grid);
+    std::printf(" %.2f (%d) |", us, grid[0]);
+  }
+  std::printf("\n");
 }
 
 int main() {
@@ -222,7 +254,15 @@ int main() {
   std::printf("| hidden | tokens | fused grid | launch only | + claim, relaxed | + claim | + epoch | + own slots | "
               "plain add + norm | fused local | fused local, PDL |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int hidden : {4096, 8192}) {
-    for (int tokens : {1, 8, 64}) run_shape(hidden, tokens, comm, self, error, region, s);
+    for (int tokens : {1, 8, 64}) run_ladder(hidden, tokens, comm, self, error, region, s);
+  }
+  std::printf("\nFused local, PDL, by the cap on blocks per row (blocks in brackets):\n\n| hidden | tokens |");
+  for (int cap : kSplitCaps) cap > 0 ? std::printf(" <= %d/row |", cap) : std::printf(" library's grid |");
+  std::printf("\n|---|---|");
+  for (size_t i = 0; i < std::size(kSplitCaps); i++) std::printf("---|");
+  std::printf("\n");
+  for (int hidden : {4096, 8192}) {
+    for (int tokens : {1, 2, 4, 8, 16, 32}) run_split_sweep(hidden, tokens, comm, s);
   }
   CHECK(cudaStreamSynchronize(s));
   CHECK(graphar_comm_destroy(comm));
