@@ -121,11 +121,11 @@ __global__ void plain_add_norm(NormParams p) {
 
 // One shape's tensors (bf16 0x3c3c, about 0.011, finite; weight 0x3f3f) and the library's arguments.
 struct Shape {
-  int hidden, tokens, packs, row_packs;
+  int packs, row_packs;
   void *x, *residual, *weight, *out, *residual_out;
   graphar_all_reduce_norm_args args{};
 
-  Shape(int hidden_, int tokens_, cudaStream_t s) : hidden(hidden_), tokens(tokens_) {
+  Shape(int hidden, int tokens, cudaStream_t s) {
     const uint64_t row_bytes = static_cast<uint64_t>(hidden) * sizeof(T);
     const uint64_t nbytes = row_bytes * tokens;
     packs = static_cast<int>(nbytes / 16);
@@ -160,13 +160,6 @@ struct Shape {
     });
   }
 };
-
-void check_no_failure(const ErrorRecord* error) {
-  if (error->failed) {
-    std::fprintf(stderr, "a kernel gave up a wait (where %u, cause %u): times are void\n", error->where, error->cause);
-    std::exit(1);
-  }
-}
 
 // The ladder's parameters: a rank-0 Signal of its own, a receive region laid out as the loopback's
 // (rank 1's region starts `packs` packs after rank 0's), graph launches (BarrierParams::graph).
@@ -215,7 +208,10 @@ void run_ladder(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* e
   const int norm_threads = std::min(kNormThreads, (b.row_packs + 31) / 32 * 32);
   const double plain_us =
       b.row_packs <= kNormThreads * kNormPacksPerThread ? ladder(plain_add_norm, tokens, norm_threads) : -1;
-  check_no_failure(error);
+  if (error->failed) {
+    std::fprintf(stderr, "a kernel gave up a wait (where %u, cause %u): times are void\n", error->where, error->cause);
+    std::exit(1);
+  }
   std::printf("| %d | %d | %d x %d, %d/row | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", hidden,
               tokens, blocks, threads, grid[2], empty_us, relaxed_us, claim_us, epoch_us, slot_us, plain_us, fused_us,
               fused_pdl_us);
