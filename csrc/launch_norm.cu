@@ -43,7 +43,7 @@ struct NormGrid {
 NormGrid norm_grid(int64_t rows, int row_packs, int block_limit, uint64_t scratch_words, int max_split) {
   const int64_t segments = (row_packs + kNormSegmentPacks - 1) / kNormSegmentPacks;
   const int64_t slices = row_packs <= kNormThreads ? 1 : (row_packs + kNormSlicePacks - 1) / kNormSlicePacks;
-  int64_t split = std::min<int64_t>({slices, block_limit / rows, segments});
+  int64_t split = std::min<int64_t>(slices, block_limit / rows);  // slices <= segments (push_norm.cuh)
   if (max_split > 0) split = std::min<int64_t>(split, max_split);
   if (split > 1) split = std::min<int64_t>(split, static_cast<int64_t>(scratch_words / (rows * segments)));
   split = std::max<int64_t>(split, 1);

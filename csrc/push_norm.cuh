@@ -45,6 +45,7 @@ constexpr uint64_t kNormMaxRowBytes = static_cast<uint64_t>(kNormThreads) * kNor
 constexpr int kNormSegmentPacks = 8;
 // Packs of a split row's slice, about (launch_norm.cu norm_grid): a pack per thread, as push_one_shot.
 constexpr int kNormSlicePacks = kPushThreads;
+static_assert(kNormSlicePacks % kNormSegmentPacks == 0, "a slice is whole segments: never more slices than segments");
 constexpr int kNormMaxSegments = kNormThreads * kNormPacksPerThread / kNormSegmentPacks;
 constexpr uint32_t kPartialTagBit = 0x80000000u;
 
