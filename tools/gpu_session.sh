@@ -2,9 +2,15 @@
 # One call on the lent GPU machine: build, GPU tests, demo, benchmarks; under $OUT, session.log and
 # results.tar (each step's new tables and plots from bench/results/, appended when the step ends: a
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
-# Usage: tools/gpu_session.sh [build] [native] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]] [cpu-tests]
-#        [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]] [one-gpu-bench-NAME[=ARGS]]
-#        [eager-breakdown] [soak[=ARGS]] [floor]
+# Usage: tools/gpu_session.sh [build] [native] [mps] [no-mps] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]]
+#        [lanes[=SECONDS]] [cpu-tests] [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]]
+#        [one-gpu-bench-NAME[=ARGS]] [eager-breakdown[=ARGS]] [soak[=ARGS]] [floor] [peer-exit]
+# mps starts CUDA's Multi-Process Service (its own pipe and log folders under /tmp) for the stages after it,
+# so that ranks sharing this one GPU run their kernels at once (docs/design.md, evidence levels); no-mps,
+# or the end of the script, stops it and appends its logs to the session log. Without it ranks sharing
+# the GPU are time-sliced. The card's settings are never touched.
+# lanes runs tests/gpu with the ranks sharing this GPU in parallel lanes (LANES below), each lane's log
+# in the session log, within SECONDS (default 540).
 # NAME: allreduce, decode, norm, attention, ulysses, capture, or the one-GPU chunking and pack (they run
 # in one process on one GPU); ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
@@ -14,6 +20,8 @@
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 # floor builds and runs the one-GPU floor tools (tools/all_reduce_floor.cu, tools/norm_floor.cu) against the
 # library in graphar/ (built by `build`, or carried), each table in the log.
+# peer-exit builds tools/peer_exit.cu and runs it for legacy CUDA IPC and for VMM file descriptors: whether a
+# peer's memory outlives its process (run it before and after mps).
 # soak runs tools/soak.py (issue 33): the full soak on 2 GPUs, its report under bench/results/; ARGS go to it,
 # e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, 1-2 minutes) or
 # "soak=--cases replay" then "soak=--cases exchange,two-streams" (the full run in two calls of the device tool).
@@ -46,6 +54,61 @@ carried_wheels() {  # the wheels in .whl/, where given, importable from here on
 native() {
   step native 300 python -c "from graphar import native_op as n; assert n.library() is not None, 'see the log above'"
 }
+mps_dir=""
+mps_start() {
+  [ -z "$mps_dir" ] || return 0
+  mps_dir=$(mktemp -d /tmp/graphar-mps.XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  echo "=== mps on: $mps_dir ($(date +%T))" | tee -a "$log"
+}
+mps_stop() {
+  [ -n "$mps_dir" ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  for f in control server; do
+    echo "=== mps $f.log" >>"$log"
+    cat "$CUDA_MPS_LOG_DIRECTORY/$f.log" >>"$log" 2>/dev/null
+  done
+  echo "=== mps off; the server's fault lines:" | tee -a "$log"
+  grep -i -E 'fatal|exception|error|xid' "$CUDA_MPS_LOG_DIRECTORY/server.log" 2>/dev/null | tail -n 20
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  mps_dir=""
+}
+trap mps_stop EXIT
+# The GPU tests in lanes that take about as long each (ranks sharing the GPU), run side by side.
+LANES=(
+  "tests/gpu/test_faults.py -k late_peer"
+  "tests/gpu/test_faults.py -k swapped_orders or dies or loses_its_claim"
+  "tests/gpu/test_faults.py -k two_streams"
+  "tests/gpu/test_allreduce.py tests/gpu/test_graphs.py tests/gpu/test_lifetime.py"
+  "tests/gpu/test_push.py tests/gpu/test_norm.py tests/gpu/test_mesh.py"
+  "tests/gpu/test_compile_gpu.py tests/gpu/test_ulysses.py tests/gpu/test_overlap.py"
+)
+lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to the session log when all end
+  local limit=$1 dir pids=() i
+  dir=$(mktemp -d)
+  echo "=== lanes ($(date +%T), ${#LANES[@]} at once, ${limit} s)" | tee -a "$log"
+  for i in "${!LANES[@]}"; do
+    read -r -a words <<<"${LANES[$i]}"
+    local files=() k=()
+    for w in "${words[@]}"; do [[ $w == tests/* ]] && files+=("$w"); done
+    [[ ${LANES[$i]} == *" -k "* ]] && k=(-k "${LANES[$i]#* -k }")
+    GRAPHAR_TEST_SHARE_GPU=1 timeout --kill-after=10 "$limit" python -m pytest -v -rfEs --tb=short -p no:cacheprovider \
+      "${files[@]}" "${k[@]}" >"$dir/lane$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    echo "=== lane $i (${LANES[$i]}) rc=$?: $(tail -n 1 "$dir/lane$i.log")" | tee -a "$log"
+  done
+  for i in "${!LANES[@]}"; do
+    echo "=== lane $i log" >>"$log"
+    cat "$dir/lane$i.log" >>"$log"
+    grep -E "^(FAILED|ERROR)" "$dir/lane$i.log" | cut -c1-300
+  done
+}
 for stage in "$@"; do
   case "$stage" in
     build)
@@ -54,6 +117,12 @@ for stage in "$@"; do
       step build 400 python -m pip install --no-build-isolation --no-deps -e .
       native ;;
     native) native ;;
+    mps) mps_start ;;
+    no-mps) mps_stop ;;
+    lanes|lanes=*) limit=${stage#lanes=}; [ "$limit" = lanes ] && limit=540; lanes "$limit" ;;
+    peer-exit)
+      step peer-exit 120 bash -c "nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/peer_exit \
+        tools/peer_exit.cu && /tmp/peer_exit legacy; /tmp/peer_exit vmm" ;;
     # -v: a step cut at its limit still shows which tests passed and failed.
     tests=*) step tests 560 python -m pytest -v -x -rs --tb=short ${stage#tests=} ;;
     tests) step tests 560 python -m pytest -v -rfs --tb=short --durations=10 tests/gpu ;;  # about 480 s on 2 H200
@@ -69,7 +138,9 @@ for stage in "$@"; do
       carried_wheels
       step one-gpu-clients 560 python tools/one_gpu_clients.py ;;
     doctor) step doctor 240 python -m graphar doctor ;;
-    eager-breakdown) step eager-breakdown 240 python tools/eager_breakdown.py --algo push-oneshot ;;
+    eager-breakdown|eager-breakdown=*)
+      args="--algo push-oneshot"; [ "$stage" != eager-breakdown ] && args=${stage#eager-breakdown=}
+      step eager-breakdown 240 python tools/eager_breakdown.py $args ;;
     demo) step demo 240 python -m graphar demo ;;
     floor)
       for tool in all_reduce_floor norm_floor; do

@@ -7,9 +7,11 @@ visible. A worker that raises makes the test fail with its traceback; a worker s
 the deadline is killed and the test fails naming it.
 
 GRAPHAR_TEST_SHARE_GPU=1 runs every rank on cuda:0 over a gloo default group, graphar's set-up
-relaxed as tools/one_gpu_check.py relaxes it: a dry run of these tests where only one GPU is lent
-(it proves the tests run, never speed; cases that capture an NCCL collective fail there, as gloo
-cannot be captured).
+relaxed as tools/one_gpu_check.py relaxes it, for where only one GPU is lent (cases that capture an
+NCCL collective skip there, as gloo cannot be captured). Two forms (docs/design.md, evidence levels):
+under CUDA's Multi-Process Service (tools/gpu_session.sh stage `mps`) the ranks' kernels run at once,
+so orderings and per-call costs are real without the link, and world sizes 2 and 4 run; without it
+the GPU time-slices the ranks (each spin-wait ends at a context switch), two ranks only.
 """
 
 from __future__ import annotations
@@ -31,8 +33,18 @@ import torch.multiprocessing as mp
 from graphar._launch import free_port
 
 SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
-# On a shared GPU two ranks only: tools/one_gpu_check.py runs the larger worlds' kernels there.
-WORLD_SIZES = (2,) if SHARED_GPU else (2, 4, 6, 8)
+
+
+def mps_running() -> bool:
+    """Whether CUDA's Multi-Process Service would serve this process's contexts: its control pipe is
+    where the client looks for it (CUDA_MPS_PIPE_DIRECTORY, else the default folder)."""
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").exists()
+
+
+# Ranks sharing the GPU under MPS run at once; time-sliced, two ranks only (tools/one_gpu_check.py runs
+# the larger worlds' kernels there).
+MPS = SHARED_GPU and mps_running()
+WORLD_SIZES = (2, 4) if MPS else (2,) if SHARED_GPU else (2, 4, 6, 8)
 # A test body takes at most about 25 s there: a hang must not eat the dry run's whole time limit
 # (GRAPHAR_TEST_SHARED_DEADLINE_S lifts it for a long run made on purpose, e.g. 200 compiles).
 SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"))
@@ -61,6 +73,7 @@ def _entry(
     args: tuple[Any, ...],
     env: dict[str, str],
     error_dir: str,
+    meet_at_end: bool,
 ) -> None:
     # Tests set their communicators up with graphar.init; a group without one is their NCCL case.
     os.environ.update({"GRAPHAR_AUTO_INIT": "0", **env})
@@ -71,7 +84,8 @@ def _entry(
         init_world(rank, world_size, port)
         fn(rank, world_size, *args)
         torch.cuda.synchronize()
-        dist.barrier(device_ids=[torch.cuda.current_device()])
+        if meet_at_end:
+            dist.barrier(device_ids=[torch.cuda.current_device()])
     except BaseException:  # noqa: BLE001  (whatever ends a rank, its peers and the test must hear of it)
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)  # skip teardown that could wait on peers that are gone
@@ -103,19 +117,23 @@ def run_workers(
     *args: Any,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    meet_at_end: bool = True,
 ) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL)."""
+    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL). The ranks meet once
+    more after fn (`meet_at_end`), so none exits while a peer's kernel may still use its memory; a test
+    in which a rank dies on purpose skips that meeting."""
     if torch.cuda.device_count() < (1 if SHARED_GPU else world_size):
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
     context = _context()
     with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:
         port = free_port()
         procs = [
-            context.Process(target=_entry, args=(fn, rank, world_size, port, args, env or {}, error_dir))
+            context.Process(target=_entry, args=(fn, rank, world_size, port, args, env or {}, error_dir, meet_at_end))
             for rank in range(world_size)
         ]
         for p in procs:
             p.start()
+        WORKERS[:] = [p.pid for p in procs]
         timeout_s = min(timeout_s, SHARED_DEADLINE_S) if SHARED_GPU else timeout_s
         deadline = time.monotonic() + timeout_s
         for p in procs:
@@ -135,6 +153,10 @@ def run_workers(
         pytest.fail(head + "\n".join(failures), pytrace=False)
 
 
+# The process ids of the last run_workers' ranks, in rank order (conftest.py names them beside a fault).
+WORKERS: list[int] = []
+
+
 def _context() -> Any:
     """Fresh processes (CUDA cannot be forked) started by a forkserver that imported torch once: a
     worker then starts in a fraction of a second instead of importing torch itself (seconds per
@@ -149,10 +171,10 @@ def _read(path: Path) -> str:
 
 
 def repetitions(n: int) -> int:
-    """How many of a stress test's n repetitions to run: all of them on GPUs of their own; on a shared
-    GPU, where ranks take turns at every barrier (milliseconds each), a hundredth, so the dry run
-    ends inside its time limit."""
-    return max(10, n // 100) if SHARED_GPU else n
+    """How many of a stress test's n repetitions to run: all of them on GPUs of their own or under MPS;
+    on a time-sliced GPU, where ranks take turns at every barrier (milliseconds each), a hundredth, so
+    the dry run ends inside its time limit."""
+    return max(10, n // 100) if SHARED_GPU and not MPS else n
 
 
 def integer_valued(numel: int, dtype: torch.dtype, low: int = -8, high: int = 8) -> torch.Tensor:
@@ -203,6 +225,19 @@ def set_barrier_counters(comm: Any, value: int) -> None:
     comm.all_gather(None, "barrier counter reset (idle)")
     _cuda.check(_cuda.library().graphar_comm_set_barrier_counters(comm.handle, value), "set barrier counters")
     comm.all_gather(None, "barrier counter reset (done)")
+
+
+def registered_buffer(comm: Any, nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of this rank's registered input buffer, as uint8 (through the library's test-only
+    entry point): what an eager or copy-in call's kernel copies its input into, and peers read."""
+    import ctypes
+
+    from graphar import _cuda
+    from graphar.comm.exchange import _DeviceMemory
+
+    ptr = ctypes.c_uint64()
+    _cuda.check(_cuda.library().graphar_comm_registered_buffer(comm.handle, ctypes.byref(ptr)), "registered buffer")
+    return torch.as_tensor(_DeviceMemory(ptr.value, nbytes), device="cuda")
 
 
 def assert_timed_out_for_good(call: Callable[[], object], group_name: str, barrier: str) -> None:
