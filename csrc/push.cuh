@@ -22,10 +22,15 @@
 //
 // Call words. Two graphs replayed in different orders on two ranks (unordered streams) meet at one
 // epoch, and each rank would sum its data of one call with the peer's of the other. So each block
-// also stores its launch's call word (BarrierParams::call) into every peer it exchanges data with,
-// in the peer's Signal at the same epoch, and compares the word it receives with its own before any
-// of the block's output stands: another word poisons the block (kSwapped). One word per block and
-// peer, as the data: a word written again two calls later finds the reset done, as a slot does.
+// also stores its launch's call word (BarrierParams::call) into every peer, in the peer's Signal at
+// the same epoch, and compares the word it receives from every peer with its own before any of the
+// block's output stands: another word poisons the block (kSwapped). One word per block and peer, as
+// the data: a word written again two calls later finds the reset done, as a slot does, and for the
+// reason a slot does: the writer completed the call in between, which needed data the reader sent
+// after it emptied the word, directly or through the last rank. Every pair, not only the pairs that
+// exchange data: in a two-shot with fewer packs than ranks, rank i's sums come from the last rank
+// alone, and a rank j in another call is seen only in j's own word (the last rank forwards sums
+// before it checks words); a word from every peer makes every rank see it, and fail itself.
 #pragma once
 
 #include "barrier.cuh"
@@ -83,18 +88,12 @@ __device__ __forceinline__ void reset_slot(uint4* addr) { st_slot(addr, make_uin
 // The call word a receiving block finds from a peer: never 0, which marks an empty word.
 __device__ __forceinline__ Flag call_word(const BarrierParams& p) { return p.call | 0x80000000u; }
 
-// This thread's peer for the call words: threadIdx.x, when it is a peer and the two exchange data in
-// this call (`with(peer)`); -1 otherwise.
-template <int kRanks, typename With>
-__device__ __forceinline__ int word_peer(const BarrierParams& p, With with) {
+// This thread's peer for the call words: threadIdx.x, when it is another rank; -1 otherwise.
+template <int kRanks>
+__device__ __forceinline__ int word_peer(const BarrierParams& p) {
   const int peer = threadIdx.x;
-  return peer < kRanks && peer != p.rank && with(peer) ? peer : -1;
+  return peer < kRanks && peer != p.rank ? peer : -1;
 }
-
-// Whether two ranks exchange data in a call, for kernels where every pair does.
-struct EveryPeer {
-  __device__ __forceinline__ bool operator()(int) const { return true; }
-};
 
 // The call word into peer `peer`'s Signal at this epoch, where its block blockIdx.x reads it (-1: none).
 template <int kRanks>
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_one_shot(PushParams p) {
   const PushCall<kRanks> c(p);
   const BarrierParams& bp = p.barrier;
   constexpr int kBatch = PushBatch<kRanks>::value;
-  const int peer = c.failed ? -1 : word_peer<kRanks>(bp, EveryPeer{});
+  const int peer = c.failed ? -1 : word_peer<kRanks>(bp);
   if (!c.failed) {
     send_call<kRanks>(bp, c.epoch, peer);
     push_packs<kBatch>(c.in, p.packs, c.first, c.stride,
@@ -326,9 +325,7 @@ __global__ void __launch_bounds__(kPushThreads, 1) push_two_shot(PushParams p) {
   const Shards sh(p.packs, kRanks);
   const int start = bp.rank * sh.part;
   const int size = bp.rank == kRanks - 1 ? sh.largest : sh.part;
-  // Two ranks exchange data when either owns a shard: with fewer packs than ranks, only the last does.
-  const int peer =
-      word_peer<kRanks>(bp, [&](int r) { return sh.part > 0 || r == kRanks - 1 || bp.rank == kRanks - 1; });
+  const int peer = word_peer<kRanks>(bp);
   // This thread's share, false at the first receive that timed out.
   auto run = [&]() -> bool {
     send_call<kRanks>(bp, c.epoch, peer);

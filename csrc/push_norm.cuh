@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) push_one_shot_norm(NormParams
   epoch_regions<kRanks>(q, epoch, region);
   uint4* mine = nth<kRanks>(region, bp.rank);
 
-  const int peer = refused ? -1 : word_peer<kRanks>(bp, EveryPeer{});  // call words (push.cuh)
+  const int peer = refused ? -1 : word_peer<kRanks>(bp);  // call words (push.cuh)
   if (!refused) {  // push every pack of the block's slices into every peer's slot, kBatch loads in flight
     send_call<kRanks>(bp, epoch, peer);
     constexpr int kBatch = PushBatch<kRanks>::value;
