@@ -18,12 +18,12 @@
 namespace graphar {
 
 constexpr int kThreads = 512;
-static_assert(kClaimer < kThreads, "claim_and_start's claimer is a thread of the block");
+static_assert(kThreads >= 64, "claim_and_start's claimer and named barrier take warps 0 and 1");
 
 struct Params {
   BarrierParams barrier;
   const RankData* data;  // the ws input pointers of this call
-  const void* copy_in;   // non-null: first copy this rank's input into data->ptrs[rank] (eager path)
+  const void* copy_in;   // non-null: first copy this rank's input into data->ptrs[rank] (eager, copy-in and staged paths)
   void* out;
   int packs;             // message size in 16-byte packs
 };

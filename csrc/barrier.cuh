@@ -89,9 +89,12 @@ struct BarrierParams {
   Signal* self;
   ErrorRecord* error;
   uint64_t timeout_ns;  // 0: spin without bound
-  // This launch's number on this rank (1, 2, ... below 2^48), as count_in and alone tell its blocks from
-  // another kernel's. A replay of a graph repeats it, and replays of one graph never overlap.
+  // This launch's number on this rank (1, 2, ...). A replay of a graph repeats it, and replays of one
+  // graph never overlap.
   uint64_t tag;
+  // What count_in adds for each block of this launch, so that alone tells its blocks from another
+  // kernel's: claim_word(tag), mixed on the host.
+  uint64_t claim;
   int rank;
   // 1 when the launch was captured into a CUDA graph, 0 when eager: equal on every rank for the same
   // call, so a peer met in the other class is in another call (calls on unordered streams).
@@ -166,11 +169,13 @@ __device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t 
 // and the peers' slots, so two of them running at once on a rank (a graph replay and an eager call on
 // streams that are not ordered, say) would corrupt each other. Each block adds (tag << 16) + 1 to
 // Signal::running when it starts and takes it away when it ends: a block that finds a block of
-// another kernel running (the tags in the sum are not all its own) has lost, writes poison and marks
-// the group failed. It touches nothing shared, but for the arrival that claim_and_start stores beside
-// the claim and takes back; the kernel it met then fails too, or is undisturbed; the peers fail at
-// their next meeting with this rank. Tags below 2^48 and at most 2^16 blocks running: the sum of n tags
-// equals n times one tag only if they are all that tag.
+// another kernel running (the sum is not n times its own word) has lost, writes poison and marks the
+// group failed. It touches nothing shared, but for the arrival that claim_and_start stores beside the
+// claim and takes back; the kernel it met then fails too, or is undisturbed; the peers fail at their
+// next meeting with this rank. The word is an odd 48-bit hash of the launch's tag, not the tag itself:
+// with three launches at once, tags t - 1 and t + 1 sum like two blocks of t, and launch t would
+// believe itself alone; hashed, other launches' words sum to a multiple of this one's only by a chance
+// of about 2^-48 a claim. Odd, so that n blocks of one launch never sum like m != n blocks of it.
 //
 // The count-out is relaxed: a release would fence every block's end (0.3 us a launch on a loopback).
 // Kernels of one stream are ordered by it (PDL's wait included), so the count-out orders only kernels
@@ -182,9 +187,23 @@ __device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t 
 
 constexpr int kRunningCountBits = 16;
 constexpr unsigned long long kRunningCount = (1ull << kRunningCountBits) - 1;
+constexpr unsigned long long kClaimMask = (1ull << (64 - kRunningCountBits)) - 1;
+
+// BarrierParams::claim for a launch's tag: splitmix64's finalizer, to 48 odd bits.
+__host__ __device__ constexpr uint64_t claim_word(uint64_t tag) {
+  uint64_t z = tag + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return ((z ^ (z >> 31)) & kClaimMask) | 1;
+}
+
+// Whether Signal::running, as count_in found it, held only blocks of the launch with this claim word.
+__host__ __device__ constexpr bool only_this_launch(unsigned long long running, uint64_t claim) {
+  return (running >> kRunningCountBits) == (((running & kRunningCount) * claim) & kClaimMask);
+}
 
 __device__ __forceinline__ unsigned long long running_entry(const BarrierParams& p) {
-  return (p.tag << kRunningCountBits) + 1;
+  return (p.claim << kRunningCountBits) + 1;
 }
 
 // One thread of each block: counts the block in, and returns the word as it was before. The atomic's
@@ -201,9 +220,7 @@ __device__ __forceinline__ unsigned long long count_in(const BarrierParams& p) {
 // Whether the block counted in alone (`before`: count_in's result): false when another kernel's block
 // is running, after recording it (found at `where`).
 __device__ __forceinline__ bool alone(const BarrierParams& p, unsigned long long before, Where where) {
-  const unsigned long long blocks = before & kRunningCount;
-  const bool only_ours =
-      (before >> kRunningCountBits) == ((blocks * p.tag) & ((1ull << (64 - kRunningCountBits)) - 1));
+  const bool only_ours = only_this_launch(before, p.claim);
   if (!only_ours) record_failure(p.self, p.error, where, p.rank, kConcurrent);
   return only_ours;
 }
@@ -269,17 +286,20 @@ __device__ __forceinline__ Cause mismatch_cause(Flag seen, Flag val) {
   return ((seen ^ val) & kGraphCall) ? kOutOfStep : kSwapped;
 }
 
-// Spins until *flag == val; false on timeout, when the peer took its arrival back, or when it arrived
-// in another call. Equality, not >=, because the count wraps; the stale value in a slot is always
-// two counts back, never this count.
+// Spins until *flag == val; false on timeout, when the peer took its arrival back, when it arrived in
+// another call, or once *lost_claim (in shared memory, where given) says the block lost its claim:
+// then no peer's arrival can let it on, and the claimer recorded why. Equality, not >=, because the
+// count wraps; the stale value in a slot is always two counts back, never this count.
 template <bool kOrdered>
-__device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer) {
+__device__ __forceinline__ bool wait_flag(Flag* flag, Flag val, const BarrierParams& p, Where where, int peer,
+                                          const uint32_t* lost_claim) {
   Deadline deadline;
   for (Flag v; (v = ld_flag<kOrdered>(flag)) != val;) {
     if ((v & kCount) == (val & kCount)) {  // this count, but retracted or of another call
       record_failure(p.self, p.error, where, peer, mismatch_cause(v, val));
       return false;
     }
+    if (lost_claim != nullptr && *static_cast<const volatile uint32_t*>(lost_claim) != 0) return false;
     if (!deadline.keep_waiting(p, where, peer)) return false;
   }
   return true;
@@ -342,44 +362,51 @@ __device__ __forceinline__ Arrival arrival(const BarrierParams& p, bool check_fa
 
 // A kernel's claim (one kernel at a time, above) and its entry barrier's arrival, whose loads travel
 // beside the claim's atomic: they go out first (a load after the acquire would wait for it), and
-// nothing reads them before the block barrier (the compiler would wait for them there, before the
-// atomic goes out). Every thread learns whether the block may go on. Before the block touches anything
-// shared.
+// nothing reads them before the atomic went out (the compiler would wait for them there). Every thread
+// learns whether the block may go on: it won the claim and the group had not failed. Before the block
+// touches anything shared.
 template <int kRanks>
 __device__ __forceinline__ bool claim_block(const BarrierParams& p, Where where, Arrival& entry) {
   entry = arrival<kRanks>(p, true);
   const bool lost = threadIdx.x == 0 && !enter_alone(p, where);
-  const bool won = __syncthreads_or(lost) == 0;  // the block sync's reduction tells every thread
-  asm volatile("" : "+r"(entry.failed), "+r"(entry.counter));  // their first use is after this point
-  return won;
+  asm volatile("" : "+r"(entry.failed), "+r"(entry.counter));  // their first use is after the atomic went out
+  // A group that failed before this kernel goes no further either: its copy-in would refill the buffer
+  // a late peer may still be reading. The block sync's reduction tells every thread.
+  return __syncthreads_or(lost || entry.failed != 0) == 0;
 }
 
 // The barrier, with the arrival its lanes read before (at a kernel's entry, beside the claim), and whether
-// the block lost its claim meanwhile (claim_and_start; in one thread, which the block's vote tells all).
+// the block lost its claim meanwhile (claim_and_start: `lost` in the claimer, which the block's vote tells
+// all, and `lost_claim` in shared memory, which the waiting lanes poll). Only a block that passed
+// advances its count: a block that lost its claim leaves the counts to the kernel that won.
 template <int kRanks, Form kForm>
 __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where where, const Arrival& a,
-                                                  bool lost = false) {
+                                                  bool lost = false, const uint32_t* lost_claim = nullptr) {
   constexpr bool kOrdered = kForm == Form::kFenced;
   if constexpr (kForm != Form::kStart) __syncthreads();
   bool timed_out = false;
   Flag* theirs = nullptr;  // where this lane stored its arrival
-  Flag val = 0;
+  const Flag count = a.counter + 1;
+  const Flag val = flag_value(count, p);
   if (threadIdx.x < kRanks) {
     const int peer = threadIdx.x;
-    const Flag count = a.counter + 1;
-    val = flag_value(count, p);
     if (a.failed != 0) {
       timed_out = true;  // meets no peer: they give up too, then fail alike
     } else {
-      p.self->self_counter[blockIdx.x][peer] = count;
       theirs = &nth<kRanks>(p.signals.signals, peer)->peer_counter[val & 1][blockIdx.x][p.rank];
       Flag* mine = &p.self->peer_counter[val & 1][blockIdx.x][peer];
       st_flag<kOrdered>(theirs, val);
-      timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer);
+      timed_out = !wait_flag<kOrdered>(mine, val, p, where, peer, lost_claim);
     }
   }
   const bool block_failed = __syncthreads_or(timed_out || lost);  // tells the whole block whether to go on
-  if (block_failed && theirs != nullptr) st_flag<false>(theirs, val ^ kRetracted);
+  if (theirs != nullptr) {
+    if (block_failed) {
+      st_flag<false>(theirs, val ^ kRetracted);
+    } else {
+      p.self->self_counter[blockIdx.x][threadIdx.x] = count;
+    }
+  }
   return !block_failed;
 }
 
@@ -393,15 +420,29 @@ __device__ __forceinline__ bool multi_gpu_barrier(const BarrierParams& p, Where 
 // The claim and the entry barrier of a kernel whose input was written before it (Form::kStart), at
 // once: the lanes store their arrival and wait while thread kClaimer, in another warp (its acquire
 // stalls its warp, not theirs), counts the block in. A block that lost has stored its arrival but read
-// nothing shared; it takes the arrival back like a block whose peer never came, so a peer that passed
-// on it fails at its next barrier with this rank, which this rank never reaches.
+// nothing shared; its claimer says so in shared memory, so the lanes stop waiting at once (not when
+// the peers come, or the timeout), and it takes the arrival back like a block whose peer never came, so
+// a peer that passed on it fails at its next barrier with this rank, which this rank never reaches.
+// The verdict word is cleared by warp 0 before the claimer may write it: named barrier kClaimBarrier,
+// which warp 0 passes without waiting (bar.arrive) and warp 1 waits at (bar.sync), orders the two.
 constexpr int kClaimer = 32;
+constexpr int kClaimBarrier = 1;  // 0 is __syncthreads'
 
 template <int kRanks>
 __device__ __forceinline__ bool claim_and_start(const BarrierParams& p, Where where) {
+  __shared__ uint32_t lost_claim;
   const Arrival a = arrival<kRanks>(p, true);
-  const bool lost = threadIdx.x == kClaimer && !enter_alone(p, where);
-  return multi_gpu_barrier<kRanks, Form::kStart>(p, where, a, lost);
+  bool lost = false;
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) lost_claim = 0;
+    __syncwarp();  // the lanes that poll the word see it cleared
+    asm volatile("bar.arrive %0, 64;" ::"n"(kClaimBarrier) : "memory");
+  } else if (threadIdx.x < 64) {
+    asm volatile("bar.sync %0, 64;" ::"n"(kClaimBarrier) : "memory");
+    lost = threadIdx.x == kClaimer && !enter_alone(p, where);
+    if (lost) *static_cast<volatile uint32_t*>(&lost_claim) = 1;
+  }
+  return multi_gpu_barrier<kRanks, Form::kStart>(p, where, a, lost, &lost_claim);
 }
 
 // A v1 kernel's claim and entry, either way: with copy-in (`copy` writes this rank's registered buffer,

@@ -267,6 +267,11 @@ int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
   return 0;
 }
 
+int graphar_comm_registered_buffer(void* comm, uint64_t* ptr_out) {
+  *ptr_out = reinterpret_cast<uint64_t>(as_comm(comm)->buffer);
+  return 0;
+}
+
 int graphar_comm_destroy(void* comm) {
   Comm* c = as_comm(comm);
   if (c == nullptr) return 0;

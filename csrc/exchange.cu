@@ -125,8 +125,7 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   }
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   AllToAllParams p{};
-  p.barrier = barrier_params(c, mode == GRAPHAR_EAGER);
-  p.barrier.tag = lease;  // the exchange's copies count in beside its lease (exchange_lease)
+  p.barrier = barrier_params(c, mode == GRAPHAR_EAGER, lease);  // counted in beside the lease (exchange_lease)
   p.give_back = (flags & GRAPHAR_A2A_LAST) != 0;
   p.out = reinterpret_cast<void*>(output);
   const bool pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;

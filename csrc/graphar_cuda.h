@@ -29,7 +29,7 @@ enum {
                               // (the library asks the stream) calls are serialized across streams.
   GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
-  GRAPHAR_STAGED = 3,         // copy into the registered buffer first, then read through a graph slot
+  GRAPHAR_STAGED = 3,         // the kernel copies into the registered buffer, which peers read through a graph slot
   GRAPHAR_EAGER_ONLY = 4,     // GRAPHAR_EAGER, but a capturing stream gets no launch: GRAPHAR_CAPTURING
                               // (graphar::all_reduce's C++ kernel: captures go to the Python kernel)
 };
@@ -151,6 +151,8 @@ int graphar_comm_graph_mappings(void* comm, int* open, int* unused);
 // Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
 // with the same value while no kernel of the communicator runs anywhere.
 int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
+// Test only: where this rank's registered input buffer (max_bytes) starts, for a test to read it.
+int graphar_comm_registered_buffer(void* comm, uint64_t* ptr_out);
 // Waits for the device, closes the peers' mappings and frees everything, even after an error. If a
 // launch of it was captured into a CUDA graph, which may outlive it, it instead marks the group failed
 // and keeps its buffers and mappings for the rest of the process: a later replay writes NaN.

@@ -29,13 +29,14 @@ int wait_for_previous(Comm* c, cudaStream_t stream) {
 
 namespace graphar {
 
-BarrierParams barrier_params(const Comm* c, bool eager) {
+BarrierParams barrier_params(const Comm* c, bool eager, uint64_t tag) {
   BarrierParams b{};
   b.signals = c->signals;
   b.self = c->signals.signals[c->rank];
   b.error = c->error_device;
   b.timeout_ns = c->timeout_ns;
-  b.tag = c->launches + 1;
+  b.tag = tag != 0 ? tag : c->launches + 1;
+  b.claim = claim_word(b.tag);
   b.rank = c->rank;
   b.graph = eager ? 0 : 1;
   b.call = eager ? 0 : static_cast<uint32_t>(c->captured_launches + 1);
@@ -142,13 +143,12 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   Params p{};
   p.barrier = barrier_params(c, eager);
   p.data = c->slots + (graph_slot ? a.slot : 0);
-  p.copy_in = graph_slot ? nullptr : reinterpret_cast<const void*>(a.input);
+  // A staged input (graphar.graph, where legacy IPC cannot share it) is copied in by the kernel after its
+  // claim, as an eager call's is: a copy before the kernel could run while another kernel of the
+  // communicator (an eager call on another stream) holds the registered buffer.
+  p.copy_in = a.path == GRAPHAR_ZERO_COPY ? nullptr : reinterpret_cast<const void*>(a.input);
   p.out = reinterpret_cast<void*>(a.output);
   p.packs = packs;
-  if (a.path == GRAPHAR_STAGED) {
-    CUDA_TRY(cudaMemcpyAsync(c->buffer, reinterpret_cast<const void*>(a.input), a.nbytes, cudaMemcpyDeviceToDevice,
-                             stream));
-  }
   const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
   return launch(c, eager, kernel, &p, blocks, kThreads, stream, a.pdl != 0);
 }

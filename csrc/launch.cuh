@@ -47,8 +47,9 @@ auto by_ranks(int ranks, F f) -> decltype(f(Ranks<2>{})) {
   }
 }
 
-// What the next launch's barrier reads, from the communicator; eager: not captured.
-BarrierParams barrier_params(const Comm* c, bool eager);
+// What the next launch's barrier reads, from the communicator; eager: not captured. tag: the launch's,
+// when not the next launch's own (an exchange's copies count in under their lease's).
+BarrierParams barrier_params(const Comm* c, bool eager, uint64_t tag = 0);
 
 // A push kernel's parameters for a message of nbytes from input to output.
 PushParams push_params(const Comm* c, bool eager, uint64_t input, uint64_t output, uint64_t nbytes);

@@ -85,6 +85,7 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_close_unused_mappings": (c_int, [c_void_p]),
     "graphar_comm_graph_mappings": (c_int, [c_void_p, POINTER(c_int), POINTER(c_int)]),
     "graphar_comm_set_barrier_counters": (c_int, [c_void_p, c_uint32]),
+    "graphar_comm_registered_buffer": (c_int, [c_void_p, POINTER(c_uint64)]),
     "graphar_comm_destroy": (c_int, [c_void_p]),
 }
 IPC_HANDLE_BYTES = 64

@@ -87,8 +87,67 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
         assert "trap" not in body and ".local" not in body
         assert "ld.global.v4.u32" in body or "ld.v4.u32" in body  # 16-byte packs
     # block syncs: before the fenced entry, before the exit (1stage) or the middle (2stage), and before
-    # the block counts itself out; the copy-in path's claim is a vote (bar.red), like every barrier's
-    assert one.count("bar.sync") == 3 and two.count("bar.sync") == 3
+    # the block counts itself out; the copy-in path's claim is a vote (bar.red), like every barrier's.
+    # The graph path's claimer (warp 1) waits at named barrier 1 until warp 0 cleared the verdict word
+    # its waiting lanes poll; warp 0 passes it without waiting.
+    for body in (one, two):
+        named = re.findall(r"bar\.(?:sync|arrive) 1, 64;", body)
+        assert named == ["bar.arrive 1, 64;", "bar.sync 1, 64;"], named
+        assert len(re.findall(r"bar\.sync\s+\d+;", body)) == 3
+
+
+_CLAIM_PROGRAM = r"""
+#include <cstdio>
+#include <random>
+#include "barrier.cuh"
+using namespace graphar;
+// What count_in leaves in Signal::running when these launches' blocks are in: (tag, blocks) pairs.
+template <typename Words>
+unsigned long long running(const int (*launches)[2], int n, Words word) {
+  unsigned long long sum = 0;
+  for (int i = 0; i < n; i++) sum += launches[i][1] * ((word(launches[i][0]) << kRunningCountBits) + 1);
+  return sum;
+}
+int main() {
+  auto raw = [](unsigned long long tag) { return tag; };  // what the claim counted before it was hashed
+  auto hashed = [](unsigned long long tag) { return claim_word(tag); };
+  // Launch 101's block beside one block each of launches 100 and 102.
+  const int three[3][2] = {{101, 1}, {100, 1}, {102, 1}};
+  printf("raw %d hashed %d\n", only_this_launch(running(three, 3, raw), 101),
+         only_this_launch(running(three, 3, hashed), claim_word(101)));
+  // Alone: any block count of one launch; never alone: 1 to 3 other launches of nearby tags beside it.
+  std::mt19937_64 rng(7);
+  long alone = 0, fooled = 0, trials = 0;
+  for (int t = 0; t < 200000; t++) {
+    const unsigned long long mine = 1 + rng() % 100000;
+    int launches[4][2] = {{static_cast<int>(mine), 1 + static_cast<int>(rng() % 64)}};
+    alone += only_this_launch(running(launches, 1, hashed), claim_word(mine));
+    const int others = 1 + static_cast<int>(rng() % 3);
+    for (int i = 1; i <= others; i++) {
+      const long delta = 1 + static_cast<long>(rng() % 8);
+      launches[i][0] = static_cast<int>(rng() % 2 ? mine + delta : mine - delta);
+      launches[i][1] = 1 + static_cast<int>(rng() % 64);
+    }
+    fooled += only_this_launch(running(launches, others + 1, hashed), claim_word(mine));
+    trials++;
+  }
+  printf("alone %ld of %ld, fooled %ld\n", alone, trials, fooled);
+}
+"""
+
+
+@needs_nvcc
+def test_the_claim_tells_three_launches_apart(tmp_path: Path) -> None:
+    """A block is alone when Signal::running is its block count times its launch's claim word. With the
+    tag itself as the word, launch 101 beside launches 100 and 102 (one block each) believed itself
+    alone; the hashed word tells it, and 200000 random sets of up to three nearby launches beside one."""
+    source = tmp_path / "claim.cu"
+    source.write_text(_CLAIM_PROGRAM)
+    program = tmp_path / "claim"
+    nvcc = _cuda.find_nvcc()
+    subprocess.run([nvcc, "-std=c++17", "-I", str(_cuda.source_dir()), "-o", str(program), str(source)], check=True)
+    lines = subprocess.run([str(program)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == ["raw 1 hashed 0", "alone 200000 of 200000, fooled 0"], lines
 
 
 # One instance of each all-reduce kernel, as its mangled name holds it (dtype, world size).

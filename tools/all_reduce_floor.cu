@@ -112,6 +112,7 @@ struct Ranks {
     bp.error = m[rank].error;
     bp.timeout_ns = 10ull * 1000 * 1000 * 1000;
     bp.tag = static_cast<uint64_t>(i) + 1;
+    bp.claim = claim_word(bp.tag);
     bp.rank = rank;
     bp.graph = 1;
     bp.call = static_cast<uint32_t>(i) + 1;

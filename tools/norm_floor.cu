@@ -196,6 +196,7 @@ void run_ladder(int hidden, int tokens, void* comm, Signal* self, ErrorRecord* e
   auto ladder = [&](auto kernel, int grid_blocks, int block) {
     return us_per_launch(s, [&, kernel, grid_blocks, block](int launch) {
       p.push.barrier.tag = static_cast<uint64_t>(launch) + 1;
+      p.push.barrier.claim = claim_word(p.push.barrier.tag);
       kernel<<<grid_blocks, block, 0, s>>>(p);
       CHECK(cudaGetLastError());
     });
