@@ -57,6 +57,10 @@ native() {
 mps_dir=""
 mps_start() {
   [ -z "$mps_dir" ] || return 0
+  if [ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]; then  # the caller's: used, left running
+    echo "=== mps already on: ${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}" | tee -a "$log"
+    return 0
+  fi
   mps_dir=$(mktemp -d /tmp/graphar-mps.XXXXXX)
   export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -77,17 +81,19 @@ mps_stop() {
   mps_dir=""
 }
 trap mps_stop EXIT
-# The GPU tests in lanes that take about as long each (ranks sharing the GPU), run side by side.
+# The GPU tests in lanes that take about as long each (ranks sharing the GPU), run side by side; then
+# test_lifetime alone, as its memory figures are the whole GPU's (torch.cuda.mem_get_info).
 LANES=(
   "tests/gpu/test_faults.py -k late_peer"
-  "tests/gpu/test_faults.py -k swapped_orders or dies or loses_its_claim"
+  "tests/gpu/test_faults.py -k swapped_orders or dies or loses_its_claim or copy_nothing"
   "tests/gpu/test_faults.py -k two_streams"
-  "tests/gpu/test_allreduce.py tests/gpu/test_graphs.py tests/gpu/test_lifetime.py"
+  "tests/gpu/test_allreduce.py tests/gpu/test_graphs.py"
   "tests/gpu/test_push.py tests/gpu/test_norm.py tests/gpu/test_mesh.py"
   "tests/gpu/test_compile_gpu.py tests/gpu/test_ulysses.py tests/gpu/test_overlap.py"
 )
-lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to the session log when all end
-  local limit=$1 dir pids=() i
+lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to the session log when all end, then
+  # test_lifetime alone in what is left of LIMIT_S
+  local limit=$1 dir pids=() i start=$SECONDS
   dir=$(mktemp -d)
   echo "=== lanes ($(date +%T), ${#LANES[@]} at once, ${limit} s)" | tee -a "$log"
   for i in "${!LANES[@]}"; do
@@ -95,7 +101,8 @@ lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to th
     local files=() k=()
     for w in "${words[@]}"; do [[ $w == tests/* ]] && files+=("$w"); done
     [[ ${LANES[$i]} == *" -k "* ]] && k=(-k "${LANES[$i]#* -k }")
-    GRAPHAR_TEST_SHARE_GPU=1 timeout --kill-after=10 "$limit" python -m pytest -v -rfEs --tb=short -p no:cacheprovider \
+    # -s: a lane cut at its limit prints no summary, but run_workers writes each failure out as it happens
+    GRAPHAR_TEST_SHARE_GPU=1 timeout --kill-after=10 "$limit" python -m pytest -v -s -rfEs --tb=short -p no:cacheprovider \
       "${files[@]}" "${k[@]}" >"$dir/lane$i.log" 2>&1 &
     pids+=($!)
   done
@@ -108,6 +115,9 @@ lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to th
     cat "$dir/lane$i.log" >>"$log"
     grep -E "^(FAILED|ERROR)" "$dir/lane$i.log" | cut -c1-300
   done
+  local left=$((limit - SECONDS + start))
+  [ "$left" -gt 30 ] && step lifetime "$left" env GRAPHAR_TEST_SHARE_GPU=1 python -m pytest -v -rfEs --tb=short \
+    -p no:cacheprovider tests/gpu/test_lifetime.py
 }
 for stage in "$@"; do
   case "$stage" in

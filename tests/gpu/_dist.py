@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 import time
 import traceback
@@ -53,8 +54,6 @@ SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"
 def _share_one_gpu() -> None:
     """Relax graphar's set-up for ranks on one GPU over gloo (tools/one_gpu_common.py), the automatic
     set-up included (GRAPHAR_AUTO_INIT still decides it)."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from one_gpu_common import relax_set_up
 
@@ -150,6 +149,7 @@ def run_workers(
         ]
     if hung or failures:
         head = f"ranks {hung} still running after {timeout_s:.0f} s, killed\n" if hung else ""
+        sys.stderr.write(head + "\n".join(failures) + "\n")  # now, for a run that is cut before pytest's summary
         pytest.fail(head + "\n".join(failures), pytrace=False)
 
 
@@ -211,7 +211,14 @@ def check_exact(comm: Any, x: torch.Tensor, algo: str | None, group: dist.Proces
     poison_next_output(x.nbytes)
     y = comm.all_reduce(x, algo=algo)
     what = f"{x.numel()} x {x.dtype}, algo {algo}"
-    assert torch.equal(y, nccl_sum(x, group)), f"differs from NCCL: {what}"
+    ref = nccl_sum(x, group)
+    if not torch.equal(y, ref):
+        wrong = y != ref
+        nan = torch.isnan(y) & wrong
+        raise AssertionError(
+            f"differs from NCCL: {what}: {int(wrong.sum())} elements, {int(nan.sum())} of them NaN, "
+            f"{int((wrong & ~nan).sum())} finite and wrong (first at {int(wrong.nonzero()[0])})"
+        )
     assert torch.equal(x, before), f"input modified: {what}"
     assert_equal_across_ranks(y, what, group)
 
