@@ -23,7 +23,7 @@ static_assert(kThreads >= 64, "claim_and_start's claimer and named barrier take 
 struct Params {
   BarrierParams barrier;
   const RankData* data;  // the ws input pointers of this call
-  const void* copy_in;   // non-null: first copy this rank's input into data->ptrs[rank] (eager, copy-in and staged paths)
+  const void* copy_in;   // non-null: first copy this rank's input into data->ptrs[rank] (all but zero copy)
   void* out;
   int packs;             // message size in 16-byte packs
 };

@@ -167,12 +167,12 @@ __device__ __forceinline__ void poison_packs(uint4* out, int64_t first, int64_t 
 //
 // The kernels of one communicator share the barrier counters, the registered buffer, the push epochs
 // and the peers' slots, so two of them running at once on a rank (a graph replay and an eager call on
-// streams that are not ordered, say) would corrupt each other. Each block adds (tag << 16) + 1 to
-// Signal::running when it starts and takes it away when it ends: a block that finds a block of
-// another kernel running (the sum is not n times its own word) has lost, writes poison and marks the
-// group failed. It touches nothing shared, but for the arrival that claim_and_start stores beside the
-// claim and takes back; the kernel it met then fails too, or is undisturbed; the peers fail at their
-// next meeting with this rank. The word is an odd 48-bit hash of the launch's tag, not the tag itself:
+// streams that are not ordered, say) would corrupt each other. Each block adds (its launch's claim
+// word << 16) + 1 to Signal::running when it starts and takes it away when it ends: a block that finds
+// a block of another kernel running (the sum is not n times its own word) has lost, writes poison and
+// marks the group failed. It touches nothing shared, but for the arrival that claim_and_start stores
+// beside the claim and takes back; the kernel it met then fails too, or is undisturbed; the peers fail
+// at their next meeting with this rank. The word is an odd 48-bit hash of the launch's tag, not the tag itself:
 // with three launches at once, tags t - 1 and t + 1 sum like two blocks of t, and launch t would
 // believe itself alone; hashed, other launches' words sum to a multiple of this one's only by a chance
 // of about 2^-48 a claim. Odd, so that n blocks of one launch never sum like m != n blocks of it.

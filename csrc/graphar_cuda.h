@@ -29,7 +29,7 @@ enum {
                               // (the library asks the stream) calls are serialized across streams.
   GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
-  GRAPHAR_STAGED = 3,         // the kernel copies into the registered buffer, which peers read through a graph slot
+  GRAPHAR_STAGED = 3,         // the kernel copies into the registered buffer; peers read it through a graph slot
   GRAPHAR_EAGER_ONLY = 4,     // GRAPHAR_EAGER, but a capturing stream gets no launch: GRAPHAR_CAPTURING
                               // (graphar::all_reduce's C++ kernel: captures go to the Python kernel)
 };
