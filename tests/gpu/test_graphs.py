@@ -219,6 +219,10 @@ def _expandable_segments(rank: int, world_size: int, ranks_expandable: tuple[int
         graph = torch.cuda.CUDAGraph()
         with graphar.graph(graph):  # staged on the expandable ranks, zero copy on the others
             ys = [comm.all_reduce(x, algo=algo) for x in xs for algo in ("1stage", "2stage")]
+        # A staged input is copied in by the kernel after its claim: no copy node of its own, which an eager
+        # call on another stream could overtake, so every rank's graph has the same edges.
+        edges = comm.all_gather(_cuda.graph_edges(graph)[0], "graph edges")
+        assert len(set(edges)) == 1, f"graph edges by rank: {edges} (a staged rank has a copy node of its own)"
         for _ in range(3):
             values = [_refill(x) for x in xs]
             graph.replay()
