@@ -16,6 +16,11 @@ from types import ModuleType
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel  # setuptools >= 70.1
+except ImportError:
+    from wheel.bdist_wheel import bdist_wheel
+
 ROOT = Path(__file__).resolve().parent
 
 
@@ -45,6 +50,18 @@ class BuildPyWithCuda(build_py):
             print(f"graphar: built {_build(cuda, package_dir)}")
 
 
+class PlatformWheel(bdist_wheel):
+    """A wheel for this platform, not a pure one: it carries the CUDA library (machine code for Linux
+    x86-64 or aarch64), which graphar loads with ctypes, so any Python 3 takes the one wheel."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
+
+
 def _build(cuda: ModuleType, package_dir: Path) -> Path:
     try:
         return cuda.build_library(package_dir)
@@ -60,5 +77,5 @@ def _build(cuda: ModuleType, package_dir: Path) -> Path:
 setup(
     packages=["graphar", "graphar.benchmarks", "graphar.comm", "graphar.kernels", "graphar.passes"],
     package_dir={"graphar.passes": "passes"},
-    cmdclass={"build_py": BuildPyWithCuda},
+    cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel},
 )

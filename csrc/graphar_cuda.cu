@@ -45,6 +45,13 @@ int cuda_fail(cudaError_t e, const char* what) {
 #else
 #define GRAPHAR_BUILD_ID_STRING "unversioned"
 #endif
+// -DGRAPHAR_TARGETS=sm_80,sm_90a,compute_80 (say): what the build compiled in, set by graphar/_cuda.py, so
+// that a user without the CUDA toolkit (no cuobjdump) can still be told whether it covers their GPU.
+#ifdef GRAPHAR_TARGETS
+#define GRAPHAR_TARGETS_STRING GRAPHAR_STRINGIFY(GRAPHAR_TARGETS)
+#else
+#define GRAPHAR_TARGETS_STRING ""
+#endif
 
 namespace {
 
@@ -85,6 +92,8 @@ extern "C" {
 const char* graphar_last_error(void) { return t_last_error.c_str(); }
 
 const char* graphar_build_id(void) { return GRAPHAR_BUILD_ID_STRING; }
+
+const char* graphar_targets(void) { return GRAPHAR_TARGETS_STRING; }
 
 int graphar_device_pci_bus_id(int device, char* out, int len) {
   CUDA_TRY(cudaDeviceGetPCIBusId(out, len, device));

@@ -43,6 +43,8 @@ enum {
 const char* graphar_last_error(void);
 // Hash of the sources this library was built from.
 const char* graphar_build_id(void);
+// The targets it was built for, comma-separated: sm_XX (machine code) and compute_XX (PTX); "" if unknown.
+const char* graphar_targets(void);
 int graphar_device_pci_bus_id(int device, char* out, int len);
 
 // Range and legacy-IPC capability of the allocation holding ptr (expandable segments: not capable).

@@ -52,6 +52,7 @@ _LONGEST_UNITS = ("launch_norm.cu", "launch.cu", "exchange.cu")
 PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_last_error": (c_char_p, []),
     "graphar_build_id": (c_char_p, []),
+    "graphar_targets": (c_char_p, []),
     "graphar_device_pci_bus_id": (c_int, [c_int, c_char_p, c_int]),
     "graphar_pointer_info": (c_int, [c_uint64, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_int)]),
     "graphar_ipc_handle": (c_int, [c_uint64, c_void_p]),
@@ -117,20 +118,27 @@ def find_nvcc() -> str | None:
 
 
 def cuda_archs() -> list[str]:
-    """Build targets (GRAPHAR_CUDA_ARCHS, default "90a;80"): compute capabilities, 'a' for arch-specific."""
+    """Build targets (GRAPHAR_CUDA_ARCHS, default "80;90a;100a"): compute capabilities, 'a' for arch-specific."""
     return list(settings.CUDA_ARCHS.get())
 
 
-def nvcc_flags(archs: list[str]) -> list[str]:
-    """What every translation unit of the library is compiled with, the targets included."""
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    # PTX of the newest portable target ('a' targets are not forward compatible): newer GPUs JIT it.
+def build_targets(archs: list[str]) -> tuple[list[str], list[str]]:
+    """What a build makes of these archs: machine code for each, and PTX of the newest portable one
+    ('a' targets are not forward compatible), which GPUs newer than every target compile at load."""
     portable = [a for a in archs if not a.endswith("a")]
-    if portable:
-        newest = max(portable, key=int)
-        gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+    return archs, [max(portable, key=int)] if portable else []
+
+
+def nvcc_flags(archs: list[str]) -> list[str]:
+    """What every translation unit of the library is compiled with, the targets included (and named
+    in the library: graphar_targets)."""
+    elf, ptx = build_targets(archs)
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in elf]
+    gencode += [f"-gencode=arch=compute_{a},code=compute_{a}" for a in ptx]
+    named = ",".join([f"sm_{a}" for a in elf] + [f"compute_{a}" for a in ptx])
     # Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
-    return ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17", *gencode]
+    flags = ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17"]
+    return [*flags, *gencode, f"-DGRAPHAR_TARGETS={named}"]
 
 
 def compile_commands(nvcc: str, src: Path, objects: Path, archs: list[str]) -> dict[Path, list[str]]:

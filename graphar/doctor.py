@@ -113,24 +113,30 @@ def _nvcc_release(nvcc: str) -> str:
     return f"{nvcc} (release {found.group(1)})" if found else nvcc
 
 
-def embedded_archs(lib: Path) -> tuple[list[str], list[str]] | None:
-    """The machine-code and PTX architectures in the library, by cuobjdump; None without cuobjdump."""
+def split_targets(named: str) -> tuple[list[str], list[str]]:
+    """'sm_80,sm_90a,compute_80' (graphar_targets; cuobjdump's lists) -> (['80', '90a'], ['80'])."""
+    found: tuple[set[str], set[str]] = (set(), set())
+    for kind, arch in re.findall(r"(sm|compute)_(\d+a?)", named):
+        found[kind == "compute"].add(arch)
+    elf, ptx = (sorted(f, key=lambda a: int(a.rstrip("a"))) for f in found)
+    return elf, ptx
+
+
+def embedded_archs(lib: Path, loaded: bool) -> tuple[list[str], list[str]] | None:
+    """The machine-code and PTX architectures in the library: as the loaded library names them itself
+    (graphar_targets), else by cuobjdump; None when neither can tell."""
+    named = _cuda.library().graphar_targets().decode() if loaded else ""
+    if named:
+        return split_targets(named)
     nvcc = _cuda.find_nvcc()
     tool = shutil.which("cuobjdump") or (nvcc and shutil.which("cuobjdump", path=str(Path(nvcc).parent)))
     if not tool:
         return None
-    found = []
-    for flag in ("--list-elf", "--list-ptx"):
-        out = subprocess.run([tool, flag, str(lib)], capture_output=True, text=True).stdout
-        found.append(sorted(set(re.findall(r"(?:sm|compute)_(\d+a?)", out)), key=lambda a: int(a.rstrip("a"))))
-    return found[0], found[1]
-
-
-def build_targets() -> tuple[list[str], list[str]]:
-    """What a build makes of GRAPHAR_CUDA_ARCHS: machine code for each, PTX of the newest portable one."""
-    archs = _cuda.cuda_archs()
-    portable = [a for a in archs if not a.endswith("a")]
-    return archs, [max(portable, key=int)] if portable else []
+    elf, ptx = (
+        subprocess.run([tool, flag, str(lib)], capture_output=True, text=True).stdout
+        for flag in ("--list-elf", "--list-ptx")
+    )
+    return split_targets(elf.replace("compute_", "sm_"))[0], split_targets(ptx.replace("sm_", "compute_"))[1]
 
 
 def _archs_text(elf: list[str], ptx: list[str]) -> str:
@@ -167,11 +173,11 @@ def library_report(capabilities: list[str]) -> bool:
         ("built at install", str(packaged) if packaged.is_file() else "no"),
         ("sources", str(_cuda.source_dir() or "none (a wheel without csrc/)")),
         ("nvcc", _nvcc_release(nvcc) if nvcc else "not found (PATH, CUDA_HOME)"),
-        ("build targets (GRAPHAR_CUDA_ARCHS)", _archs_text(*build_targets())),
+        ("build targets (GRAPHAR_CUDA_ARCHS)", _archs_text(*_cuda.build_targets(_cuda.cuda_archs()))),
         ("loads here", loads if loaded is None else f"yes, {loaded}"),
     ]
     shown = loaded or (packaged if packaged.is_file() else None)
-    archs = embedded_archs(shown) if shown else build_targets()
+    archs = embedded_archs(shown, loaded is not None) if shown else _cuda.build_targets(_cuda.cuda_archs())
     if archs is None:
         items.append(("architectures in it", "unknown (cuobjdump, part of the CUDA toolkit, is not on PATH)"))
     else:

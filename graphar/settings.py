@@ -222,9 +222,9 @@ CACHE_DIR = Setting(
 )
 CUDA_ARCHS = Setting(
     "GRAPHAR_CUDA_ARCHS",
-    ("90a", "80"),
+    ("80", "90a", "100a"),
     _archs,
-    "compute capabilities like '90a;80'",
+    "compute capabilities like '80;90a;100a'",
     "targets of the CUDA library's build (setup.py and the build on first use)",
 )
 SKIP_CUDA_BUILD = _switch(

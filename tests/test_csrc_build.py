@@ -325,6 +325,7 @@ def test_nvcc_command_targets(monkeypatch) -> None:
         assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
         assert {"-c", "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"} <= set(command)
         assert f"-DGRAPHAR_BUILD_ID={_cuda.source_hash(src)}" in command
+        assert "-DGRAPHAR_TARGETS=sm_90a,sm_80,compute_80" in command  # graphar_targets() says so (doctor)
     assert "-shared" in _cuda.link_command("nvcc", list(commands), Path("out.so"))
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "sm_90")
     with pytest.raises(ValueError, match="GRAPHAR_CUDA_ARCHS"):

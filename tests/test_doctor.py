@@ -147,3 +147,8 @@ def test_coverage_of_a_gpu_by_the_library_s_architectures() -> None:
     assert doctor.coverage("90", ["80", "90a"], ["80"]) == "machine code for it"
     assert doctor.coverage("100", ["80", "90a"], ["80"]).startswith("PTX only")
     assert doctor.coverage("75", ["80", "90a"], ["80"]).startswith("NOT covered")
+
+
+def test_the_library_s_own_list_of_targets_reads_as_cuobjdump_s() -> None:
+    assert doctor.split_targets("sm_90a,sm_80,sm_100a,compute_80") == (["80", "90a", "100a"], ["80"])
+    assert doctor.split_targets("") == ([], [])
