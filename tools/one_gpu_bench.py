@@ -2,7 +2,10 @@
 
 When only single-GPU machines are lent, this still runs every path a benchmark takes (set-up,
 checks, captures, timing loops, the per-unit reports) before a 2-GPU session spends its short
-device time on it. The numbers mean nothing: the GPU time-slices the ranks' kernels. NCCL refuses
+device time on it. Time-sliced, the numbers mean nothing (each spin-wait ends at a context switch).
+Under CUDA's Multi-Process Service (tools/gpu_session.sh stage `mps`) the ranks' kernels run at once:
+graphar's cells are then per-call costs without the link's hop (docs/design.md, evidence levels), and
+the report's GPU line says which of the two it was. NCCL refuses
 two ranks on one GPU, so the ranks' default group is gloo, and graphar's set-up is relaxed as in
 tools/one_gpu_check.py. Peers that need NCCL or a GPU each (the NCCL and symmetric-memory columns,
 Inductor + NCCL steps) may come out "err" or "n/a"; graphar's cells must come out timed. Exit code
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from one_gpu_common import relax_set_up
+from one_gpu_common import mps_running, relax_set_up
 
 BENCHMARKS = ("allreduce", "decode", "norm", "ulysses", "attention", "capture")
 # Cells a graphar column shows when it did not run as itself (see graphar.benchmarks.common).
@@ -47,6 +50,10 @@ def _share_one_gpu() -> None:
 
     dist.init_process_group = gloo
     relax_set_up()
+    from graphar.benchmarks import common
+
+    name, sharing = torch.cuda.get_device_name(0), "MPS, kernels at once" if mps_running() else "time-sliced"
+    common.gpu_name = lambda: f"{name}, every rank on it ({sharing})"
     _refuse_captured_gloo()
 
 

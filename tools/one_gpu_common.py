@@ -5,11 +5,21 @@ group's size, a bitwise comparison across ranks."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 KB, MB = 1 << 10, 1 << 20
 ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")
+
+
+def mps_running() -> bool:
+    """Whether CUDA's Multi-Process Service would serve this process's contexts, so that ranks sharing
+    the GPU run their kernels at once instead of time-sliced: its control pipe is where the client looks
+    for it (CUDA_MPS_PIPE_DIRECTORY, else the default folder)."""
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").exists()
 
 
 def relax_set_up() -> None:

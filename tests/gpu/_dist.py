@@ -33,13 +33,10 @@ import torch.multiprocessing as mp
 
 from graphar._launch import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from one_gpu_common import mps_running, relax_set_up  # tools/ is not a package: by path
+
 SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
-
-
-def mps_running() -> bool:
-    """Whether CUDA's Multi-Process Service would serve this process's contexts: its control pipe is
-    where the client looks for it (CUDA_MPS_PIPE_DIRECTORY, else the default folder)."""
-    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").exists()
 
 
 # Ranks sharing the GPU under MPS run at once; time-sliced, two ranks only (tools/one_gpu_check.py runs
@@ -54,9 +51,6 @@ SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"
 def _share_one_gpu() -> None:
     """Relax graphar's set-up for ranks on one GPU over gloo (tools/one_gpu_common.py), the automatic
     set-up included (GRAPHAR_AUTO_INIT still decides it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from one_gpu_common import relax_set_up
-
     from graphar import settings
     from graphar.comm import set_up
 
