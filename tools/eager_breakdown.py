@@ -24,13 +24,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LOOPS = 7
-LAUNCHES = (
-    "library call",
-    "whole",
-    "torch.ops",
-    "(for comparison) x.add",
-)  # steps that launch a kernel: fewer calls per loop,
-# so that the launch queue never fills (on one shared GPU each kernel waits for the other process)
+# Steps that launch a kernel: fewer calls per loop, so that the launch queue never fills (on one shared
+# GPU each kernel waits for the other process).
 LAUNCHES = ("library call", "whole", "torch.ops", "(for comparison) x.add_")
 OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its C++ kernel where built)"
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
