@@ -1,0 +1,206 @@
+"""The tuner's decisions on the CPU: ranks with different timings agree, NCCL wins only where allowed and
+faster, the budget stops every rank at one size, and the cache is hit, missed and shared by rank 0."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from graphar.comm import policy, tuner
+from graphar.comm.tuner import NCCL
+
+KB, MB = 1 << 10, 1 << 20
+SHIPPED = dict.fromkeys(policy.MODES, ((512 * KB - 16, "1stage"), (policy.OPEN, "2stage")))
+
+
+class Ranks:
+    """All-gathers among `n` threads standing in for ranks."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._barrier = threading.Barrier(n)
+        self._slots: list[Any] = [None] * n
+        self.calls = 0
+
+    def all_gather_for(self, rank: int):
+        def all_gather(obj: Any, what: str) -> list[Any]:
+            self._barrier.wait()
+            self._slots[rank] = obj
+            self._barrier.wait()
+            out = list(self._slots)
+            self._barrier.wait()
+            if rank == 0:
+                self.calls += 1
+            return out
+
+        return all_gather
+
+    def run(self, fn) -> list[Any]:
+        results: list[Any] = [None] * self.n
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(rank, self.all_gather_for(rank))
+            except BaseException as e:  # noqa: BLE001  (the test reports it)
+                errors.append(e)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise errors[0]
+        return results
+
+
+def model(rank: int, noise: float = 0.0):
+    """A timer: 1stage grows fastest with size, push one-shot is flat and cheap to 256 KB, NCCL wins at
+    8 MB; `noise` (x rank) perturbs every time, differently per rank."""
+
+    def timer(candidate: str, nbytes: int, mode: str) -> float | None:
+        if candidate == "push-oneshot" and nbytes > 256 * KB:
+            return None  # past its room
+        base = {
+            "1stage": 3 + nbytes / (64 * KB),
+            "2stage": 6 + nbytes / (256 * KB),
+            "push-oneshot": 2.5 + nbytes / (512 * KB),
+            "push-twoshot": 5 + nbytes / (200 * KB),
+            NCCL: 20 + nbytes / MB,
+        }[candidate]
+        return base * (1 + noise * ((rank * 7 + nbytes // KB) % 5 - 2) / 10)
+
+    return timer
+
+
+def test_ranks_with_different_timings_pick_one_table() -> None:
+    ranks = Ranks(4)
+    names = tuner.candidates(deterministic=False, nccl=True)
+    tables = ranks.run(
+        lambda rank, gather: tuner.tune(gather, model(rank, noise=0.3), names, SHIPPED, 8 * MB, budget_s=60)
+    )
+    assert all(t.rows == tables[0].rows for t in tables)
+    eager = tables[0].rows["eager"]
+    assert eager[0] == (256 * KB, "push-oneshot")  # flat and cheap while it fits
+    assert eager[-1] == (policy.OPEN, None)  # NCCL, the fastest at the largest sizes measured
+    assert all(k in (*tuner.GRAPHAR_CANDIDATES, None) for _, k in eager)
+
+
+def test_a_candidate_s_time_is_its_slowest_rank_s() -> None:
+    # Rank 1 is slow on push one-shot: the collective is as slow as rank 1.
+    times = tuner.slowest([{"1stage": 5.0, "push-oneshot": 2.0}, {"1stage": 5.0, "push-oneshot": 9.0}])
+    assert times == {"1stage": 5.0, "push-oneshot": 9.0} and tuner.winner(times) == "1stage"
+    assert tuner.slowest([{"2stage": 1.0}, {"2stage": None}]) == {"2stage": None}
+    assert tuner.winner({"1stage": 3.0, "2stage": 3.0}) == "1stage"  # ties to the earlier candidate
+    assert tuner.winner({"1stage": None}) is None
+
+
+def test_deterministic_keeps_nccl_out_even_where_it_is_faster() -> None:
+    names = tuner.candidates(deterministic=True, nccl=True)
+    assert NCCL not in names and names == tuner.GRAPHAR_CANDIDATES
+    (table,) = Ranks(1).run(lambda rank, gather: tuner.tune(gather, model(0), names, SHIPPED, 8 * MB, budget_s=60))
+    assert all(k is not None for mode in table.rows.values() for _, k in mode)
+
+
+def test_the_budget_stops_every_rank_at_one_size_and_the_shipped_rows_take_the_rest() -> None:
+    ranks = Ranks(2)
+    clocks = [iter(range(0, 1000, 1)), iter(range(0, 1000, 3))]  # rank 1's clock runs three times faster
+
+    def tune(rank, gather):
+        return tuner.tune(
+            gather, model(rank), tuner.GRAPHAR_CANDIDATES, SHIPPED, 8 * MB, budget_s=10, clock=clocks[rank].__next__
+        )
+
+    a, b = ranks.run(tune)
+    assert a.times == b.times and a.rows == b.rows
+    sizes = [n for n, _ in a.times["eager"]]
+    assert sizes == list(tuner.SIZE_CLASSES[: len(sizes)]) and 2 <= len(sizes) < 8  # stopped by rank 1's clock
+    last = sizes[-1]
+    assert a.rows["eager"][-2:] == tuple((b_, k) for b_, k in SHIPPED["eager"] if b_ > last)[-2:]
+
+
+def test_merged_rows_join_neighbours_and_end_open() -> None:
+    measured = [(1 * KB, {"a": 1.0}), (2 * KB, {"a": 1.0}), (4 * KB, {"b": 1.0}), (8 * KB, {NCCL: 1.0})]
+    shipped = ((4 * MB, "1stage"), (policy.OPEN, "2stage"))
+    # Cut short by the budget: the shipped rows above the last size measured.
+    cut = ((2 * KB, "a"), (4 * KB, "b"), (8 * KB, None), (4 * MB, "1stage"), (policy.OPEN, "2stage"))
+    assert tuner.merged_rows(measured, shipped, complete=False) == cut
+    # Every size to the largest the communicator takes: the last pick serves every larger one.
+    assert tuner.merged_rows(measured, shipped, complete=True) == ((2 * KB, "a"), (4 * KB, "b"), (policy.OPEN, None))
+    nothing_ran = [(1 * KB, {"a": None})]  # the shipped kernel of that size
+    assert tuner.merged_rows(nothing_ran, shipped, complete=False) == shipped
+
+
+FACTS = {"gpu": "NVIDIA H200", "driver": "580.1", "world_size": 2, "topology": "NV18", "build": "abc"}
+
+
+def test_the_cache_is_hit_on_the_same_facts_and_missed_on_a_new_driver_or_build(tmp_path: Path) -> None:
+    names = tuner.GRAPHAR_CANDIDATES
+    counted = {"timer": 0}
+
+    def timer(candidate: str, nbytes: int, mode: str) -> float | None:
+        counted["timer"] += 1
+        return model(0)(candidate, nbytes, mode)
+
+    def run(facts):
+        return Ranks(2).run(
+            lambda rank, gather: tuner.tuned_table(rank, gather, timer, facts, names, SHIPPED, 1 * MB, 60, tmp_path)
+        )
+
+    first = run(FACTS)
+    after_tuning = counted["timer"]
+    assert after_tuning > 0 and all(t.source == "tuned" for t in first)
+    again = run(FACTS)
+    assert counted["timer"] == after_tuning and all(t.source == "cache" and t.rows == first[0].rows for t in again)
+    for changed in ({**FACTS, "driver": "590.2"}, {**FACTS, "build": "def"}):
+        counted["timer"] = 0
+        assert all(t.source == "tuned" for t in run(changed)) and counted["timer"] > 0
+
+
+def test_rank_0_s_cache_decides_for_every_rank(tmp_path: Path) -> None:
+    # Only rank 0 reads the file; a rank that would have found none still takes rank 0's table.
+    table = tuner.Table(dict.fromkeys(policy.MODES, ((policy.OPEN, "2stage"),)))
+    facts = {**FACTS, "candidates": list(tuner.GRAPHAR_CANDIDATES), "max_bytes": MB}
+    tuner.save(tmp_path, facts, table)
+
+    def never(*args: Any) -> float:
+        raise AssertionError("timed although rank 0 had a cached table")
+
+    got = Ranks(2).run(
+        lambda rank, gather: tuner.tuned_table(
+            rank,
+            gather,
+            never,
+            FACTS,
+            tuner.GRAPHAR_CANDIDATES,
+            SHIPPED,
+            MB,
+            60,
+            tmp_path if rank == 0 else tmp_path / "x",
+        )
+    )
+    assert all(t.rows == table.rows and t.source == "cache" for t in got)
+
+
+def test_a_damaged_or_foreign_cache_file_is_not_read(tmp_path: Path) -> None:
+    facts = {**FACTS, "candidates": ["1stage"], "max_bytes": MB}
+    (tmp_path / f"{tuner.cache_key(facts)}.json").write_text("{not json")
+    assert tuner.load(tmp_path, facts) is None
+    tuner.save(tmp_path, facts, tuner.Table(dict.fromkeys(policy.MODES, ((policy.OPEN, "1stage"),))))
+    assert tuner.load(tmp_path, facts) is not None
+    assert tuner.load(tmp_path, {**facts, "gpu": "NVIDIA H100"}) is None
+
+
+@pytest.mark.parametrize("nbytes", [1 * KB, 3 * MB])
+def test_describe_names_the_pick_and_each_candidate(nbytes: int) -> None:
+    table = tuner.Table(
+        dict.fromkeys(policy.MODES, ((policy.OPEN, "1stage"),)),
+        {"eager": [(nbytes, {"1stage": 4.0, "2stage": None, NCCL: 3.0})]},
+    )
+    (line,) = table.describe()
+    assert line.startswith(f"eager {tuner._size(nbytes)}: nccl <- 1stage 4.0, 2stage n/a, nccl 3.0")
