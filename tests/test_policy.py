@@ -33,6 +33,18 @@ def test_measured_rows_and_the_unmeasured_rule() -> None:
     assert policy.Policy(8, 2, LIMITS).pick(8 * MB, policy.GRAPH) == "1stage"
 
 
+def test_tuned_rows_replace_the_shipped_ones_and_may_leave_a_size_to_nccl() -> None:
+    rows = {policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, None))}
+    rows |= dict.fromkeys((policy.GRAPH, policy.GRAPHAR_GRAPH), ((policy.OPEN, "1stage"),))
+    tuned = policy.Policy(9, 2, LIMITS).tuning(rows)
+    assert tuned.pick(16 * KB, policy.EAGER) == "push-oneshot"
+    assert tuned.pick(MB, policy.EAGER) is None and tuned.pick(MB, policy.GRAPH) == "1stage"
+    assert tuned.depends_on_capture(MB)  # eager on NCCL, graphs on 1stage: the capture is asked
+    assert tuned.forcing("2stage").pick(MB, policy.EAGER) == "2stage"  # forcing still wins
+    assert tuned.forcing(None).pick(MB, policy.EAGER) is None  # and keeps the tuned rows
+    assert tuned.shipped() == policy.table(9, 2)[0]
+
+
 def test_rows_ascend_and_name_known_kernels() -> None:
     for modes in policy.TABLE.values():
         assert set(modes) == set(policy.MODES)

@@ -290,8 +290,13 @@ class AllReduce:
             chosen = picks.graph
         else:
             chosen = picks.eager
-        if chosen is None:  # only a forced kernel leaves a size without one, in every capture mode alike
-            self.refusal = f"{nbytes} bytes is over the limits of the forced kernel {algo or self._policy.forced!r}"
+        if chosen is None:  # a forced kernel that cannot take the size, or a tuned row that chose NCCL
+            forced = algo or self._policy.forced
+            self.refusal = (
+                f"{nbytes} bytes is over the limits of the forced kernel {forced!r}"
+                if forced is not None
+                else f"the tuned table measured NCCL faster on this group at {nbytes} bytes"
+            )
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]

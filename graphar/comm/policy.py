@@ -22,7 +22,7 @@ MODES = (EAGER, GRAPH, GRAPHAR_GRAPH)
 KB = 1 << 10
 OPEN = 1 << 62  # the last row's bound: every larger size
 
-Rows = tuple[tuple[int, str], ...]  # as Segments (graphar.comm.abi), a kernel in every row
+Rows = tuple[tuple[int, str | None], ...]  # as Segments (graphar.comm.abi); None (tuned rows only): NCCL
 
 # Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
 # every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured
@@ -98,12 +98,23 @@ class Policy:
     """The kernel per (size, capture mode) for one communicator; picks are cached per size. Immutable:
     `forcing(algo)` makes the policy with another forced kernel."""
 
-    def __init__(self, capability_major: int, world_size: int, limits: Limits, forced: str | None = None) -> None:
+    def __init__(
+        self,
+        capability_major: int,
+        world_size: int,
+        limits: Limits,
+        forced: str | None = None,
+        tuned: dict[str, Rows] | None = None,
+    ) -> None:
         _check_algo(forced)
         self._key = (capability_major, world_size)
         self.limits = limits
         self._forced = forced
         self._rows, measured = table(capability_major, world_size)
+        # Measured on this group (graphar.comm.tuner): its rows may name no kernel (None): NCCL serves.
+        self.tuned = tuned
+        if tuned is not None:
+            self._rows = tuned
         # Bytes of the all-reduce's input.
         self.fused_norm_max = min(measured, limits.push_one_shot) if fuses_norm(forced) else 0
         self._cache: dict[tuple[int, str | None], Picks] = {}
@@ -115,7 +126,15 @@ class Policy:
 
     def forcing(self, algo: str | None) -> Policy:
         """This communicator's policy with `algo` forced (None: the table's picks)."""
-        return Policy(*self._key, self.limits, algo)
+        return Policy(*self._key, self.limits, algo, self.tuned)
+
+    def tuning(self, rows: dict[str, Rows]) -> Policy:
+        """This communicator's policy with the rows the tuner measured."""
+        return Policy(*self._key, self.limits, self._forced, rows)
+
+    def shipped(self) -> dict[str, Rows]:
+        """The shipped table's rows for this GPU architecture and world size, by capture mode."""
+        return table(*self._key)[0]
 
     def picks(self, nbytes: int, algo: str | None = None) -> Picks:
         """The kernels of a call of `nbytes` in every capture mode (`algo` forces one); one lookup

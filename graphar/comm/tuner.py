@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from graphar import graphs
 from graphar.comm import policy
 from graphar.comm.abi import ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE
 
@@ -142,6 +146,55 @@ def merged_rows(
             merged.append((bound, k))
     merged[-1] = (policy.OPEN, merged[-1][1])
     return tuple(merged)
+
+
+# ---- timing on the GPU ------------------------------------------------------------------------------
+
+
+class GpuTimer:
+    """Times one candidate at one size and capture mode on this rank, in step with the peers (every
+    rank times the same calls in the same order: each is a collective). Eager: a host loop of `calls`
+    calls, as a decode loop without graphs makes them. The graph modes: a CUDA graph of `calls` calls
+    (torch.cuda.graph, and graphar.graph, where the v1 kernels read inputs in place), replayed; the
+    best of `replays`. Microseconds per call."""
+
+    def __init__(self, allreduce: Any, group: dist.ProcessGroup, calls: int = 8, replays: int = 3) -> None:
+        self.allreduce = allreduce
+        self.group = group
+        self.calls = calls
+        self.replays = replays
+        # NCCL's collective can be captured; gloo's (ranks sharing a GPU in the tests) cannot.
+        self.nccl_captures = dist.get_backend(group) == "nccl"
+
+    def __call__(self, candidate: str, nbytes: int, mode: str) -> float | None:
+        if candidate == NCCL:
+            if mode != policy.EAGER and not self.nccl_captures:
+                return None
+            op = lambda x: dist.all_reduce(x, group=self.group)  # noqa: E731  (in place: NCCL's own form)
+        else:
+            if self.allreduce.policy.pick(nbytes, mode, candidate) is None:
+                return None  # past this kernel's room
+            op = lambda x: self.allreduce.all_reduce(x, algo=candidate)  # noqa: E731
+        x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")  # NCCL sums in place: stays finite
+        op(x)  # warm: module load, first-call set-up
+        if mode == policy.EAGER:
+            return self._timed(lambda: [op(x) for _ in range(self.calls)])
+        graph = torch.cuda.CUDAGraph()
+        capture = graphs.graph if mode == policy.GRAPHAR_GRAPH else torch.cuda.graph
+        with capture(graph):
+            for _ in range(self.calls):
+                op(x)
+        graph.replay()
+        return min(self._timed(graph.replay) for _ in range(self.replays))
+
+    def _timed(self, run: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / self.calls
 
 
 # ---- the cache -------------------------------------------------------------------------------------
