@@ -289,7 +289,7 @@ def _kernels(picks: list[str | None] | None) -> str:
     if picks is None:
         return "NCCL (over the limit)"
     if len(set(picks)) == 1:
-        return picks[0] or "NCCL (the forced kernel cannot take it)"
+        return picks[0] or "NCCL (the tuner measured it faster, or the forced kernel cannot take it)"
     return ", ".join(f"{mode}: {pick or 'NCCL'}" for mode, pick in zip(policy.MODES, picks))
 
 
@@ -316,6 +316,12 @@ def group_report(world_size: int, facts: list[dict[str, Any]]) -> int:
         )
         pdl = "on" if first["pdl"] else "off (GRAPHAR_PDL=0, or a GPU before Hopper)"
         items.append(("programmatic dependent launch", pdl))
+        tuned = first.get("tuned")
+        table = "the shipped one (GRAPHAR_TUNE=0, or a kernel forced)"
+        if tuned is not None:
+            table = f"measured on this group ({'from the tuner cache' if tuned['source'] == 'cache' else 'now'})"
+        items.append(("kernel table", table))
+        items += [("  measured", line) for line in (tuned or {}).get("lines", [])]
         plan = {int(n): picks for n, picks in first["plan"].items()}  # JSON made the keys strings
         items += [(f"all-reduce of {_size(n)}", _kernels(plan.get(n))) for n in PLAN_SIZES]
         python = [r for r, f in enumerate(facts) if not f["native_op"]]

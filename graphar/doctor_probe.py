@@ -78,6 +78,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
                 n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes
             }
             facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max}
+            tuned = comm.allreduce.tuned
+            facts["tuned"] = None if tuned is None else {"source": tuned.source, "lines": tuned.describe()}
             facts["pdl"] = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
             facts["alltoall"] = "push" if comm.exchange.push else "pull"
             facts["native_op"] = native_op.library() is not None

@@ -62,6 +62,7 @@ def _facts(verdict: str, warnings: list[str], shareable: bool = True) -> list[di
         one.update(
             max_bytes=8 << 20, shareable=shareable, plan=plan, push=push, pdl=True, alltoall="pull", native_op=True
         )
+        one["tuned"] = {"source": "cache", "lines": ["eager 1 KB: push-oneshot <- 1stage 3.1, push-oneshot 2.6"]}
     return [one, {**one, "native_op": False}]
 
 
@@ -87,6 +88,8 @@ def test_on_exits_0_with_the_plan(machine: pytest.MonkeyPatch, capsys: pytest.Ca
         "all-reduce of 8 MB: 1stage",
         "all-reduce of 256 KB: eager: push-oneshot, graph: push-oneshot, graphar.graph: 1stage",
         "push kernels: one-shot up to 8 MB, fused norm up to 512 KB",
+        "kernel table: measured on this group (from the tuner cache)",
+        "measured: eager 1 KB: push-oneshot <- 1stage 3.1, push-oneshot 2.6",
         "programmatic dependent launch: on",
         "all-reduce of 16 MB: NCCL (over the limit)",
         "graphar.graph inputs: staged (copied in) on ranks [0, 1]: expandable segments",

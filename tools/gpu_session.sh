@@ -90,7 +90,7 @@ LANES=(
   "tests/gpu/test_faults.py -k swapped_orders or dies or loses_its_claim or copy_nothing"
   "tests/gpu/test_faults.py -k two_streams"
   "tests/gpu/test_allreduce.py tests/gpu/test_graphs.py"
-  "tests/gpu/test_push.py tests/gpu/test_norm.py tests/gpu/test_mesh.py"
+  "tests/gpu/test_push.py tests/gpu/test_norm.py tests/gpu/test_mesh.py tests/gpu/test_tuner.py"
   "tests/gpu/test_compile_gpu.py tests/gpu/test_ulysses.py tests/gpu/test_overlap.py"
 )
 lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to the session log when all end, then

@@ -162,6 +162,7 @@ class AllReduce:
         self.refusal: str | None = None
         self._fallbacks_seen: set[str] = set()
         self._fallbacks_said: set[str] = set()
+        self.tuned: Any = None  # the tuner's table (graphar.comm.tuner.Table) where it chose the kernels
 
     @property
     def policy(self) -> policy.Policy:

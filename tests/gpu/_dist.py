@@ -68,8 +68,9 @@ def _entry(
     error_dir: str,
     meet_at_end: bool,
 ) -> None:
-    # Tests set their communicators up with graphar.init; a group without one is their NCCL case.
-    os.environ.update({"GRAPHAR_AUTO_INIT": "0", **env})
+    # Tests set their communicators up with graphar.init; a group without one is their NCCL case. The
+    # shipped kernel table, so that no pick depends on this machine's timings (test_tuner tunes).
+    os.environ.update({"GRAPHAR_AUTO_INIT": "0", "GRAPHAR_TUNE": "0", **env})
     try:
         if SHARED_GPU:
             _share_one_gpu()
