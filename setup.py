@@ -1,8 +1,10 @@
 """Build graphar; the CUDA library is built with nvcc when there is one (PATH, CUDA_HOME).
 
 The library has a plain C ABI and no torch headers, so one build serves every
-torch version. Without nvcc the package installs without it and `graphar._cuda` builds it on first
-use where nvcc exists; set GRAPHAR_SKIP_CUDA_BUILD=1 to skip the build on purpose.
+torch version. Beside it the same build makes the op library (graphar.native_op) against torch's
+stable ABI as of 2.11, which serves every torch from 2.11 on, where torch is importable here
+(`pip install --no-build-isolation`). Without nvcc the package installs without them and graphar
+builds them on first use where nvcc exists; set GRAPHAR_SKIP_CUDA_BUILD=1 to skip the build on purpose.
 
 pip shows what this build says only with `pip install -v` (or when it fails); after any install,
 `python -m graphar demo` says whether the library is built and loads.
@@ -37,7 +39,10 @@ class BuildPyWithCuda(build_py):
         super().run()
         package_dir = ROOT / "graphar" if self.editable_mode else Path(self.build_lib) / "graphar"
         if not self.editable_mode:
-            shutil.copytree(ROOT / "csrc", package_dir / "csrc", dirs_exist_ok=True)
+            # Anew: a file left in build/ by an earlier build would change the sources' hash, which the
+            # libraries' build id is checked against.
+            shutil.rmtree(package_dir / "csrc", ignore_errors=True)
+            shutil.copytree(ROOT / "csrc", package_dir / "csrc")
         cuda = _load_cuda_module()
         if cuda.settings.SKIP_CUDA_BUILD.get():
             print("graphar: GRAPHAR_SKIP_CUDA_BUILD is set; the CUDA library is not built")
@@ -48,6 +53,13 @@ class BuildPyWithCuda(build_py):
             )
         else:
             print(f"graphar: built {_build(cuda, package_dir)}")
+            if cuda.torch_root() is None:
+                print(
+                    f"graphar: torch is not importable here (pip's build isolation: pass --no-build-isolation); "
+                    f"{cuda.TORCH_LIB_NAME}, the ops' C++ kernels, is not built (built on first use where nvcc exists)"
+                )
+            else:
+                print(f"graphar: built {package_dir / cuda.TORCH_LIB_NAME}")
 
 
 class PlatformWheel(bdist_wheel):

@@ -38,7 +38,7 @@ int cuda_fail(cudaError_t e, const char* what) {
 }  // namespace graphar
 
 // -DGRAPHAR_BUILD_ID=<hash of the sources>, set by graphar/_cuda.py
-#define GRAPHAR_STRINGIFY_(x) #x
+#define GRAPHAR_STRINGIFY_(...) #__VA_ARGS__  // variadic: GRAPHAR_TARGETS holds commas
 #define GRAPHAR_STRINGIFY(x) GRAPHAR_STRINGIFY_(x)
 #ifdef GRAPHAR_BUILD_ID
 #define GRAPHAR_BUILD_ID_STRING GRAPHAR_STRINGIFY(GRAPHAR_BUILD_ID)

@@ -2,7 +2,9 @@
 
 The library is looked up next to this file (put there by setup.py) and used when it was built from
 the sources at hand; otherwise it is built once into ~/.cache/graphar/<hash of sources, nvcc and
-archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises.
+archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises. The
+same build makes the op library beside it (csrc/torch_ops/, torch's stable ABI: graphar.native_op
+loads it) where torch's headers are installed.
 
 setup.py loads this module by path, without the package (torch may not be installed yet), so it
 imports nothing from graphar but `graphar.settings` and `graphar.errors`, which import nothing else.
@@ -26,6 +28,7 @@ from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint6
 from pathlib import Path
 
 LIB_NAME = "libgraphar_cuda.so"
+TORCH_LIB_NAME = "libgraphar_torch.so"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -44,7 +47,11 @@ def _settings_module():
 settings = _settings_module()
 # graphar.errors as graphar.settings has it (loaded by path too where this module was).
 GrapharCudaError, GrapharUnavailable = settings.errors.GrapharCudaError, settings.errors.GrapharUnavailable
-_SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
+_SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+_TORCH_SOURCE = Path("torch_ops") / "ops.cpp"
+# torch 2.11's stable ABI (major and minor in the top two bytes), the oldest torch graphar supports:
+# one build of the op library loads under every torch from 2.11 on.
+TORCH_TARGET_VERSION = "0x020b000000000000"
 # The translation units that instantiate the most kernels: compiled first, so that the others fill in beside them.
 _LONGEST_UNITS = ("launch_norm.cu", "launch.cu", "exchange.cu")
 
@@ -102,11 +109,11 @@ def source_dir() -> Path | None:
     return None
 
 
-def source_hash(src: Path, suffixes: tuple[str, ...] = _SOURCE_SUFFIXES) -> str:
-    """A hash of the files in `src` with these suffixes: what a build from them depends on."""
+def source_hash(src: Path) -> str:
+    """A hash of the sources in `src` and its folders (both libraries'): what a build from them depends on."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in src.iterdir() if p.suffix in suffixes):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(p for p in src.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:24]
 
 
@@ -138,7 +145,10 @@ def nvcc_flags(archs: list[str]) -> list[str]:
     named = ",".join([f"sm_{a}" for a in elf] + [f"compute_{a}" for a in ptx])
     # Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
     flags = ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17"]
-    return [*flags, *gencode, f"-DGRAPHAR_TARGETS={named}"]
+    # nvcc splits a -D value at its commas (defining sm_80 and the like, which breaks CUDA's own headers)
+    # unless they are escaped.
+    escaped = named.replace(",", "\\,")
+    return [*flags, *gencode, f"-DGRAPHAR_TARGETS={escaped}"]
 
 
 def compile_commands(nvcc: str, src: Path, objects: Path, archs: list[str]) -> dict[Path, list[str]]:
@@ -153,6 +163,45 @@ def link_command(nvcc: str, objects: list[Path], out: Path) -> list[str]:
     return [nvcc, "-shared", *map(str, objects), "-o", str(out)]
 
 
+def torch_root() -> Path | None:
+    """The installed torch's folder where it has the stable ABI's headers; found without importing
+    torch (setup.py runs where it may not be importable: pip's build isolation)."""
+    spec = importlib.util.find_spec("torch")
+    for root in map(Path, spec.submodule_search_locations if spec else []):
+        if (root / "include" / "torch" / "csrc" / "stable" / "library.h").is_file():
+            return root
+    return None
+
+
+def torch_library_command(nvcc: str, src: Path, out: Path, torch: Path) -> list[str]:
+    """The nvcc command that builds the op library (host code: no CUDA runtime) against torch's stable
+    ABI as of TORCH_TARGET_VERSION. It links libtorch_cpu alone: the one libtorch_cuda function it
+    calls it looks up at run time (csrc/torch_ops/ops.cpp), so it loads into a CPU build of torch too."""
+    return [
+        nvcc,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-Xcompiler",
+        "-fvisibility=hidden",
+        "-cudart",
+        "none",
+        "-DUSE_CUDA",  # declares the shim's CUDA functions (their types), links none
+        f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}",
+        "-I",
+        str(torch / "include"),
+        str(src / _TORCH_SOURCE),
+        "-L",
+        str(torch / "lib"),
+        "-ltorch_cpu",
+        "-ldl",
+        "-o",
+        str(out),
+    ]
+
+
 def run_parallel(commands: list[list[str]], cwd: Path | None = None) -> str:
     """Runs the commands, as many at once as this process has CPUs, in their order; returns what they
     wrote to stderr, one after the other; GrapharUnavailable with the words of the first that failed."""
@@ -161,25 +210,48 @@ def run_parallel(commands: list[list[str]], cwd: Path | None = None) -> str:
         results = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, cwd=cwd), commands))
     for command, result in zip(commands, results):
         if result.returncode != 0:
-            what = next((Path(a).name for a in command if a.endswith(".cu")), Path(command[0]).name)
+            what = next((Path(a).name for a in command if a.endswith((".cu", ".cpp"))), Path(command[0]).name)
             raise GrapharUnavailable(f"compiling {what} failed:\n{result.stderr[-4000:]}")
     return "".join(result.stderr for result in results)
 
 
-def build_library(out_dir: str | os.PathLike[str]) -> Path:
-    """Compile csrc/ into out_dir/libgraphar_cuda.so (replaced atomically); returns its path."""
+def _sources_and_nvcc() -> tuple[Path, str]:
     src = source_dir()
     if src is None:
         raise GrapharUnavailable("graphar's CUDA sources (csrc/) are not there to build from")
     nvcc = find_nvcc()
     if nvcc is None:
         raise GrapharUnavailable("nvcc not found (PATH, CUDA_HOME); it is needed to build graphar's CUDA library")
+    return src, nvcc
+
+
+def build_library(out_dir: str | os.PathLike[str]) -> Path:
+    """Compile csrc/ into out_dir/libgraphar_cuda.so, and out_dir/libgraphar_torch.so where torch's
+    headers are installed (`torch_root`); returns the CUDA library's path. Each is replaced atomically,
+    the op library first and removed where it is not built: one beside a CUDA library is of its build."""
+    src, nvcc = _sources_and_nvcc()
     target = Path(out_dir) / LIB_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
+    torch = torch_root()
     with tempfile.TemporaryDirectory(prefix=".build-objects-", dir=target.parent) as objects:
         commands = compile_commands(nvcc, src, Path(objects), cuda_archs())
-        run_parallel(list(commands.values()))
+        torch_lib = Path(objects) / TORCH_LIB_NAME
+        torch_build = [] if torch is None else [torch_library_command(nvcc, src, torch_lib, torch)]
+        run_parallel([*torch_build, *commands.values()])
+        if torch is None:
+            (target.parent / TORCH_LIB_NAME).unlink(missing_ok=True)
+        else:
+            os.replace(torch_lib, target.parent / TORCH_LIB_NAME)
         return build_atomically(target, lambda tmp: link_command(nvcc, list(commands), tmp))
+
+
+def build_torch_library(out_dir: str | os.PathLike[str]) -> Path:
+    """Build out_dir/libgraphar_torch.so alone (replaced atomically); returns its path."""
+    src, nvcc = _sources_and_nvcc()
+    torch = torch_root()
+    if torch is None:
+        raise GrapharUnavailable("torch's headers (include/torch/csrc/stable) are not installed")
+    return build_atomically(Path(out_dir) / TORCH_LIB_NAME, lambda tmp: torch_library_command(nvcc, src, tmp, torch))
 
 
 def build_atomically(target: Path, command: Callable[[Path], list[str]]) -> Path:
@@ -231,13 +303,24 @@ def _cached_build(src: Path) -> Path:
     return cached_build(f"{source_hash(src)}|{compiler_version(nvcc)}|{cuda_archs()}", LIB_NAME, build_library)
 
 
+def cached_torch_library(src: Path) -> Path:
+    """The op library alone, built once into graphar's cache (for a CUDA library built where torch
+    was not importable)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise GrapharUnavailable(f"no {TORCH_LIB_NAME} beside the CUDA library and no nvcc to build one")
+    return cached_build(f"torch|{source_hash(src)}|{compiler_version(nvcc)}", TORCH_LIB_NAME, build_torch_library)
+
+
 def _built_from(path: Path, src: Path) -> bool:
     lib = ctypes.CDLL(str(path))
     lib.graphar_build_id.restype = c_char_p
     return lib.graphar_build_id().decode() == source_hash(src)
 
 
-def _locate() -> Path:
+def locate() -> Path:
+    """The CUDA library to load: the package's when built from the sources at hand, else the cached
+    build (made now if need be)."""
     packaged = PACKAGE_DIR / LIB_NAME
     src = source_dir()
     if packaged.is_file() and (src is None or _built_from(packaged, src)):

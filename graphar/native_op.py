@@ -1,27 +1,25 @@
-"""The C++ kernels of graphar::all_reduce and graphar::all_reduce_add_rms_norm (csrc/torch_ops): the
-eager fast path, built per torch version.
+"""The C++ kernels of graphar::all_reduce and graphar::all_reduce_add_rms_norm (csrc/torch_ops/): the
+eager fast path.
 
 An eager call through the dispatcher into a Python kernel spends more host time in boxing and
 Python than in the CUDA library (tools/eager_breakdown.py measures each step). The C++ kernels
 serve the common eager call and hand every other one to the Python kernel; their source says which.
-It includes torch's headers, so it is built for the torch at hand with the host compiler ($CXX,
-else c++) into graphar's cache folder on first use (one process of a job builds, under a lock),
-while the CUDA library stays free of torch. Off (GRAPHAR_NATIVE_OP=0), or where it cannot be built
-or loaded, the Python kernel serves every call, as before, and one log line says why. Ranks need not
-agree on it: both kernels launch the same CUDA kernel with the same arguments.
+They are libgraphar_torch.so, which nvcc builds with the CUDA library (graphar._cuda.build_library)
+against torch's stable ABI as of 2.11: one build loads under every torch from 2.11 on, and a wheel
+carries it. Off (GRAPHAR_NATIVE_OP=0), or where it cannot be had or loaded, the Python kernel serves
+every call, as before, and one log line says why. Ranks need not agree on it: both kernels launch the
+same CUDA kernel with the same arguments.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 import threading
 from ctypes import c_char_p, c_int, c_uint64, c_void_p
 from pathlib import Path
 
-import torch
+import torch.distributed as dist
 
 from graphar import _cuda, settings
 from graphar.comm import abi
@@ -29,8 +27,7 @@ from graphar.errors import GrapharCudaError, GrapharUnavailable
 
 logger = logging.getLogger("graphar")
 
-LIB_NAME = "libgraphar_op.so"
-SOURCE = "all_reduce_op.cpp"
+LIB_NAME = _cuda.TORCH_LIB_NAME
 PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_op_last_error": (c_char_p, []),
     "graphar_op_install": (c_int, []),
@@ -39,74 +36,28 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
 }
 
 
-def source_dir() -> Path | None:
+def locate() -> Path:
+    """The op library beside the CUDA library graphar loads (one build made both), else its own
+    cached build: a package built where torch was not importable (pip's build isolation) has none."""
+    beside = _cuda.locate().parent / LIB_NAME
+    if beside.is_file():
+        return beside
     src = _cuda.source_dir()
-    return None if src is None else src / "torch_ops"
-
-
-def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
-def cuda_include() -> Path | None:
-    """The CUDA toolkit's headers (torch's CUDA stream header includes the runtime's): nvcc's (which
-    CUDA_HOME picks), else /usr/local/cuda's."""
-    nvcc = _cuda.find_nvcc()
-    for root in filter(None, (nvcc and Path(nvcc).parent.parent, "/usr/local/cuda")):
-        if (Path(root) / "include" / "cuda_runtime_api.h").is_file():
-            return Path(root) / "include"
-    return None
-
-
-def build_command(cxx: str, src: Path, out: Path, cuda_headers: Path) -> list[str]:
-    torch_dir = Path(torch.__file__).parent
-    return [
-        cxx,
-        "-O2",
-        "-std=c++20",
-        "-shared",
-        "-fPIC",
-        "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{torch_dir / 'include'}",
-        f"-I{cuda_headers}",
-        str(src / SOURCE),
-        f"-L{torch_dir / 'lib'}",
-        "-lc10",
-        "-lc10_cuda",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_dir / 'lib'}",
-        "-o",
-        str(out),
-    ]
-
-
-def _build() -> Path:
-    src, cxx, headers = source_dir(), compiler(), cuda_include()
-    if src is None or not (src / SOURCE).is_file():
-        raise GrapharUnavailable("its source (csrc/torch_ops) is not there")
-    if cxx is None:
-        raise GrapharUnavailable("no host compiler ($CXX, c++, g++)")
-    if headers is None:
-        raise GrapharUnavailable("the CUDA toolkit's headers were not found (CUDA_HOME, nvcc)")
-    # Its own sources, and the CUDA library's header it includes (the argument structs).
-    sources = f"{_cuda.source_hash(src, ('.cpp', '.h'))}|{_cuda.source_hash(src.parent, ('.h',))}"
-    key = f"op|{sources}|{torch.__version__}|{torch.version.git_version}|{_cuda.compiler_version(cxx)}|{headers}"
-    return _cuda.cached_build(
-        key,
-        LIB_NAME,
-        lambda folder: _cuda.build_atomically(folder / LIB_NAME, lambda tmp: build_command(cxx, src, tmp, headers)),
-    )
+    if src is None:
+        raise GrapharUnavailable(f"{LIB_NAME} is missing from the package and there are no sources to build it")
+    return _cuda.cached_torch_library(src)
 
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
+_published: set[str] = set()  # groups whose state the C++ kernels hold
 
 
 def library() -> ctypes.CDLL | None:
-    """The op library, built, loaded and installed on the first call; None when it is off or cannot be
-    had (logged once). Only a CUDA communicator's set-up calls it (graphar.comm.communicator)."""
+    """The op library, located (built if need be), loaded and installed on the first call; None when it
+    is off or cannot be had (logged once). Only a CUDA communicator's set-up calls it
+    (graphar.comm.communicator)."""
     global _library, _tried
     with _lock:
         if not _tried:
@@ -119,10 +70,10 @@ def _load() -> ctypes.CDLL | None:
     if not settings.NATIVE_OP.get():
         logger.info("graphar: GRAPHAR_NATIVE_OP=0: eager all-reduces run graphar::all_reduce's Python kernel")
         return None
-    # The C++ kernel registers for graphar::all_reduce, which `import graphar` (run before any of its
-    # modules) defined: graphar.ops.
+    # The C++ kernels register for graphar::all_reduce, which `import graphar` (run before any of its
+    # modules) defined: graphar.ops. torch is imported: the library's libtorch_cpu.so is loaded.
     try:
-        lib = _cuda.bind(ctypes.CDLL(str(_build())), PROTOTYPES)
+        lib = _cuda.bind(ctypes.CDLL(str(locate())), PROTOTYPES)
         if lib.graphar_op_install() != 0:
             raise GrapharUnavailable(f"installing it failed: {lib.graphar_op_last_error().decode()}")
     except (OSError, GrapharUnavailable) as e:
@@ -132,7 +83,33 @@ def _load() -> ctypes.CDLL | None:
             e,
         )
         return None
+    withdraw_when_torch_unregisters()
     return lib
+
+
+def withdraw_when_torch_unregisters() -> None:
+    """From now on, torch unregistering a group's name (destroy_process_group, and the abort and
+    clean-up beside it, call these module globals by name) first withdraws the group's state: torch
+    gives the name to the next group it makes, whose ranks may differ, and the C++ kernels, on the
+    stable ABI, cannot ask c10d what a name names. Idempotent."""
+    c10d = dist.distributed_c10d
+    unregister, unregister_all = c10d._unregister_process_group, c10d._unregister_all_process_groups
+    if getattr(unregister, "graphar_withdraws", False):
+        return
+
+    def unregister_and_withdraw(group_name: str) -> None:
+        if group_name in _published:
+            publish(group_name, None)
+        unregister(group_name)
+
+    def unregister_all_and_withdraw() -> None:
+        for group_name in list(_published):
+            publish(group_name, None)
+        unregister_all()
+
+    unregister_and_withdraw.graphar_withdraws = True
+    c10d._unregister_process_group = unregister_and_withdraw
+    c10d._unregister_all_process_groups = unregister_all_and_withdraw
 
 
 def group_state(
@@ -176,12 +153,22 @@ def group_state(
 
 
 def publish(group_name: str, state: abi.OpGroup | None) -> None:
-    """Hand a group's state to the C++ kernel (None withdraws it); nothing when the library is not loaded."""
+    """Hand a group's state to the C++ kernel (None withdraws it); nothing when the library is not
+    loaded. A state is for a group torch has registered now (its unregistering withdraws it)."""
     lib = _library
     if lib is None:
         return
+    if state is not None:
+        try:
+            dist.distributed_c10d._resolve_process_group(group_name)
+        except RuntimeError as e:  # no group of that name
+            raise GrapharCudaError(f"graphar op library, group {group_name!r}: {e}") from e
     if lib.graphar_op_publish(group_name.encode(), None if state is None else ctypes.byref(state)) != 0:
         raise GrapharCudaError(f"graphar op library, group {group_name!r}: {lib.graphar_op_last_error().decode()}")
+    if state is None:
+        _published.discard(group_name)
+    else:
+        _published.add(group_name)
 
 
 def calls(group_name: str) -> int:

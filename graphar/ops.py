@@ -25,8 +25,11 @@ a call through the dispatcher then costs about 2-3 us of host time instead of ab
 Python autograd wrapper and alias checks to every call), which is most of a decode step's all-reduce
 when it runs without CUDA graphs. The all-reduce and the fused norm go further: their Python kernels
 are registered for CompositeExplicitAutograd, and C++ kernels for CUDA tensors (graphar.native_op)
-serve the plain eager calls without entering Python. The implementations never return an alias of an input, so nothing
-is lost; none of the ops has a derivative (neither have the collectives they replace).
+serve the plain eager calls without entering Python; the calls they decline go to two private ops,
+`graphar::_all_reduce_python` and `graphar::_all_reduce_add_rms_norm_python`, which have the public
+ops' Python kernels and nothing else (`_define_python_kernel`). The implementations never return an
+alias of an input, so nothing is lost; none of the ops has a derivative (neither have the collectives
+they replace).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ c10d = torch.ops._c10d_functional
 
 
 _lib = torch.library.Library("graphar", "DEF")
+# The private ops (module docstring), in a library of their own: `_lib` records the public ones.
+_python_kernels = torch.library.Library("graphar", "FRAGMENT")
 
 
 def _define(
@@ -57,6 +62,22 @@ def _define(
         _lib.impl(name, impl, key)
     torch.library.register_fake(f"graphar::{name}", fake, lib=_lib)
     torch.fx.node.has_side_effect(getattr(torch.ops.graphar, name).default)
+
+
+def _define_python_kernel(schema: str, impl: Callable[..., Any]) -> None:
+    """graphar::_<name>_python: graphar::<name>'s schema, its group name as UTF-8 bytes, run by `impl`
+    alone. The op's C++ kernel (graphar.native_op) hands it the calls it declines: built on torch's
+    stable ABI, it can call an op only through the whole dispatcher, where graphar::<name> on CUDA
+    tensors would come back to it. Bytes, not a str: torch 2.11 to 2.13 leak their copy of a str handed
+    to that call (pytorch#191340), which a process with no communicator would pay on every call."""
+    name, signature = schema[: schema.index("(")], schema[schema.index("(") :]
+    at = [arg.strip() for arg in signature[1 : signature.index(")")].split(",")].index("str group_name")
+    _python_kernels.define(f"_{name}_python{signature.replace('str group_name', 'int[] group_name')}")
+
+    def kernel(*args: Any) -> Any:
+        return impl(*args[:at], bytes(args[at]).decode(), *args[at + 1 :])
+
+    _python_kernels.impl(f"_{name}_python", kernel, "CompositeExplicitAutograd")
 
 
 def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -85,13 +106,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 # For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
-# and hands it every call it does not serve itself. So for all_reduce_add_rms_norm below.
-_define(
-    "all_reduce(Tensor x, str group_name) -> Tensor",
-    all_reduce,
-    lambda x, group_name: x.new_empty(x.shape),
-    keys=("CompositeExplicitAutograd",),
-)
+# and hands every call it does not serve itself to the same Python kernel through the private op. So
+# for all_reduce_add_rms_norm below.
+_ALL_REDUCE = "all_reduce(Tensor x, str group_name) -> Tensor"
+_define(_ALL_REDUCE, all_reduce, lambda x, group_name: x.new_empty(x.shape), keys=("CompositeExplicitAutograd",))
+_define_python_kernel(_ALL_REDUCE, all_reduce)
 
 
 def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -230,10 +249,14 @@ def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name, weight_f
     return x.new_empty(x.shape, dtype=normed), x.new_empty(x.shape, dtype=summed)
 
 
-_define(
+_ALL_REDUCE_ADD_RMS_NORM = (
     "all_reduce_add_rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps, str group_name, "
-    "bool weight_first=False) -> (Tensor, Tensor)",
+    "bool weight_first=False) -> (Tensor, Tensor)"
+)
+_define(
+    _ALL_REDUCE_ADD_RMS_NORM,
     all_reduce_add_rms_norm,
     _all_reduce_add_rms_norm_fake,
     keys=("CompositeExplicitAutograd",),
 )
+_define_python_kernel(_ALL_REDUCE_ADD_RMS_NORM, all_reduce_add_rms_norm)

@@ -173,9 +173,9 @@ def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]
 NATIVE_OP = _switch(
     "GRAPHAR_NATIVE_OP",
     True,
-    "serve eager calls of graphar::all_reduce and graphar::all_reduce_add_rms_norm from their C++ kernels, built "
-    "on first use for the installed torch with the host compiler ($CXX, else c++); off, or where they cannot be "
-    "built, their Python kernels serve every call (more host time per call)",
+    "serve eager calls of graphar::all_reduce and graphar::all_reduce_add_rms_norm from their C++ kernels "
+    "(libgraphar_torch.so, built with the CUDA library); off, or where they cannot be had, their Python kernels "
+    "serve every call (more host time per call)",
 )
 BLOCK_LIMIT = _blocks(
     "GRAPHAR_BLOCK_LIMIT",

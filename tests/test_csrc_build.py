@@ -6,14 +6,12 @@ from __future__ import annotations
 import ctypes
 import re
 import subprocess
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from graphar import _cuda, native_op
-from graphar.comm import abi
+from graphar import _cuda
 from graphar.errors import GrapharUnavailable
 
 MB = 1 << 20
@@ -316,16 +314,19 @@ def test_nvcc_command_targets(monkeypatch) -> None:
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "90a; 80")
     src = _cuda.source_dir()
     commands = _cuda.compile_commands("nvcc", src, Path("objects"), _cuda.cuda_archs())
-    # every .cu file is its own translation unit, and every one is in the build id's hash
+    # every .cu file is its own translation unit, and every one is in the build id's hash; the op
+    # library's source is in the hash too, and in no translation unit of the CUDA library
     assert sorted(c[c.index("-o") - 1] for c in commands.values()) == sorted(str(p) for p in src.glob("*.cu"))
     assert {p.name for p in src.glob("*.cu")} <= {p.name for p in src.iterdir() if p.suffix in _cuda._SOURCE_SUFFIXES}
+    assert (src / _cuda._TORCH_SOURCE).suffix in _cuda._SOURCE_SUFFIXES
+    assert not any(str(src / _cuda._TORCH_SOURCE) in c for c in commands.values())
     for command in commands.values():
         assert "-gencode=arch=compute_90a,code=sm_90a" in command
         assert "-gencode=arch=compute_80,code=sm_80" in command
         assert "-gencode=arch=compute_80,code=compute_80" in command  # PTX for newer GPUs
         assert {"-c", "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"} <= set(command)
         assert f"-DGRAPHAR_BUILD_ID={_cuda.source_hash(src)}" in command
-        assert "-DGRAPHAR_TARGETS=sm_90a,sm_80,compute_80" in command  # graphar_targets() says so (doctor)
+        assert r"-DGRAPHAR_TARGETS=sm_90a\,sm_80\,compute_80" in command  # graphar_targets() says so (doctor)
     assert "-shared" in _cuda.link_command("nvcc", list(commands), Path("out.so"))
     monkeypatch.setenv("GRAPHAR_CUDA_ARCHS", "sm_90")
     with pytest.raises(ValueError, match="GRAPHAR_CUDA_ARCHS"):
@@ -352,88 +353,3 @@ def test_library_without_gpu() -> None:
     assert _cuda.available() is False
     with pytest.raises(GrapharUnavailable, match="CUDA device"):
         _cuda.library()
-
-
-# ---- the op library (csrc/torch_ops): graphar::all_reduce's C++ kernel ----------------------------
-
-
-@pytest.mark.skipif(
-    native_op.compiler() is None or native_op.cuda_include() is None, reason="no host compiler or CUDA headers"
-)
-def test_op_library_compiles_against_this_torch(tmp_path) -> None:
-    """The build command compiles the kernel against the installed torch's headers (compile only: a
-    CPU torch has no libc10_cuda to link, nor the one generated header its CUDA builds carry)."""
-    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
-    if not (Path(torch.__file__).parent / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
-        stub.mkdir(parents=True)
-        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    command = native_op.build_command(
-        native_op.compiler(), native_op.source_dir(), tmp_path / "op.o", native_op.cuda_include()
-    )
-    command = [a for a in command if not a.startswith(("-l", "-L", "-Wl", "-shared"))] + [
-        "-c",
-        f"-I{tmp_path / 'stub'}",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    exported = subprocess.run(["nm", "-g", "--defined-only", str(tmp_path / "op.o")], capture_output=True, text=True)
-    assert set(native_op.PROTOTYPES) <= set(re.findall(r"\b(graphar_op_\w+)\b", exported.stdout))
-
-
-def test_op_library_off_or_unbuildable_leaves_the_python_kernel(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(native_op, "_tried", False)
-    monkeypatch.setenv("GRAPHAR_NATIVE_OP", "0")
-    with caplog.at_level("INFO", logger="graphar"):
-        assert native_op.library() is None
-    assert "GRAPHAR_NATIVE_OP=0" in caplog.text
-    monkeypatch.setattr(native_op, "_tried", False)
-    monkeypatch.delenv("GRAPHAR_NATIVE_OP")
-    monkeypatch.setattr(native_op, "compiler", lambda: None)
-    with caplog.at_level("WARNING", logger="graphar"):
-        assert native_op.library() is None
-    assert "no host compiler" in caplog.text and native_op.calls("g") == 0
-    native_op.publish("g", None)  # nothing loaded: nothing to withdraw, no error
-
-
-def test_group_state_carries_the_policy_rows() -> None:
-    """The published state: the eager rows as (bound, code) arrays (None: 0, no kernel), the fused
-    norm's limits, the CUDA library's entry points by address; more rows than the struct holds raise."""
-    proto = ctypes.CFUNCTYPE(ctypes.c_int)
-    functions = {
-        name: proto(lambda: 0)
-        for name in ("graphar_comm_all_reduce", "graphar_comm_all_reduce_norm", "graphar_last_error")
-    }
-    lib = types.SimpleNamespace(**functions)
-    segments = ((64 << 10, "push-oneshot"), (1 << 20, "1stage"), (1 << 62, None))
-    state = native_op.group_state(
-        comm=7,
-        lib=lib,
-        failed=1234,
-        max_bytes=8 << 20,
-        device=1,
-        rank=0,
-        segments=segments,
-        fused_norm_max=512 << 10,
-        pdl=True,
-    )
-    assert (state.rows, list(state.bounds[:3]), list(state.algos[:3])) == (3, [64 << 10, 1 << 20, 1 << 62], [3, 1, 0])
-    assert (state.comm, state.failed, state.fused_norm_max, state.norm_max_row_bytes, state.pdl) == (
-        7,
-        1234,
-        512 << 10,
-        _cuda.NORM_MAX_ROW_BYTES,
-        1,
-    )
-    assert state.all_reduce == ctypes.cast(functions["graphar_comm_all_reduce"], ctypes.c_void_p).value
-    with pytest.raises(ValueError, match=f"at most {abi.OP_MAX_ROWS}"):
-        native_op.group_state(
-            comm=7,
-            lib=lib,
-            failed=1234,
-            max_bytes=1,
-            device=1,
-            rank=0,
-            segments=segments * 6,
-            fused_norm_max=0,
-            pdl=False,
-        )

@@ -4,7 +4,7 @@
 # call cut short still returns what its earlier steps wrote; the device tool returns few files).
 # Usage: tools/gpu_session.sh [build] [native] [mps] [no-mps] [tests[=PYTEST_ARGS]] [tests-shared[=PYTEST_ARGS]]
 #        [lanes[=SECONDS]] [cpu-tests] [one-gpu[=WORLD]] [one-gpu-clients] [doctor] [demo] [bench-NAME[=ARGS]]
-#        [one-gpu-bench-NAME[=ARGS]] [eager-breakdown[=ARGS]] [soak[=ARGS]] [floor] [peer-exit] [stable-spike[=LIB]]
+#        [one-gpu-bench-NAME[=ARGS]] [eager-breakdown[=ARGS]] [soak[=ARGS]] [floor] [peer-exit]
 # mps starts CUDA's Multi-Process Service (its own pipe and log folders under /tmp) for the stages after it,
 # so that ranks sharing this one GPU run their kernels at once (docs/design.md, evidence levels); no-mps,
 # or the end of the script, stops it and appends its logs to the session log. Without it ranks sharing
@@ -14,16 +14,15 @@
 # NAME: allreduce, decode, norm, attention, ulysses, capture, or the one-GPU chunking and pack (they run
 # in one process on one GPU); ARGS go to the benchmark, e.g.
 # "bench-allreduce=--modes graph,eager --quick" (one word: quote it). build includes native, which
-# builds graphar's C++ op library so that the first benchmark's time limit does not pay for it.
-# one-gpu-bench-NAME: the benchmark's smoke run with its ranks on one GPU (tools/one_gpu_bench.py; no
-# numbers), its reports under bench/results/one-gpu/.
+# loads graphar's op library (libgraphar_torch.so, stable ABI) into this machine's torch and installs its
+# kernels (built here first where none was carried).
+# one-gpu-bench-NAME: the benchmark's run with its ranks on one GPU (tools/one_gpu_bench.py; per-call
+# costs under mps, no numbers time-sliced), its reports under bench/results/one-gpu/.
 # cpu-tests runs the CI suite on the machine's torch; it needs expecttest, e.g. wheels carried in .whl/.
 # floor builds and runs the one-GPU floor tools (tools/all_reduce_floor.cu, tools/norm_floor.cu) against the
 # library in graphar/ (built by `build`, or carried), each table in the log.
 # peer-exit builds tools/peer_exit.cu and runs it for legacy CUDA IPC and for VMM file descriptors: whether a
 # peer's memory outlives its process (run it before and after mps).
-# stable-spike loads tools/stable_abi_spike.cu's library into this machine's torch and calls its op on the GPU:
-# LIB as carried (built elsewhere, against another torch's headers), else built here first.
 # soak runs tools/soak.py (issue 33): the full soak on 2 GPUs, its report under bench/results/; ARGS go to it,
 # e.g. "soak=--shared --quick" (the CI-sized smoke run, two ranks on one GPU, 1-2 minutes) or
 # "soak=--cases replay" then "soak=--cases exchange,two-streams" (the full run in two calls of the device tool).
@@ -132,14 +131,6 @@ for stage in "$@"; do
     mps) mps_start ;;
     no-mps) mps_stop ;;
     lanes|lanes=*) limit=${stage#lanes=}; [ "$limit" = lanes ] && limit=540; lanes "$limit" ;;
-    stable-spike|stable-spike=*)
-      lib=${stage#stable-spike=}; [ "$lib" = stable-spike ] && lib=/tmp/stable_abi_spike.so && step stable-spike-build 180 \
-        bash -c 'T=$(python -c "import torch, os; print(os.path.dirname(torch.__file__))") && nvcc -O2 -std=c++17 -shared \
-        -Xcompiler -fPIC -arch=sm_90a -DUSE_CUDA -DTORCH_TARGET_VERSION=0x020b000000000000 -I$T/include \
-        -o /tmp/stable_abi_spike.so tools/stable_abi_spike.cu -L$T/lib -ltorch_cpu'
-      step stable-spike 120 python -c "import sys, torch; torch.ops.load_library(sys.argv[1]); x = torch.arange(1e6, device='cuda')
-torch.ops.graphar_spike.add_one_(x); assert torch.equal(x.cpu(), torch.arange(1e6) + 1)
-print('torch', torch.__version__, 'loaded and ran', sys.argv[1])" "$lib" ;;
     peer-exit)
       step peer-exit 120 bash -c "nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/peer_exit \
         tools/peer_exit.cu && /tmp/peer_exit legacy; /tmp/peer_exit vmm" ;;

@@ -1,6 +1,7 @@
-// graphar's op library: the CUDA kernels in C++ of graphar::all_reduce and
-// graphar::all_reduce_add_rms_norm (all_reduce_op.cpp), the eager fast path. It includes torch's headers, so graphar/native_op.py builds it per torch version with
-// the host compiler; the CUDA library stays torch-free. Python calls these functions with ctypes.
+// graphar's op library, libgraphar_torch.so: the CUDA kernels in C++ of graphar::all_reduce and
+// graphar::all_reduce_add_rms_norm (ops.cpp), the eager fast path. Built beside the CUDA library against
+// torch's stable ABI, which the CUDA library stays free of; it calls the CUDA library through the
+// function pointers each group's state carries. Python calls these functions with ctypes.
 //
 // Every function returns 0 on success, otherwise GRAPHAR_EINVAL with a message for
 // graphar_op_last_error() (per thread).
@@ -15,6 +16,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+// The library is built with hidden visibility (graphar/_cuda.py): it exports what this header declares.
+#pragma GCC visibility push(default)
 
 // What the C++ kernel needs of one group's communicator; the Python side fills it.
 typedef struct graphar_op_group {
@@ -38,15 +41,17 @@ typedef struct graphar_op_group {
 
 const char* graphar_op_last_error(void);
 // Registers the C++ kernels for CUDA tensors (once per process; again: no-op). Both ops must be
-// defined already, each with its Python kernel for CompositeExplicitAutograd.
+// defined already, and graphar::_all_reduce_python and graphar::_all_reduce_add_rms_norm_python, which
+// the kernels hand the calls they decline to (graphar/ops.py).
 int graphar_op_install(void);
-// Publishes a group's state for the process group `group_name` names now (c10d's registry),
-// replacing the previous one; group NULL withdraws it. Every call of the group goes to the Python
-// kernel while none is published, or once the name no longer names that process group.
+// Publishes a group's state, replacing the previous one; group NULL withdraws it. Every call of the
+// group goes to the Python kernel while none is published. Python publishes for a live group and
+// withdraws the state when torch unregisters the name (graphar/native_op.py).
 int graphar_op_publish(const char* group_name, const graphar_op_group* group);
 // How many calls the C++ kernel has served on the group since the process started.
 uint64_t graphar_op_calls(const char* group_name);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

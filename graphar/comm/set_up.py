@@ -48,8 +48,8 @@ def _live(group: dist.ProcessGroup | None) -> bool:
 
 def _close_destroyed(comm: Communicator) -> None:
     """Close a registered communicator set up for a group torch has destroyed since: torch gives the
-    name to the next group it makes, whose ranks may differ (the C++ kernel stops serving such a name
-    by itself, graphar.native_op)."""
+    name to the next group it makes, whose ranks may differ (the C++ kernel stopped serving the name
+    when torch unregistered it, graphar.native_op)."""
     logger.warning(
         "graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
         "(call graphar.shutdown() before destroy_process_group)",
