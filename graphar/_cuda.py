@@ -346,7 +346,7 @@ def library() -> ctypes.CDLL:
             if not torch.cuda.is_available():
                 raise GrapharUnavailable("no CUDA device is visible")
             try:
-                lib = ctypes.CDLL(str(_locate()))
+                lib = ctypes.CDLL(str(locate()))
             except OSError as e:
                 raise GrapharUnavailable(f"cannot load {LIB_NAME}: {e}") from e
             _library = bind(lib, PROTOTYPES)
@@ -420,6 +420,16 @@ def _nvml_library() -> ctypes.CDLL:
             raise GrapharUnavailable("nvmlInit failed")
         _nvml = nvml
     return _nvml
+
+
+def driver_version() -> str:
+    """The driver's version as NVML gives it ('580.95.05'), or 'unknown' where NVML cannot say."""
+    try:
+        nvml = _nvml_library()
+    except GrapharUnavailable:
+        return "unknown"
+    buf = ctypes.create_string_buffer(96)
+    return buf.value.decode() if nvml.nvmlSystemGetDriverVersion(buf, len(buf)) == 0 else "unknown"
 
 
 def nvlink_between(bus_a: str, bus_b: str) -> bool:

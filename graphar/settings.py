@@ -195,6 +195,28 @@ ALLTOALL_ALGO = Setting(
 PULL_BLOCKS = _blocks(
     "GRAPHAR_PULL_BLOCKS", MAX_BLOCKS, "blocks of the IPC all-to-all's copy into its output (Ulysses exchanges)"
 )
+TUNE = _switch(
+    "GRAPHAR_TUNE",
+    False,
+    "measure the all-reduce kernel for each size and capture mode on the group at its set-up (cached on disk "
+    "per GPU, driver, world size, GPUs and build: a job pays once); off, the shipped table serves (the default "
+    "until the tuner has run on GPUs); every rank must set the same",
+)
+TUNE_BUDGET_S = Setting(
+    "GRAPHAR_TUNE_BUDGET_S",
+    2.0,
+    lambda raw: seconds(float(raw), "GRAPHAR_TUNE_BUDGET_S", zero_unbounded=False),
+    "a number of seconds > 0",
+    "bound on the tuner's time at a set-up: sizes it did not reach keep the shipped table's kernels; every rank "
+    "must set the same",
+)
+DETERMINISTIC = _switch(
+    "GRAPHAR_DETERMINISTIC",
+    True,
+    "every all-reduce sums in rank order in fp32, so a result's bits do not depend on the kernel, size or "
+    "batch; off, the tuner may also pick NCCL where it measured faster (its ring order varies); every rank "
+    "must set the same",
+)
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
 TIMEOUT_S = Setting(
@@ -242,6 +264,9 @@ ALL: tuple[Setting[Any], ...] = (
     BLOCK_LIMIT,
     ALLTOALL_ALGO,
     PULL_BLOCKS,
+    TUNE,
+    TUNE_BUDGET_S,
+    DETERMINISTIC,
     TIMEOUT_S,
     EXCHANGE_TIMEOUT_S,
     CACHE_DIR,

@@ -105,7 +105,7 @@ def test_a_setting_that_differs_on_one_rank_is_named_with_every_value(setting: s
         ("GRAPHAR_ALLTOALL_ALGO", "push", "set GRAPHAR_ALLTOALL_ALGO alike on every rank"),
         ("GRAPHAR_PULL_BLOCKS", "32", "set GRAPHAR_PULL_BLOCKS alike on every rank"),
         ("GRAPHAR_AUTO_INIT", "0", "set GRAPHAR_AUTO_INIT alike on every rank"),
-        ("GRAPHAR_TUNE", "0", "set GRAPHAR_TUNE alike on every rank"),
+        ("GRAPHAR_TUNE", "1", "set GRAPHAR_TUNE alike on every rank"),
         ("GRAPHAR_TUNE_BUDGET_S", "5", "set GRAPHAR_TUNE_BUDGET_S alike on every rank"),
         ("GRAPHAR_DETERMINISTIC", "0", "set GRAPHAR_DETERMINISTIC alike on every rank"),
     ],

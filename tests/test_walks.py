@@ -227,6 +227,7 @@ def test_max_bytes_into_init(monkeypatch) -> None:
         (registry, "_communicators", {}),
     ]:
         monkeypatch.setattr(target, name, fake)
+    monkeypatch.setenv("GRAPHAR_TUNE", "0")  # it would time real kernels: none behind the stand-in library
     max_bytes = 3 * MB + 7 * 16  # a number nothing else in the walk holds
     with _one_rank_world() as group:
         w = walk(lambda: graphar.init(group, max_bytes=max_bytes), numbers=[max_bytes])

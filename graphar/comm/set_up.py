@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
-from graphar.comm import policy, registry
+from graphar.comm import policy, registry, tuner
 from graphar.comm.allreduce import block_limit
 from graphar.comm.communicator import Communicator
 from graphar.comm.rendezvous import StoreExchange, agree, first_reason
@@ -165,9 +166,68 @@ def init(
     if comm is None:
         _disabled(name, str(dist.get_backend(group)), reason or "unknown")
         return None
+    _tune(comm, group)
     registry.register(comm)
     comm.allreduce.publish()
     return comm
+
+
+def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
+    """The kernel table measured on this group (graphar.comm.tuner), from the cache where a job before
+    measured it; nothing when GRAPHAR_TUNE=0 or a kernel is forced. Collective: where a rank cannot
+    say what the table depends on, every rank keeps the shipped table, and a warning says why."""
+    kernels = comm.allreduce.policy
+    if not settings.TUNE.get() or kernels.forced is not None:
+        return
+    start = time.monotonic()
+    nccl = dist.get_backend(group) == "nccl"
+    names = tuner.candidates(settings.DETERMINISTIC.get(), nccl)
+    what = f"graphar tuner of group {comm.group_name!r}"
+    try:
+        local = {
+            "gpu": torch.cuda.get_device_name(comm.device),
+            "driver": _cuda.driver_version(),
+            "bus": _cuda.pci_bus_id(comm.device),
+            "build": _cuda.build_id(),
+            "nccl": torch.cuda.nccl.version() if nccl else None,
+        }
+        error = None
+    except Exception as e:  # noqa: BLE001  (any failure here means "do not tune", on every rank)
+        local, error = {}, f"{type(e).__name__}: {e}"
+    gathered = comm.all_gather((local, error), what)
+    reason = first_reason([e for _, e in gathered])
+    if reason is not None:
+        logger.warning("graphar: %s did not run, the shipped table serves: %s", what, reason)
+        return
+    facts = {
+        **{k: v for k, v in local.items() if k != "bus"},
+        "gpus": [f["bus"] for f, _ in gathered],
+        "torch": torch.__version__,
+        "shipped": kernels.shipped(),
+        "pdl": comm.allreduce.pdl,
+        "blocks": block_limit(torch.cuda.get_device_capability(comm.device)[0]),
+    }
+    table = tuner.tuned_table(
+        comm.rank,
+        comm.all_gather,
+        tuner.GpuTimer(comm.allreduce, group),
+        facts,
+        names,
+        kernels.shipped(),
+        comm.max_bytes,
+        settings.TUNE_BUDGET_S.get(),
+        _cuda._cache_root() / "tuned",
+    )
+    comm.allreduce.policy = kernels.tuning(table.rows)
+    comm.allreduce.tuned = table
+    logger.info(
+        "graphar: all-reduce kernels of group %r %s in %.2f s (GRAPHAR_TUNE=0: the shipped table): %s\n%s",
+        comm.group_name,
+        "read from the tuner's cache" if table.source == "cache" else "measured",
+        time.monotonic() - start,
+        table.rows,
+        "\n".join(table.describe()),
+    )
 
 
 def _disabled(group_name: str, backend: str, reason: str) -> None:
@@ -220,6 +280,11 @@ MUST_AGREE: dict[str, str] = {
     settings.ALLTOALL_ALGO.name: "set GRAPHAR_ALLTOALL_ALGO alike on every rank",
     # Blocks of the all-to-all's copy, which meet their peers block by block.
     settings.PULL_BLOCKS.name: "set GRAPHAR_PULL_BLOCKS alike on every rank",
+    # The tuner's steps are collectives: a rank that tunes alone, stops at another size or leaves NCCL in
+    # where its peers do not would wait for them.
+    settings.TUNE.name: "set GRAPHAR_TUNE alike on every rank",
+    settings.TUNE_BUDGET_S.name: "set GRAPHAR_TUNE_BUDGET_S alike on every rank",
+    settings.DETERMINISTIC.name: "set GRAPHAR_DETERMINISTIC alike on every rank",
     # A rank that does not set a group up at its first collective leaves its peers waiting in that set-up
     # (caught here at a set-up every rank reaches; else that set-up's exchange times out, naming the cause).
     settings.AUTO_INIT.name: "set GRAPHAR_AUTO_INIT alike on every rank",
@@ -268,7 +333,17 @@ def _launch_settings(max_bytes: int, capability_major: int, world_size: int) -> 
         MAX_BYTES: max_bytes,
         settings.ALLREDUCE_ALGO.name: settings.ALLREDUCE_ALGO.get(),
         BLOCKS: block_limit(capability_major),
-        **{s.name: s.get() for s in (settings.ALLTOALL_ALGO, settings.PULL_BLOCKS, settings.AUTO_INIT)},
+        **{
+            s.name: s.get()
+            for s in (
+                settings.ALLTOALL_ALGO,
+                settings.PULL_BLOCKS,
+                settings.TUNE,
+                settings.TUNE_BUDGET_S,
+                settings.DETERMINISTIC,
+                settings.AUTO_INIT,
+            )
+        },
     }
 
 
