@@ -83,7 +83,14 @@ mps_stop() {
 }
 trap mps_stop EXIT
 # The GPU tests in lanes that take about as long each (ranks sharing the GPU), run side by side; then
-# test_lifetime alone, as its memory figures are the whole GPU's (torch.cuda.mem_get_info).
+# test_lifetime alone, as its memory figures are the whole GPU's (torch.cuda.mem_get_info). Every lane's
+# ranks share the GPU's SMs, and a resident block spins until its peers' blocks of the same index arrive:
+# six lanes of four ranks at 64 blocks a launch ask for more blocks at once than an H100 holds (1stage:
+# two of 512 threads an SM, 264), and a block whose peer cannot be scheduled spins to the timeout. On
+# GPUs of their own a rank's blocks wait only for other GPUs, so this is the shared GPU's alone: lanes
+# launch at most LANE_BLOCKS (8: 6 x 4 x 8 = 192 blocks) per kernel. A hypothesis for the lanes' faults
+# of 2026-12-07, not yet run.
+LANE_BLOCKS=${LANE_BLOCKS:-8}
 LANES=(
   "tests/gpu/test_faults.py -k late_peer"
   "tests/gpu/test_faults.py -k swapped_orders or dies or loses_its_claim or copy_nothing"
@@ -103,7 +110,8 @@ lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to th
     for w in "${words[@]}"; do [[ $w == tests/* ]] && files+=("$w"); done
     [[ ${LANES[$i]} == *" -k "* ]] && k=(-k "${LANES[$i]#* -k }")
     # -s: a lane cut at its limit prints no summary, but run_workers writes each failure out as it happens
-    GRAPHAR_TEST_SHARE_GPU=1 timeout --kill-after=10 "$limit" python -m pytest -v -s -rfEs --tb=short -p no:cacheprovider \
+    GRAPHAR_TEST_SHARE_GPU=1 GRAPHAR_BLOCK_LIMIT=$LANE_BLOCKS GRAPHAR_PULL_BLOCKS=$LANE_BLOCKS \
+      timeout --kill-after=10 "$limit" python -m pytest -v -s -rfEs --tb=short -p no:cacheprovider \
       "${files[@]}" "${k[@]}" >"$dir/lane$i.log" 2>&1 &
     pids+=($!)
   done
