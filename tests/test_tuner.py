@@ -3,6 +3,7 @@ faster, the budget stops every rank at one size, and the cache is hit, missed an
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ from graphar.comm.tuner import NCCL
 
 KB, MB = 1 << 10, 1 << 20
 SHIPPED = dict.fromkeys(policy.MODES, ((512 * KB - 16, "1stage"), (policy.OPEN, "2stage")))
+
+
+_rank: contextvars.ContextVar[int] = contextvars.ContextVar("rank", default=0)  # a thread's, where a test sets it
 
 
 class Ranks:
@@ -204,3 +208,92 @@ def test_describe_names_the_pick_and_each_candidate(nbytes: int) -> None:
     )
     (line,) = table.describe()
     assert line.startswith(f"eager {tuner._size(nbytes)}: nccl <- 1stage 4.0, 2stage n/a, nccl 3.0")
+
+
+# ---- at set-up (graphar.comm.set_up._tune), on a stand-in communicator ------------------------------
+
+
+class _AllReduce:
+    def __init__(self, forced: str | None = None) -> None:
+        self.policy = policy.Policy(9, 2, policy.Limits(max_bytes=MB, push_one_shot=MB), forced)
+        self.pdl = True
+        self.tuned = None
+
+
+class _Comm:
+    def __init__(self, rank: int, gather, forced: str | None = None) -> None:
+        self.rank, self.device, self.max_bytes, self.group_name = rank, 0, MB, "0"
+        self.allreduce = _AllReduce(forced)
+        self.all_gather = gather
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """What _tune asks of torch and the library, for a machine without GPUs; the tuner's cache in tmp_path."""
+    from graphar import _cuda
+    from graphar.comm import set_up
+
+    monkeypatch.setenv("GRAPHAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(set_up.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(set_up.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(set_up.dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(_cuda, "driver_version", lambda: "580.1")
+    monkeypatch.setattr(_cuda, "build_id", lambda: "abc")
+    monkeypatch.setattr(_cuda, "pci_bus_id", lambda device: "0000:19:00.0")
+    timed: list[str] = []
+
+    def timer(allreduce: Any, group: Any):
+        def time_one(candidate: str, nbytes: int, mode: str) -> float | None:
+            timed.append(candidate)
+            return model(0)(candidate, nbytes, mode)
+
+        return time_one
+
+    monkeypatch.setattr(tuner, "GpuTimer", timer)
+    return set_up, timed
+
+
+def test_set_up_tunes_every_rank_alike_and_reads_the_cache_next_time(stand_in, monkeypatch) -> None:
+    set_up, timed = stand_in
+    monkeypatch.setenv("GRAPHAR_TUNE", "1")
+    tuned = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
+    rows = tuned[0].allreduce.tuned.rows
+    assert all(c.allreduce.tuned.source == "tuned" and c.allreduce.policy.tuned == rows for c in tuned)
+    assert timed and NCCL not in timed  # gloo: no NCCL candidate (and deterministic by default)
+    timed.clear()
+    cached = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
+    assert not timed and all(c.allreduce.tuned.source == "cache" and c.allreduce.policy.tuned == rows for c in cached)
+
+
+def _tuned(set_up: Any, rank: int, gather: Any, forced: str | None = None) -> _Comm:
+    comm = _Comm(rank, gather, forced)
+    set_up._tune(comm, None)
+    return comm
+
+
+def test_set_up_keeps_the_shipped_table_when_off_forced_or_a_rank_cannot_say(stand_in, monkeypatch, caplog) -> None:
+    set_up, timed = stand_in
+    shipped = _AllReduce().policy.segments(policy.EAGER)
+    monkeypatch.setenv("GRAPHAR_TUNE", "0")
+    (off,) = Ranks(1).run(lambda rank, gather: _tuned(set_up, rank, gather))
+    monkeypatch.setenv("GRAPHAR_TUNE", "1")
+    (forced,) = Ranks(1).run(lambda rank, gather: _tuned(set_up, rank, gather, forced="2stage"))
+    assert off.allreduce.tuned is None and forced.allreduce.tuned is None and not timed
+    # Rank 1 cannot name its GPU: no rank times anything, every rank says why.
+    from graphar import _cuda
+
+    def bus(device: int) -> str:
+        if _rank.get() == 1:
+            raise _cuda.GrapharCudaError("no PCI bus id")
+        return "0000:19:00.0"
+
+    monkeypatch.setattr(_cuda, "pci_bus_id", bus)
+
+    def rank_body(rank: int, gather: Any) -> _Comm:
+        _rank.set(rank)
+        return _tuned(set_up, rank, gather)
+
+    with caplog.at_level("WARNING", logger="graphar"):
+        comms = Ranks(2).run(rank_body)
+    assert all(c.allreduce.tuned is None and c.allreduce.policy.segments(policy.EAGER) == shipped for c in comms)
+    assert not timed and "rank 1: GrapharCudaError: no PCI bus id" in caplog.text
