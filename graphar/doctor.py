@@ -73,17 +73,13 @@ def _triton_version() -> str:
 
 
 def _driver_version() -> str:
-    try:
-        nvml = _cuda._nvml_library()
-    except GrapharUnavailable as e:
-        return f"unknown ({e})"
-    buf, cuda = ctypes.create_string_buffer(96), ctypes.c_int()
-    if nvml.nvmlSystemGetDriverVersion(buf, len(buf)) != 0:
+    version = _cuda.driver_version()
+    if version == "unknown":
         return "unknown (NVML did not say)"
-    supports = ""
-    if nvml.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(cuda)) == 0:
-        supports = f" (supports CUDA {cuda.value // 1000}.{cuda.value % 1000 // 10})"
-    return buf.value.decode() + supports
+    cuda = ctypes.c_int()
+    if _cuda._nvml_library().nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(cuda)) != 0:
+        return version
+    return f"{version} (supports CUDA {cuda.value // 1000}.{cuda.value % 1000 // 10})"
 
 
 def _nccl_version() -> str:
