@@ -166,7 +166,11 @@ def init(
     if comm is None:
         _disabled(name, str(dist.get_backend(group)), reason or "unknown")
         return None
-    _tune(comm, group)
+    try:
+        _tune(comm, group)
+    except BaseException:  # a peer gone mid-tuning (its exchange timed out), a kernel that failed: nothing leaks
+        comm.close()
+        raise
     registry.register(comm)
     comm.allreduce.publish()
     return comm
