@@ -109,13 +109,14 @@ def _nvcc_release(nvcc: str) -> str:
     return f"{nvcc} (release {found.group(1)})" if found else nvcc
 
 
+def _archs(text: str, kind: str = "sm|compute") -> list[str]:
+    """The architectures `text` names as <kind>_NN[a], ascending."""
+    return sorted(set(re.findall(rf"(?:{kind})_(\d+a?)", text)), key=lambda a: int(a.rstrip("a")))
+
+
 def split_targets(named: str) -> tuple[list[str], list[str]]:
-    """'sm_80,sm_90a,compute_80' (graphar_targets; cuobjdump's lists) -> (['80', '90a'], ['80'])."""
-    found: tuple[set[str], set[str]] = (set(), set())
-    for kind, arch in re.findall(r"(sm|compute)_(\d+a?)", named):
-        found[kind == "compute"].add(arch)
-    elf, ptx = (sorted(f, key=lambda a: int(a.rstrip("a"))) for f in found)
-    return elf, ptx
+    """'sm_80,sm_90a,compute_80' (graphar_targets) -> (['80', '90a'], ['80'])."""
+    return _archs(named, "sm"), _archs(named, "compute")
 
 
 def embedded_archs(lib: Path, loaded: bool) -> tuple[list[str], list[str]] | None:
@@ -129,10 +130,10 @@ def embedded_archs(lib: Path, loaded: bool) -> tuple[list[str], list[str]] | Non
     if not tool:
         return None
     elf, ptx = (
-        subprocess.run([tool, flag, str(lib)], capture_output=True, text=True).stdout
+        _archs(subprocess.run([tool, flag, str(lib)], capture_output=True, text=True).stdout)
         for flag in ("--list-elf", "--list-ptx")
     )
-    return split_targets(elf.replace("compute_", "sm_"))[0], split_targets(ptx.replace("sm_", "compute_"))[1]
+    return elf, ptx
 
 
 def _archs_text(elf: list[str], ptx: list[str]) -> str:

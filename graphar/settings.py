@@ -165,6 +165,12 @@ PDL = _switch(
 )
 
 
+def _seconds(name: str, default: float, meaning: str, zero_unbounded: bool) -> Setting[float]:
+    """A bound in seconds (`seconds`): >= 0 with 0 unbounded, or > 0 where zero is not allowed."""
+    allowed = f"a number of seconds {'>= 0' if zero_unbounded else '> 0'}"
+    return Setting(name, default, lambda raw: seconds(float(raw), name, zero_unbounded), allowed, meaning)
+
+
 def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]:
     """A count of blocks per launch: one barrier slot each, so at most MAX_BLOCKS."""
     return Setting(name, default, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]", meaning)
@@ -202,13 +208,12 @@ TUNE = _switch(
     "per GPU, driver, world size, GPUs and build: a job pays once); off, the shipped table serves (the default "
     "until the tuner has run on GPUs); every rank must set the same",
 )
-TUNE_BUDGET_S = Setting(
+TUNE_BUDGET_S = _seconds(
     "GRAPHAR_TUNE_BUDGET_S",
     2.0,
-    lambda raw: seconds(float(raw), "GRAPHAR_TUNE_BUDGET_S", zero_unbounded=False),
-    "a number of seconds > 0",
     "bound on the tuner's time at a set-up: sizes it did not reach keep the shipped table's kernels; every rank "
     "must set the same",
+    zero_unbounded=False,
 )
 DETERMINISTIC = _switch(
     "GRAPHAR_DETERMINISTIC",
@@ -219,20 +224,18 @@ DETERMINISTIC = _switch(
 )
 # 60 s: long enough for the ranks' skew at a compiled graph's first call (each rank runs it right
 # after its own compile, which can finish tens of seconds apart), short enough to end a hang.
-TIMEOUT_S = Setting(
+TIMEOUT_S = _seconds(
     "GRAPHAR_TIMEOUT_S",
     60.0,
-    lambda raw: seconds(float(raw), "GRAPHAR_TIMEOUT_S"),
-    "a number of seconds >= 0",
     "bound on every spin-wait for a peer in graphar's kernels; 0 = unbounded. A peer that never "
     "arrives raises GrapharTimeoutError naming the group, the barrier and the peer",
+    zero_unbounded=True,
 )
-EXCHANGE_TIMEOUT_S = Setting(
+EXCHANGE_TIMEOUT_S = _seconds(
     "GRAPHAR_EXCHANGE_TIMEOUT_S",
     300.0,
-    lambda raw: seconds(float(raw), "GRAPHAR_EXCHANGE_TIMEOUT_S", zero_unbounded=False),
-    "a number of seconds > 0",
     "bound on each set-up exchange over the group's store (`graphar.init`, graph registration, exchange-buffer growth)",
+    zero_unbounded=False,
 )
 CACHE_DIR = Setting(
     "GRAPHAR_CACHE_DIR",

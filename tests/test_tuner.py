@@ -258,11 +258,13 @@ def test_set_up_tunes_every_rank_alike_and_reads_the_cache_next_time(stand_in, m
     monkeypatch.setenv("GRAPHAR_TUNE", "1")
     tuned = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
     rows = tuned[0].allreduce.tuned.rows
-    assert all(c.allreduce.tuned.source == "tuned" and c.allreduce.policy.tuned == rows for c in tuned)
+    assert all(c.allreduce.tuned.source == "tuned" and c.allreduce.policy.tuned_rows == rows for c in tuned)
     assert timed and NCCL not in timed  # gloo: no NCCL candidate (and deterministic by default)
     timed.clear()
     cached = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
-    assert not timed and all(c.allreduce.tuned.source == "cache" and c.allreduce.policy.tuned == rows for c in cached)
+    assert not timed and all(
+        c.allreduce.tuned.source == "cache" and c.allreduce.policy.tuned_rows == rows for c in cached
+    )
 
 
 def _tuned(set_up: Any, rank: int, gather: Any, forced: str | None = None) -> _Comm:

@@ -112,7 +112,7 @@ class Policy:
         self._forced = forced
         self._rows, measured = table(capability_major, world_size)
         # Measured on this group (graphar.comm.tuner): its rows may name no kernel (None): NCCL serves.
-        self.tuned = tuned
+        self.tuned_rows = tuned
         if tuned is not None:
             self._rows = tuned
         # Bytes of the all-reduce's input.
@@ -126,7 +126,7 @@ class Policy:
 
     def forcing(self, algo: str | None) -> Policy:
         """This communicator's policy with `algo` forced (None: the table's picks)."""
-        return Policy(*self._key, self.limits, algo, self.tuned)
+        return Policy(*self._key, self.limits, algo, self.tuned_rows)
 
     def tuning(self, rows: dict[str, Rows]) -> Policy:
         """This communicator's policy with the rows the tuner measured."""

@@ -183,7 +183,7 @@ def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
     kernels = comm.allreduce.policy
     if not settings.TUNE.get() or kernels.forced is not None:
         return
-    start = time.monotonic()
+    start, shipped = time.monotonic(), kernels.shipped()
     nccl = dist.get_backend(group) == "nccl"
     names = tuner.candidates(settings.DETERMINISTIC.get(), nccl)
     what = f"graphar tuner of group {comm.group_name!r}"
@@ -207,7 +207,7 @@ def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
         **{k: v for k, v in local.items() if k != "bus"},
         "gpus": [f["bus"] for f, _ in gathered],
         "torch": torch.__version__,
-        "shipped": kernels.shipped(),
+        "shipped": shipped,
         "pdl": comm.allreduce.pdl,
         "blocks": block_limit(torch.cuda.get_device_capability(comm.device)[0]),
     }
@@ -217,7 +217,7 @@ def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
         tuner.GpuTimer(comm.allreduce, group),
         facts,
         names,
-        kernels.shipped(),
+        shipped,
         comm.max_bytes,
         settings.TUNE_BUDGET_S.get(),
         _cuda._cache_root() / "tuned",

@@ -46,7 +46,6 @@ NCCL = "nccl"
 GRAPHAR_CANDIDATES = (ONE_STAGE, TWO_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT)
 # Size classes: a call of n bytes takes the pick of the smallest class >= n.
 SIZE_CLASSES = tuple(1 << k for k in range(10, 27))  # 1 KB .. 64 MB
-TUNED_MODES = policy.MODES
 FORMAT = 1  # of the cache file: a file of another format is not read
 
 # (candidate, bytes, capture mode) -> microseconds per call on this rank, or None: it cannot run that call.
@@ -62,7 +61,7 @@ class Table:
     rows: dict[str, policy.Rows]
     # mode -> [(size class, {candidate: us of the slowest rank, or None})], in the order measured
     times: dict[str, list[tuple[int, dict[str, float | None]]]] = field(default_factory=dict)
-    source: str = "tuned"  # "tuned", "cache" or why the shipped table stands
+    source: str = "tuned"  # or "cache": read from the tuner's cache
 
     def describe(self) -> list[str]:
         """One line per measured size and mode: each candidate's time, the pick first."""
@@ -109,16 +108,16 @@ def tune(
     size measured are the shipped table's."""
     start = clock()
     sizes = [s for s in SIZE_CLASSES if s <= max_bytes]
-    measured: dict[str, list[tuple[int, dict[str, float | None]]]] = {m: [] for m in TUNED_MODES}
+    measured: dict[str, list[tuple[int, dict[str, float | None]]]] = {m: [] for m in policy.MODES}
     for nbytes in sizes:
-        local = {m: {c: timer(c, nbytes, m) for c in names} for m in TUNED_MODES}
+        local = {m: {c: timer(c, nbytes, m) for c in names} for m in policy.MODES}
         gathered = all_gather((local, clock() - start), f"graphar tuner, {_size(nbytes)}")
-        for m in TUNED_MODES:
+        for m in policy.MODES:
             measured[m].append((nbytes, slowest([times[m] for times, _ in gathered])))
         if max(elapsed for _, elapsed in gathered) > budget_s:
             break
-    complete = len(measured[TUNED_MODES[0]]) == len(sizes)
-    rows = {m: merged_rows(measured[m], shipped[m], complete) for m in TUNED_MODES}
+    complete = len(measured[policy.MODES[0]]) == len(sizes)
+    rows = {m: merged_rows(measured[m], shipped[m], complete) for m in policy.MODES}
     return Table(rows, measured)
 
 
@@ -213,8 +212,8 @@ def load(folder: Path, facts: Mapping[str, Any]) -> Table | None:
         return None
     if data.get("format") != FORMAT or data.get("facts") != json.loads(json.dumps(dict(facts), default=str)):
         return None
-    rows = {m: tuple((int(b), k) for b, k in data["rows"][m]) for m in TUNED_MODES}
-    times = {m: [(int(n), t) for n, t in data["times"].get(m, [])] for m in TUNED_MODES}
+    rows = {m: tuple((int(b), k) for b, k in data["rows"][m]) for m in policy.MODES}
+    times = {m: [(int(n), t) for n, t in data["times"].get(m, [])] for m in policy.MODES}
     return Table(rows, times, source="cache")
 
 

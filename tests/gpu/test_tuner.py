@@ -26,7 +26,7 @@ def _tunes_agrees_and_caches(rank: int, world_size: int) -> None:
     assert table is not None and table.source == "tuned"
     tables = comm.all_gather(table.rows, "tuned rows")
     assert all(t == tables[0] for t in tables), tables
-    assert comm.allreduce.policy.tuned == table.rows
+    assert comm.allreduce.policy.tuned_rows == table.rows
     for nbytes in (1 * KB, 48 * KB, 256 * KB + 16, 4 * MB):  # whatever the table picked serves them exactly
         check_exact(comm, integer_valued(nbytes // 2, torch.bfloat16), None)
     graphar.shutdown()
