@@ -87,7 +87,7 @@ def _build(cuda: ModuleType, package_dir: Path) -> Path:
 
 
 setup(
-    packages=["graphar", "graphar.benchmarks", "graphar.comm", "graphar.kernels", "graphar.passes"],
+    packages=["graphar", "graphar.comm", "graphar.kernels", "graphar.passes"],
     package_dir={"graphar.passes": "passes"},
     cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel},
 )

@@ -9,7 +9,6 @@ import argparse
 import sys
 
 from graphar import demo, doctor
-from graphar.benchmarks import cli as bench
 
 # name, module, one-line summary for the list of commands
 COMMANDS = (
@@ -24,12 +23,6 @@ COMMANDS = (
         doctor,
         "say whether graphar's custom all-reduce and IPC all-to-all are on here, and if not, "
         "why: versions, CUDA library, GPUs, peer access, NVLink, allocator",
-    ),
-    (
-        "bench",
-        bench,
-        "time graphar against NCCL: allreduce, attention, capture, decode, norm or ulysses; on one "
-        "GPU: chunking, pack; compile: its compile time (CPU); a table and a plot",
     ),
 )
 

@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves
 import graphar
 from graphar import _cuda
 from graphar._launch import end_worker, free_port
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.comm.registry import communicator
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
 HIDDEN, FFN, BATCH = 64, 256, 8

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._graphs import init_fake_world, post_grad_graphs
 from tests._ulysses import UlyssesBlock, heads_to_seq_dim1, seq_to_heads_dim1
 
@@ -98,7 +98,7 @@ class <lambda>(torch.nn.Module):
 
     def test_the_benchmark_block_gets_the_op(self) -> None:
         # QK-norm and RoPE before the exchange, a contiguous output and a projection after it.
-        from graphar.benchmarks.attention import Block
+        from attention import Block
 
         block = Block((1, 12, 8, 16), rank=0, world_size=2, exchange=True, device="cpu")
         with torch.no_grad():

@@ -1,9 +1,9 @@
-"""`python -m graphar bench NAME --dry-run`: the table of fake numbers and the PNG beside it.
+"""`python bench/NAME.py --dry-run`: the table of fake numbers and the PNG beside it.
 
 With matplotlib (CI installs it through the `test` extra) every benchmark writes a real plot; without
 it (simulated by hiding the module) the table is written all the same and a line says how to get the
 plot. Also: where results go by default, the charts built from a benchmark's own results, progress
-lines, the `python bench/NAME.py` entry points of a checkout, partial reports, the ranks' agreement
+lines, each benchmark's options, a benchmark run as a script, partial reports, the ranks' agreement
 on what to measure (two gloo processes) and a world of one without a process group (the one-GPU
 benchmarks), each benchmark's NCCL timeout against its time limit in tools/gpu_session.sh, and what
 the one-GPU benchmarks run, on the CPU: the chunking benchmark's emulated exchanges around graphar's
@@ -27,9 +27,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from graphar.__main__ import main
+import allreduce
+import common
+import plot
+import ranks
 from graphar._launch import end_worker, free_port
-from graphar.benchmarks import allreduce, cli, common, plot, ranks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
@@ -41,10 +43,15 @@ HEADINGS = {
     "compile": "# Compile time",
     "decode": "# Decode step",
     "norm": "# Fused all-reduce",
-    "norm-local": "# Fused norm, local part",
+    "norm_local": "# Fused norm, local part",
     "pack": "# Ulysses pack kernel",
     "ulysses": "# Ulysses all-to-all",
 }
+
+
+def bench(name: str, *argv: str) -> int:
+    """`python bench/NAME.py ARGV`, in this process."""
+    return common.run(importlib.import_module(name), list(argv))
 
 
 def assert_real_png(path: Path) -> None:
@@ -66,7 +73,7 @@ def assert_real_png(path: Path) -> None:
 def test_dry_run_writes_the_table_and_a_plot(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / f"{name}.md"
-    assert main(["bench", name, "--dry-run", "--quick", "--out", str(out)]) == 0
+    assert bench(name, "--dry-run", "--quick", "--out", str(out)) == 0
     text = out.read_text()
     assert text.startswith(HEADINGS[name]) and "\n|---|" in text
     assert_real_png(out.with_suffix(".png"))
@@ -76,7 +83,7 @@ def test_dry_run_writes_the_table_and_a_plot(name: str, tmp_path: Path, capsys: 
 
 def test_decode_checks_every_graphar_variant_against_inductor(tmp_path: Path) -> None:
     out = tmp_path / "decode.md"
-    assert main(["bench", "decode", "--dry-run", "--out", str(out)]) == 0
+    assert bench("decode", "--dry-run", "--out", str(out)) == 0
     header = next(line for line in out.read_text().splitlines() if line.startswith("| batch"))
     assert all(f"max abs diff (a, {v})" in header for v in "bde")
 
@@ -86,10 +93,10 @@ def test_a_report_where_nothing_was_measured_is_written(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first partial report of a run whose first unit failed: every cell a string, no point to plot."""
-    module = cli.BENCHMARKS[name]
+    module = importlib.import_module(name)
     calls: list[tuple] = []
     monkeypatch.setattr(module, "write", lambda *args: calls.append(args))
-    assert main(["bench", name, "--dry-run", "--quick", "--out", str(tmp_path / "x.md")]) == 0
+    assert bench(name, "--dry-run", "--quick", "--out", str(tmp_path / "x.md")) == 0
     monkeypatch.undo()
     cells, *rest = calls[0]
     module.write(dict.fromkeys(cells, "err"), *rest, final=False)
@@ -119,25 +126,16 @@ def test_without_matplotlib_the_table_is_written_and_says_how_to_plot(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: the import raises
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    assert main(["bench", "decode", "--dry-run", "--out", str(tmp_path)]) == 0
+    assert bench("decode", "--dry-run", "--out", str(tmp_path)) == 0
     table = tmp_path / "decode-cpu-ws2.md"  # --out a folder: the usual name inside it
     assert table.read_text().startswith(HEADINGS["decode"])
     assert not table.with_suffix(".png").exists()
     assert "plot not written: matplotlib is not installed (pip install 'graphar[plot]'" in capsys.readouterr().out
 
 
-def test_results_go_to_bench_results_of_a_checkout_else_the_current_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    checkout = tmp_path / "checkout"
-    (checkout / "bench").mkdir(parents=True)
-    (checkout / "setup.py").touch()
-    monkeypatch.setattr(common, "PACKAGE_DIR", checkout / "graphar")  # graphar run from a checkout
-    assert common.results_dir() == checkout / "bench" / "results"
-    monkeypatch.setattr(common, "PACKAGE_DIR", tmp_path / "site-packages" / "graphar")  # installed
-    monkeypatch.chdir(tmp_path)
-    assert common.results_dir() == tmp_path
-    assert common.results_path("ulysses", "NVIDIA H200", 4, None) == tmp_path / "ulysses-h200-ws4.md"
+def test_results_go_to_bench_results_unless_out_says(tmp_path: Path) -> None:
+    assert common.results_path("ulysses", "NVIDIA H200", 4, None) == REPO / "bench" / "results" / "ulysses-h200-ws4.md"
+    assert common.results_path("chunking", "NVIDIA H200", None, tmp_path) == tmp_path / "chunking-h200.md"
     assert common.results_path("ulysses", "NVIDIA H200", 4, tmp_path / "x.md") == tmp_path / "x.md"
 
 
@@ -169,14 +167,32 @@ def test_progress_lines_carry_the_seconds_and_only_rank_0_prints(
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("allreduce", ["--sizes", "--dtype", "--modes"]),
+        ("decode", ["--batches", "--layers", "--steps", "--replays"]),
+        ("ulysses", ["--shapes"]),
+    ],
+)
+def test_each_benchmark_keeps_its_options(name: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench(name, "--help")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python bench/{name}.py")
+    for option in options + ["--world-size", "--quick", "--dry-run", "--out"]:
+        assert f" {option}" in out, option
+
+
 def test_a_bad_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "allreduce", "--dry-run", "--modes", "graph,warp"])
+        bench("allreduce", "--dry-run", "--modes", "graph,warp")
     assert exit_info.value.code == 2
     assert "unknown modes ['warp']" in capsys.readouterr().err
 
 
-def test_the_checkout_scripts_run_the_packaged_benchmarks(tmp_path: Path) -> None:
+def test_a_benchmark_runs_as_a_script(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "ulysses.py"), "--dry-run", "--quick", "--out", str(tmp_path)],
         capture_output=True,
@@ -224,8 +240,9 @@ def test_every_benchmark_times_out_well_before_its_session_limit() -> None:
     store exchanges give up on a dead peer before NCCL does."""
     script = (REPO / "tools" / "gpu_session.sh").read_text()
     default, longer, limit = re.search(r'limit=(\d+); case "\$name" in ([\w|-]+)\) limit=(\d+)', script).groups()
-    for name, module in cli.BENCHMARKS.items():
-        if name in cli.IN_PROCESS:
+    for name in HEADINGS:
+        module = importlib.import_module(name)
+        if not hasattr(module, "TIMEOUT_S"):
             continue  # in this process, one GPU or the CPU: no NCCL
         step_limit = int(limit if f"bench-{name}" in longer.split("|") else default)
         assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S <= step_limit - 120, name
@@ -330,11 +347,11 @@ def test_the_one_gpu_benchmarks_need_a_gpu_but_not_for_a_dry_run(monkeypatch: py
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("chunking", "pack"):
         with pytest.raises(SystemExit, match="needs a GPU"):
-            main(["bench", name, "--quick"])
+            bench(name, "--quick")
 
 
 def test_the_capture_benchmark_builds_a_serving_loop_s_sizes() -> None:
-    from graphar.benchmarks import capture
+    import capture
 
     sizes, quick = capture.SERVING_BATCHES, capture.QUICK_BATCHES
     assert len(sizes) == len(set(sizes)) == 64 and (min(sizes), max(sizes)) == (1, 512)
@@ -345,8 +362,8 @@ def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> Non
     """Its emulated exchanges feed graphar.comm.overlap.ulysses_attention (CPU: no streams): every
     chunk count the plan keeps attends as the unchunked call does, in both modes, and the op's
     output is written where the output exchange would write it (copy mode)."""
-    from graphar.benchmarks import chunking
-    from graphar.benchmarks.shapes import Shape
+    import chunking
+    from shapes import Shape
 
     for shape in (Shape(1, 64, 8, 16, causal=True), Shape(2, 32, 8, 16, kv_heads=4)):
         emu = chunking.Emulated(shape, 2, device="cpu", dtype=torch.float32)
@@ -374,9 +391,12 @@ def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> Non
 
 
 _PACK_CHECK = """
+import sys
+
+sys.path.insert(0, sys.argv[1])  # bench/
 import torch
-from graphar.benchmarks import pack
-from graphar.benchmarks.shapes import Shape
+import pack
+from shapes import Shape
 
 for shape in (Shape(2, 10, 4, 16, kv_heads=2), Shape(1, 6, 4, 8)):
     for op in pack.OPS:
@@ -405,5 +425,6 @@ def test_the_pack_benchmark_s_launches_move_graphar_s_bytes() -> None:
     graphar calls it and as the sweep launches it with other tiles write what torch's copy_ writes."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _PACK_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    command = [sys.executable, "-c", _PACK_CHECK, str(REPO / "bench")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-3000:] + run.stderr[-3000:]

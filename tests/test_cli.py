@@ -1,5 +1,5 @@
-"""`python -m graphar`: help lists the commands (demo, doctor, bench) and bench's benchmarks, bad or
-missing commands exit 2, `demo --help` only helps, `doctor --help` documents the exit statuses.
+"""`python -m graphar`: help lists the commands (demo, doctor; the benchmarks are bench/'s scripts, not a
+command), bad or missing commands exit 2, `demo --help` only helps, `doctor --help` documents the exit statuses.
 
 In-process through `main(argv)` (argparse exits with SystemExit), and once as `python -m graphar` to
 cover the module entry point.
@@ -23,36 +23,9 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m graphar")
-    for command in ("demo", "doctor", "bench"):
+    for command in ("demo", "doctor"):
         assert f"\n    {command} " in out
-
-
-def test_bench_help_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _exit_code(["bench", "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m graphar bench")
-    for name in ("allreduce", "decode", "ulysses"):
-        assert f"\n    {name}" in out
-
-
-def test_bench_without_a_benchmark_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _exit_code(["bench"]) == 2
-    assert "required: BENCHMARK" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("name", "options"),
-    [
-        ("allreduce", ["--sizes", "--dtype", "--modes"]),
-        ("decode", ["--batches", "--layers", "--steps", "--replays"]),
-        ("ulysses", ["--shapes"]),
-    ],
-)
-def test_each_benchmark_keeps_its_options(name: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert _exit_code(["bench", name, "--help"]) == 0
-    out = capsys.readouterr().out
-    for option in options + ["--world-size", "--quick", "--dry-run", "--out"]:
-        assert f" {option}" in out, option
+    assert "\n    bench " not in out  # the benchmarks are bench/NAME.py, from a checkout
 
 
 def test_doctor_help_documents_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,7 @@ WORLD = 2
 
 
 def _unchunked(q, k, v, is_causal, scale):
-    from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
     o = F.scaled_dot_product_attention(
@@ -58,7 +58,7 @@ def _compiled_block(rank: int) -> None:
     assert torch.equal(got, want), "heads at dim 1: the pipelined attention differs from eager"
 
     def hf_gqa(q, k, v):  # K/V repeated as HF's repeat_kv does
-        from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+        from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
         qh, kh, vh = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
         kh, vh = (t[:, :, None].expand(-1, -1, 2, -1, -1).flatten(1, 2) for t in (kh, vh))

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+import allreduce as allreduce_bench
+import winners
 from graphar import graphs, ops
-from graphar.benchmarks import allreduce as allreduce_bench
-from graphar.benchmarks import winners
 from graphar.comm import abi, policy, registry, set_up
 from graphar.comm import allreduce as ar
 

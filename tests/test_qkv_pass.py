@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.config import Config
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 from tests._ulysses import seq_to_heads_dim1
 

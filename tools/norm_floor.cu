@@ -1,6 +1,6 @@
 // Where the fused norm kernel's local time goes on one GPU: a ladder of kernels that each add one of
 // its fixed steps, on the fused kernel's own grid, against the kernel itself (the library's loopback
-// launch, as `python -m graphar bench norm-local` runs it) and a plain add + RMSNorm with no protocol;
+// launch, as `python bench/norm_local.py` runs it) and a plain add + RMSNorm with no protocol;
 // then the fused kernel with its split capped at each of kSplitCaps blocks per row.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/norm_floor tools/norm_floor.cu \
 //     -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/norm_floor

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import re
 import sys
 import tempfile
@@ -32,8 +33,10 @@ import torch
 import torch.distributed as dist
 from one_gpu_common import mps_running, relax_set_up
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is not a package: by path
+
 BENCHMARKS = ("allreduce", "decode", "norm", "ulysses", "attention", "capture")
-# Cells a graphar column shows when it did not run as itself (see graphar.benchmarks.common).
+# Cells a graphar column shows when it did not run as itself (see bench/common.py).
 FAILED_CELLS = ("err", "WRONG", "fallback", "not rewritten", "NO")
 
 
@@ -50,7 +53,7 @@ def _share_one_gpu() -> None:
 
     dist.init_process_group = gloo
     relax_set_up()
-    from graphar.benchmarks import common
+    import common
 
     name, sharing = torch.cuda.get_device_name(0), "MPS, kernels at once" if mps_running() else "time-sliced"
     common.gpu_name = lambda: f"{name}, every rank on it ({sharing})"
@@ -104,8 +107,8 @@ def _refuse_captured_gloo() -> None:
 
 
 def _rank_entry(*args: Any) -> None:
-    """graphar.benchmarks.common._entry (a rank's process), on the shared GPU."""
-    from graphar.benchmarks import common
+    """bench/common.py's _entry (a rank's process), on the shared GPU."""
+    import common
 
     _share_one_gpu()
     common._entry(*args)
@@ -140,15 +143,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
-    from graphar.__main__ import main as graphar_main
-    from graphar.benchmarks import common
+    import common
 
     out = Path(tempfile.mkdtemp(prefix="graphar-one-gpu-bench-"))
     if "--out" not in rest:
         rest += ["--out", str(out)]
     torch.cuda.device_count = lambda: args.world  # the launcher's check: one rank per "GPU"
     common._entry = _rank_entry  # what the launcher spawns (pickled by name: this script's)
-    code = graphar_main(["bench", args.name, "--world-size", str(args.world), *rest])
+    code = common.run(importlib.import_module(args.name), ["--world-size", str(args.world), *rest])
     reports = sorted(Path(rest[rest.index("--out") + 1]).glob("*.md"))
     failures = [row for report in reports for row in graphar_failures(report.read_text())]
     print(

@@ -261,8 +261,8 @@ def check_ulysses(comm, rank: int) -> None:
     from unittest import mock
 
     from graphar import ulysses
-    from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
     from graphar.comm import ulysses_stages
+    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     group, world = dist.group.WORLD, world_size()
     default = ulysses_stages._STAGE_BYTES
@@ -299,8 +299,8 @@ def check_pairs(comm, rank: int) -> None:
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
     world's calls."""
     from graphar import ulysses
-    from graphar.benchmarks.baselines import seq_to_heads_unpacked
     from graphar.comm import registry
+    from graphar.ulysses_unpacked import seq_to_heads_unpacked
 
     pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce

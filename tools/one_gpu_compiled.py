@@ -77,7 +77,7 @@ def check_compiled_attention(comm, rank: int) -> None:
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
 
-    from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (seq_to_heads_unpacked(t) for t in (q, k, v))

@@ -11,8 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from graphar.benchmarks.winners import policy_rows, winners_from_report
 from graphar.comm import policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is not a package: by path
+from winners import policy_rows, winners_from_report
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +23,7 @@ def main(argv: list[str]) -> int:
         return 2
     winners = winners_from_report(Path(argv[0]).read_text())
     if winners is None:
-        print(f"{argv[0]} has no fastest-kernel section: rerun python -m graphar bench allreduce")
+        print(f"{argv[0]} has no fastest-kernel section: rerun python bench/allreduce.py")
         return 1
     missing = [mode for mode in policy.MODES if not winners.get(mode)]
     if missing:

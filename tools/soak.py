@@ -75,10 +75,12 @@ from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, ref
 import graphar
 from graphar import _cuda, settings
 from graphar._launch import end_worker, free_port
-from graphar.benchmarks import common
-from graphar.benchmarks.baselines import seq_to_heads_unpacked
 from graphar.comm import policy, ulysses_stages
 from graphar.comm.communicator import Communicator
+from graphar.ulysses_unpacked import seq_to_heads_unpacked
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is not a package: by path
+import common
 
 try:
     import triton

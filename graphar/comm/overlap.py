@@ -48,7 +48,7 @@ def chunk_count(q_heads: int, kv_heads: int, world_size: int, wanted: int) -> in
 # AUTO_CAUSAL_FACTOR times that for causal attention (a causal row attends half the keys on average:
 # half the work per row against the same fixed costs per call). Chunking pays per chunk (a launch, a
 # tail wave, the pipeline's ramp), so it can only win where chunks stay large. The constants are read
-# from the chunking tax that `python -m graphar bench chunking` measures, bench/results/chunking-h200.md
+# from the chunking tax that `python bench/chunking.py` measures, bench/results/chunking-h200.md
 # (its notes suggest each kernel's threshold: the smallest chunk at or above which every measured shape
 # keeps the tax within 3 %). A threshold stands only where two runs on one H200 (a quick one and the
 # full one, whose run-to-run noise is a few percent) both kept the tax within 3 %: efficient on

@@ -207,14 +207,14 @@ def test_fused_norm_in_three_capture_modes(world_size: int) -> None:
 
 def test_fused_norm_kernel_alone_on_one_gpu() -> None:
     """The kernel's own work on one GPU, in this process (no peers): the loopback launch, a rank that is
-    its own peer and sums its input twice (graphar.benchmarks.norm_local). Every dtype; rows split
+    its own peer and sums its input twice (bench/norm_local.py). Every dtype; rows split
     between up to 16 blocks, between a few, or one block per row; rows whose last segment is short;
     residual and weight or none. The sum + residual exact, the normed rows within the bound; the same
     bits whatever the split and however many rows share the call (the mean square's tree depends on
     the row's size alone); a captured launch replays to the same bits."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from graphar.benchmarks.norm_local import Loopback
+    from norm_local import Loopback
 
     loop = Loopback(8 << 20)
     try:

@@ -21,9 +21,9 @@ from torch._dynamo.utils import counters
 
 import graphar
 from graphar import pool, ulysses
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
 from graphar.comm import exchange
 from graphar.comm.ulysses_shapes import packed_heads
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Fused all-reduce + residual add + RMSNorm against the all-reduce alone, at decode sizes.
 
-    python -m graphar bench norm [--tokens 1,8,...] [--hidden 4096] [--world-size N] [--quick] [--dry-run] [--out F]
+    python bench/norm.py [--tokens 1,8,...] [--hidden 4096] [--world-size N] [--quick] [--dry-run] [--out F]
 
 Per op, in a CUDA graph of back-to-back ops (graphar.graphs.graph), bf16, [tokens, hidden]:
   NCCL + norm:        dist.all_reduce, then the residual add and RMSNorm compiled by Inductor;
@@ -8,8 +8,8 @@ Per op, in a CUDA graph of back-to-back ops (graphar.graphs.graph), bf16, [token
   unfused:            graphar's all-reduce, then the same compiled add + RMSNorm;
   fused:              graphar::all_reduce_add_rms_norm, one kernel.
 The fused op's cost over the all-reduce alone is what fusing adds; over "unfused", what it saves.
-The table goes to stdout and to norm-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current
-folder, or --out), with a plot of time against tokens beside it (.png).
+The table goes to stdout and to norm-<gpu>-ws<N>.md (bench/results/, or --out), with a
+plot of time against tokens beside it (.png).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import operator
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot, ranks
+import common
+import plot
+import ranks
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
@@ -181,6 +184,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     )
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 def write(
     cells: dict, s: Settings, world_size: int, reasons: dict[str, str], gpu: str, path: Path, final: bool = True
 ) -> None:
@@ -225,3 +232,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells.update({(t, c): base * rng.uniform(0.9, 2.5) for c in COLUMNS})
     path = common.results_path("norm", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(cells, s, 2, {}, common.DRY_RUN_GPU, path)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

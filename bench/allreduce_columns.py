@@ -1,4 +1,4 @@
-"""The all-reduce benchmark's columns (graphar.benchmarks.allreduce): what each times, and how each
+"""The all-reduce benchmark's columns (bench/allreduce.py): what each times, and how each
 is set up on every rank (NCCL, PyTorch symmetric memory, graphar's kernels), with the columns some
 rank could not set up agreed "n/a" on all of them."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import ranks
+import ranks
 
 MODES = ("graph", "eager", "graph-mm")
 N_BUFFERS = 4  # inputs rotate among these so that L2 does not flatter back-to-back ops

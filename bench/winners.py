@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphar.benchmarks import common
+import common
 from graphar.comm import policy
 
 FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"

@@ -1,7 +1,7 @@
 """The chunking tax of the pipelined Ulysses attention: chunked against unchunked, on one GPU.
 
-    python -m graphar bench chunking [--shapes 1x4096x32x128:causal,...] [--backends flash,cudnn,efficient]
-                                     [--chunks 1,2,4,8] [--world-size 2] [--quick] [--dry-run] [--out F]
+    python bench/chunking.py [--shapes 1x4096x32x128:causal,...] [--backends flash,cudnn,efficient]
+                             [--chunks 1,2,4,8] [--world-size 2] [--quick] [--dry-run] [--out F]
 
 `attention_chunks` (graphar::ulysses_attention) hides the Ulysses exchanges behind the attention by
 attending the heads in chunks; it can only win where attending in chunks costs less than the exchange
@@ -20,8 +20,8 @@ replays). The chunking tax is a chunked time over the unchunked one (1 chunk) in
 1; the target is at most 3 % at the count the rule picks. Before timing, every chunk count's
 attention output is checked bit for bit against the unchunked one ("NO" otherwise), and the SDPA
 backend that actually ran is named ("ran"; another one where the pinned backend refused the inputs).
-The table goes to stdout and to chunking-<gpu>.md (bench/results/ of a checkout, else the current
-folder, or --out), with a plot of the tax against chunks beside it (.png).
+The table goes to stdout and to chunking-<gpu>.md (bench/results/, or --out), with a
+plot of the tax against chunks beside it (.png).
 """
 
 from __future__ import annotations
@@ -29,15 +29,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphar.benchmarks import common, plot, ranks, shapes
-from graphar.benchmarks.shapes import Shape
+import common
+import plot
+import ranks
+import shapes
 from graphar.comm import overlap
+from shapes import Shape
 
 BACKENDS = ("flash", "cudnn", "efficient")  # the SDPA kernels Inductor lowers to, which the op pins
 CHUNKS = (1, 2, 4, 8)
@@ -446,3 +450,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         common.DRY_RUN_GPU,
         common.results_path("chunking", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

@@ -1,7 +1,7 @@
 """Capture cost of graphar's zero-copy graphs: BatchGraphs over a serving loop's batch sizes.
 
-    python -m graphar bench capture [--batches 1,2,4,8,...] [--layers 8] [--repeats 3] [--world-size N]
-                                    [--quick] [--dry-run] [--out F]
+    python bench/capture.py [--batches 1,2,4,8,...] [--layers 8] [--repeats 3] [--world-size N]
+                            [--quick] [--dry-run] [--out F]
 
 Spawns one process per GPU (on one GPU: `PYTHONPATH=. python tools/one_gpu_bench.py capture [ARGS]`,
 its ranks sharing it). One decode step of decode's tensor-parallel Llama-style model (hidden 4096,
@@ -18,8 +18,8 @@ for (b), the registration; median of --repeats, max over ranks) and the memory t
 built (from the first build: torch's reserved memory and the device memory the GPU lost, both after
 empty_cache; the device's per rank where ranks share a GPU). What graphar adds is (b) against (a):
 the targets are at most 5 % more capture time and at most 64 MB more memory over the 64 sizes. The
-table goes to stdout and to capture-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current
-folder, or --out), with a bar chart beside it (.png).
+table goes to stdout and to capture-<gpu>-ws<N>.md (bench/results/, or --out), with a bar
+chart beside it (.png).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import random
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphar.benchmarks import common, decode, plot, ranks
+import common
+import decode
+import plot
+import ranks
 
 LOCAL, GRAPHAR = "(a) local copies", "(b) graphar"
 VARIANTS = [LOCAL, GRAPHAR]
@@ -288,6 +292,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     )
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 # ---- the report ---------------------------------------------------------------------------------------
 
 
@@ -414,3 +422,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         common.DRY_RUN_GPU,
         common.results_path("capture", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

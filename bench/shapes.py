@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from graphar.benchmarks import ulysses
+import ulysses
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The Ulysses exchanges as model code writes them (yunchang's all_to_all_4D): permute,
 `all_to_all_single`, permute, one tensor at a time.
 
-The baselines the benchmarks time graphar against, and the pattern the Q/K/V pass recognises (the
-demo and the tests write their models with them).
+The pattern the Q/K/V pass recognises: the demo writes its Ulysses block with them, the tests their
+models and references, and the benchmarks (bench/) time graphar against them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Shared helpers of graphar's benchmarks (`python -m graphar bench NAME`, graphar.benchmarks.cli).
+"""Shared helpers of graphar's benchmarks, the other scripts of this folder (`python bench/NAME.py`).
 
+    run(benchmark, argv)                `python bench/NAME.py [options]`: parse NAME's options, run its main
     add_arguments(p, quick_help)        the options every benchmark has: --world-size, --quick, --dry-run, --out
-    main(args, settings, dry_run, worker, timeout_s)   a benchmark's entry point: --dry-run, or launch
+    main(args, settings, dry_run, worker, timeout_s)   a multi-GPU benchmark's main: --dry-run, or launch
     main_one_gpu(args, settings, dry_run, worker)      a one-GPU benchmark's: --dry-run, or worker here
     launch(worker, world_size, *args)   spawn one process per GPU; each runs worker(rank, world_size, *args)
                                         with torch.cuda.set_device(rank) and an NCCL default group ready
@@ -19,7 +20,7 @@
     git_commit()                        the checkout's commit (GRAPHAR_BENCH_COMMIT where there is no .git)
     markdown_table(columns, rows)       rows of cells (float -> "12.3", str as is) -> markdown text
     report(title, info, sections, notes) + write_report(text, path, charts, title)   the file and its plot
-    results_path(name, gpu, world_size, out)   where the results file goes (see `results_dir`)
+    results_path(name, gpu, world_size, out)   where the results file goes (bench/results/ unless told)
     results_file(file_name, out)        the same for a file named otherwise (the CPU benchmark's)
 
 Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer unavailable,
@@ -27,9 +28,9 @@ Cells are floats (microseconds) or short strings: "-" not eligible, "n/a" peer u
 did not make the rewrite the variant is about (so it is not timed under graphar's name).
 
 Every collective must be reached by every rank in the same order, or the ranks hang until NCCL's
-timeout: a decision taken before a collective goes through graphar.benchmarks.ranks first. The
-one-GPU benchmarks (chunking, pack) run in the calling process without a process group: there the
-same helpers serve a world of one (graphar.benchmarks.ranks.alone).
+timeout: a decision taken before a collective goes through `ranks` first. The one-GPU benchmarks
+(chunking, pack) run in the calling process without a process group: there the same helpers serve
+a world of one (ranks.alone).
 """
 
 from __future__ import annotations
@@ -49,18 +50,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import plot
 from graphar._launch import free_port, init_nccl_worker
-from graphar.benchmarks import plot
-from graphar.benchmarks.ranks import Cell, alone, attempt, max_over_ranks, rank
+from ranks import Cell, alone, attempt, max_over_ranks, rank
 
 U = TypeVar("U")
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # graphar/
+CHECKOUT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = CHECKOUT / "bench" / "results"
 # Multicast (NVLS) stays off for every peer. The workers are spawned processes, which read these
 # when they set up NCCL and symmetric memory: setting them before the spawn is enough.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -104,10 +107,7 @@ def add_arguments(
         "--out",
         type=Path,
         default=None,
-        help=(
-            "results file (.md; the plot goes beside it as .png) or folder (default: bench/results/ "
-            "of a source checkout, else the current folder)"
-        ),
+        help="results file (.md; the plot goes beside it as .png) or folder (default: bench/results/)",
     )
 
 
@@ -149,6 +149,19 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
     progress(f"starting {world_size} processes, one per GPU...")
     args = (worker, world_size, free_port(), timeout_s, _progress.start, args)
     mp.spawn(_entry, args=args, nprocs=world_size, join=True)
+
+
+def run(benchmark: ModuleType, argv: list[str] | None = None) -> int:
+    """`python bench/NAME.py [options]`: the benchmark's options (its docstring is the help), its
+    settings from them, then its main(args, settings)."""
+    p = argparse.ArgumentParser(
+        prog=f"python bench/{Path(benchmark.__file__).name}",
+        description=benchmark.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    benchmark.add_arguments(p)
+    args = p.parse_args(argv)
+    return benchmark.main(args, benchmark.settings(args, p))
 
 
 def main(
@@ -390,13 +403,12 @@ def header(mode: str, world_size: int | str, gpu: str | None = None) -> dict[str
 @functools.cache  # read once per process; the launcher hands its reading to the ranks (COMMIT_ENV)
 def git_commit() -> str:
     """The checkout's commit, "+ uncommitted changes" where its code differs; GRAPHAR_BENCH_COMMIT
-    where set (a copy of the checkout without .git can be told what it is), else "n/a" outside a checkout."""
+    where set (a copy of the checkout without .git can be told what it is), else "n/a" without .git."""
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
-    checkout = PACKAGE_DIR.parent
-    if not (checkout / ".git").exists():
+    if not (CHECKOUT / ".git").exists():
         return "n/a"
-    git = ["git", "-C", str(checkout)]
+    git = ["git", "-C", str(CHECKOUT)]
     try:
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         changes = subprocess.run(
@@ -430,15 +442,6 @@ def report(title: str, info: Mapping[str, str], sections: Sequence[tuple[str, st
     return "\n".join(parts)
 
 
-def results_dir() -> Path:
-    """bench/results/ when graphar runs from a source checkout (an editable install too), else the
-    current folder: an installed package has no place of its own for results."""
-    checkout = PACKAGE_DIR.parent
-    if (checkout / "setup.py").is_file() and (checkout / "bench").is_dir():
-        return checkout / "bench" / "results"
-    return Path.cwd()
-
-
 def dry_run_dir() -> Path:
     """Dry runs' default: fake numbers stay out of the results folder."""
     return Path(tempfile.gettempdir()) / "graphar-bench-dry-run"
@@ -454,10 +457,10 @@ def results_path(
 
 def results_file(file_name: str, out: Path | None, default_dir: Path | None = None) -> Path:
     """`out` when it names a file (it has a suffix and is not a folder), else `file_name` in the folder
-    `out`, `default_dir` or `results_dir()`."""
+    `out`, `default_dir` or bench/results/."""
     if out is not None and out.suffix and not out.is_dir():
         return out
-    return (out or default_dir or results_dir()) / file_name
+    return (out or default_dir or RESULTS_DIR) / file_name
 
 
 def write_report(text: str, path: Path, charts: Sequence[plot.Chart], title: str, final: bool = True) -> None:

@@ -1,7 +1,7 @@
 """Decode-step latency of a Llama-style tensor-parallel model: Inductor + NCCL against graphar.
 
-    python -m graphar bench decode [--batches 1,8] [--layers 8] [--steps 20] [--replays 9] [--world-size N]
-                                   [--quick] [--dry-run] [--out F]
+    python bench/decode.py [--batches 1,8] [--layers 8] [--steps 20] [--replays 9] [--world-size N]
+                           [--quick] [--dry-run] [--out F]
 
 Each decoder block is compiled (torch.compile per block, as torchtitan does) and one decode step,
 all blocks plus the final norm, is captured in a CUDA graph:
@@ -14,8 +14,8 @@ all blocks plus the final norm, is captured in a CUDA graph:
   (e) as (b), every all-reduce on the push one-shot kernel (the policy forced while capturing).
 A variant whose compile or capture fails on any rank is "err" on every rank; (d) is "not rewritten"
 where graphar's pass fused no norm.
-The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
-current folder, or --out), with a bar chart of the time per step by variant beside it (.png).
+The table goes to stdout and to decode-<gpu>-ws<N>.md (bench/results/, or --out), with
+a bar chart of the time per step by variant beside it (.png).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import math
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from graphar.benchmarks import common, plot, ranks
+import common
+import plot
+import ranks
 
 DTYPE = torch.bfloat16
 INDUCTOR, ZERO_COPY, COPY_IN, FUSED = "inductor + NCCL", "graphar zero-copy", "graphar copy-in", "graphar fused norm"
@@ -302,6 +305,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     )
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 # ---- the report --------------------------------------------------------------------------------
 
 
@@ -370,3 +377,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         common.DRY_RUN_GPU,
         common.results_path("decode", common.DRY_RUN_GPU, 2, out, common.dry_run_dir()),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

@@ -1,7 +1,7 @@
 """A Ulysses attention block, compiled three ways, against its compute-only floor.
 
-    python -m graphar bench attention [--shapes 1x4096x24x128,...] [--chunks 2] [--world-size N]
-                                      [--quick] [--dry-run] [--out F]
+    python bench/attention.py [--shapes 1x4096x24x128,...] [--chunks 2] [--world-size N]
+                              [--quick] [--dry-run] [--out F]
 
 The block is DiT/Llama-style: Q/K/V projection, QK-norm (RMSNorm over the head dim), RoPE at the
 rank's global positions, Ulysses sequence -> heads (three all-to-alls as yunchang writes them),
@@ -13,7 +13,7 @@ s, all heads h; bf16), per block, in CUDA graphs of back-to-back blocks:
                              behind the attention, chunk by chunk);
   (d) compute only:          (a) with every exchange replaced by a local copy of the same bytes.
 Exposed communication is a variant's time minus (d)'s. The table goes to stdout and to
-attention-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current folder, or --out), with a bar
+attention-<gpu>-ws<N>.md (bench/results/, or --out), with a bar
 chart of the time per shape by variant beside it (.png).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,11 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from graphar.benchmarks import common, plot, ranks
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
-from graphar.benchmarks.ulysses import parse_shape
+import common
+import plot
+import ranks
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from ulysses import parse_shape
 
 DTYPE = torch.bfloat16
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 24, 128), (1, 16384, 40, 128), (1, 32760, 40, 128)]
@@ -220,6 +223,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     )
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
 
@@ -294,3 +301,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         )
     path = common.results_path("attention", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(cells, s, 2, {}, common.DRY_RUN_GPU, path)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

@@ -1,6 +1,6 @@
 """Ulysses exchanges: graphar's packed Q/K/V exchange against three all_to_all_singles, in CUDA graphs.
 
-    python -m graphar bench ulysses [--shapes 1x4096x24x128,...] [--world-size N] [--quick] [--dry-run] [--out F]
+    python bench/ulysses.py [--shapes 1x4096x24x128,...] [--world-size N] [--quick] [--dry-run] [--out F]
 
 Spawns one process per GPU (run it with plain `python`, not torchrun). For each shape
 `b x s x h x d` (global sequence s, all heads h; bf16) it times, per op, CUDA graphs of back-to-back:
@@ -12,7 +12,7 @@ Spawns one process per GPU (run it with plain `python`, not torchrun). For each 
 - the pack kernel alone and a device-to-device copy of the same bytes, as bandwidths.
 Every graphar result is checked bitwise against the three-collective path first (WRONG on a mismatch).
 Times are the max over ranks of the median replay. The table goes to stdout and to
-ulysses-<gpu>-ws<N>.md (bench/results/ of a checkout, else the current folder, or --out), with a bar
+ulysses-<gpu>-ws<N>.md (bench/results/, or --out), with a bar
 chart of the time per shape by transport beside it (.png).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot, ranks
-from graphar.benchmarks.baselines import heads_to_seq_unpacked, seq_to_heads_unpacked
+import common
+import plot
+import ranks
+from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 # The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128), (1, 75600, 40, 128)]
@@ -203,6 +206,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     common.run_units(s.shapes, shape_label, run, common.reporter("ulysses", s, "shapes", write, reasons, out_path))
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 def bandwidth(nbytes: int, us: common.Cell) -> common.Cell:
     """GB/s of bytes read + bytes written, for a time in us."""
     return 2 * nbytes / us / 1e3 if isinstance(us, float) else us
@@ -293,7 +300,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"bf16; CUDA graphs of up to {s.max_ops} back-to-back ops (fewer for large shapes, "
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
-        "3 x all_to_all_single: graphar.benchmarks.baselines.seq_to_heads_unpacked (yunchang's all_to_all_4D "
+        "3 x all_to_all_single: graphar.ulysses_unpacked.seq_to_heads_unpacked (yunchang's all_to_all_4D "
         "layout); graphar packed: graphar.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
         "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC): pulled "
         "(each rank reads its chunks from its peers' buffers) or pushed (the pack stores each chunk in its "
@@ -342,3 +349,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
             results[(shape, k)] = rng.uniform(100, 3000)
     path = common.results_path("ulysses", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(results, s, 2, {}, common.DRY_RUN_GPU, path)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

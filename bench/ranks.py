@@ -1,4 +1,4 @@
-"""Decisions every rank of a benchmark takes alike (graphar.benchmarks.common uses them too).
+"""Decisions every rank of a benchmark takes alike (common uses them too).
 
     alone(), rank()                     no process group (a one-GPU benchmark), and this process's rank
     all_ranks(flag)                     True on every rank iff flag is True on every rank

@@ -1,7 +1,7 @@
 """Compile time of backend="graphar" against backend="inductor", and graphar's passes' share of it (CPU).
 
-    python -m graphar bench compile [--layers 8,32,80] [--dit-layers 40] [--world-size 2]
-                                    [--quick] [--dry-run] [--out F]
+    python bench/compile.py [--layers 8,32,80] [--dit-layers 40] [--world-size 2]
+                            [--quick] [--dry-run] [--out F]
 
 Runs here, in this process, on the CPU: no GPU and no peers. A fake process group of --world-size
 ranks (this process is rank 0) moves nothing, so only the compile is real. Each model is compiled
@@ -16,9 +16,8 @@ with small widths (only the graph's size matters here):
   dit    N Ulysses DiT blocks (attention's Block: Q/K/V, QK-norm, RoPE, three all-to-alls in and one
          out; then a GELU MLP; LayerNorms and residuals, no conditioning).
 graphar's passes' time is what graphar's pass manager records in torch's compile metrics
-(graphar.passes.manager.TIMER). The table goes to stdout and to compile-cpu.md (bench/results/ of a
-checkout, else the current folder, or --out) with the CPU, torch and the git commit, and a plot of
-the times against layers beside it (.png).
+(graphar.passes.manager.TIMER). The table goes to stdout and to compile-cpu.md (bench/results/, or
+--out) with the CPU, torch and the git commit, and a plot of the times against layers beside it (.png).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +40,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from graphar.benchmarks import attention, common, decode, plot, ranks
+import attention
+import common
+import decode
+import plot
+import ranks
 
 LLAMA, DIT = "llama", "dit"
 LLAMA_SHAPE = decode.Shape(hidden=256, intermediate=512, heads=8, kv_heads=4, head_dim=32, past=16)
@@ -310,3 +314,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
             }
         )
     write(cells, s, {}, common.results_file(FILE_NAME, out, common.dry_run_dir()))
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

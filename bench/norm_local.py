@@ -1,6 +1,6 @@
 """The fused norm kernel's local part on one GPU, against Inductor's unfused add + RMSNorm.
 
-    python -m graphar bench norm-local [--tokens 1,2,...] [--hidden 4096,8192] [--quick] [--dry-run] [--out F]
+    python bench/norm_local.py [--tokens 1,2,...] [--hidden 4096,8192] [--quick] [--dry-run] [--out F]
 
 Runs here, in this process, on the current GPU: no peers, no process group. The fused all-reduce +
 residual add + RMSNorm kernel (csrc/push_norm.cuh, world size 2) runs through the CUDA library's
@@ -20,7 +20,7 @@ Each time is the median of replays of a CUDA graph of back-to-back ops, per op. 
 fused outputs are checked: sum + residual equal to PyTorch's bits, the normed rows within 2**-6 of
 the unfused ops' (relative), and the kernel's grid and one block per row giving the same bits (the
 mean square does not depend on the grid). The table (per hidden size) goes to stdout and to
-norm-local-<gpu>.md (bench/results/ of a checkout, else the current folder, or --out), a plot of
+norm-local-<gpu>.md (bench/results/, or --out), a plot of
 time against tokens beside it (.png).
 """
 
@@ -31,14 +31,16 @@ import ctypes
 import datetime
 import random
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphar.benchmarks import common, plot
-from graphar.benchmarks.norm import NORMED_TOLERANCE, add_rms_norm
+import common
+import plot
+from norm import NORMED_TOLERANCE, add_rms_norm
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
@@ -260,7 +262,7 @@ def main(args: argparse.Namespace, s: Settings) -> int:
         dry_run(s, args.out)
         return 0
     if not torch.cuda.is_available():
-        raise SystemExit("bench norm-local needs a GPU")
+        raise SystemExit("bench/norm_local.py needs a GPU")
     common._raise_recompile_limit()  # one compile per shape (dynamic=False)
     gpu = common.gpu_name()
     path = common.results_file(f"norm-local-{common.gpu_slug(gpu)}.md", args.out)
@@ -383,3 +385,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         cells[(unit, CHECK)] = "ok"
     path = common.results_file(f"norm-local-{common.gpu_slug(common.DRY_RUN_GPU)}.md", out, common.dry_run_dir())
     write(cells, s, {}, common.DRY_RUN_GPU, path)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

@@ -1,26 +1,30 @@
 """All-reduce latency: NCCL, PyTorch symmetric memory and graphar, in CUDA graphs and eager.
 
-    python -m graphar bench allreduce [--sizes 16K,64K,...] [--dtype bf16] [--modes graph,eager,graph-mm]
-                                      [--world-size N] [--quick] [--dry-run] [--out F]
+    python bench/allreduce.py [--sizes 16K,64K,...] [--dtype bf16] [--modes graph,eager,graph-mm]
+                              [--world-size N] [--quick] [--dry-run] [--out F]
 
 Modes: "graph" (per-op us over a CUDA graph of back-to-back ops), "eager" (host-timed loop),
 "graph-mm" (per-iteration us of a matmul followed by the collective, in a CUDA graph).
-The table goes to stdout and to allreduce-<gpu>-ws<N>.md (bench/results/ of a checkout, else the
-current folder, or --out), with a log-log plot of latency against size beside it (.png).
+The table goes to stdout and to allreduce-<gpu>-ws<N>.md (bench/results/, or --out),
+with a log-log plot of latency against size beside it (.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from graphar.benchmarks import common, plot, ranks, winners
-from graphar.benchmarks.allreduce_columns import (
+import common
+import plot
+import ranks
+import winners
+from allreduce_columns import (
     G_AUTO,
     G_AUTO_ZERO,
     GRAPHAR_KERNELS,
@@ -217,6 +221,10 @@ def worker(rank: int, world_size: int, s: Settings, out_path: Path | None) -> No
     )
 
 
+def main(args: argparse.Namespace, s: Settings) -> int:
+    return common.main(args, s, dry_run, worker, TIMEOUT_S)
+
+
 # ---- the report --------------------------------------------------------------------------------
 
 
@@ -319,3 +327,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
     reasons = {TWO_SHOT: "dry run: pretend it raised"} if s.dtype == "fp16" else {}
     path = common.results_path("allreduce", common.DRY_RUN_GPU, 2, out, common.dry_run_dir())
     write(results, s, 2, reasons, common.DRY_RUN_GPU, path)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))

@@ -1,7 +1,7 @@
 """The Ulysses pack kernel against torch.Tensor.copy_ of the same bytes, on one GPU.
 
-    python -m graphar bench pack [--shapes 1x4096x32x128:kv8,...] [--tiles 8192:8,...] [--world-size 2]
-                                 [--quick] [--dry-run] [--out F]
+    python bench/pack.py [--shapes 1x4096x32x128:kv8,...] [--tiles 8192:8,...] [--world-size 2]
+                         [--quick] [--dry-run] [--out F]
 
 Runs in this process on the current GPU. For each shape `b x s x h x d` (global sequence s; K/V heads
 with `:kvN`) laid out for --world-size ranks P (local sequence S = s / P), it times the four layouts
@@ -16,23 +16,27 @@ the same kernel launched with other tiles (`--tiles T:W`: _TILE_ELEMENTS = T, nu
 for tuning: graphar.kernels.pack launches 4096:4). Each result is checked bit for bit against the
 strided copy_ first (WRONG otherwise). Per op over CUDA graphs of back-to-back ops (median of
 replays), inputs rotating among enough sets that L2 holds none of them. Bandwidth: bytes read +
-written per second. The table goes to stdout and to pack-<gpu>.md (bench/results/ of a checkout,
-else the current folder, or --out), with a bar chart of the bandwidths beside it (.png).
+written per second. The table goes to stdout and to pack-<gpu>.md (bench/results/, or --out),
+with a bar chart of the bandwidths beside it (.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphar.benchmarks import common, plot, ranks, shapes
-from graphar.benchmarks.shapes import Shape
+import common
+import plot
+import ranks
+import shapes
 from graphar.kernels import pack as kernels
+from shapes import Shape
 
 OPS = ("pack_heads", "gather_sequence", "pack_sequence", "gather_heads")
 KERNEL, COPY, STRIDED = "kernel", "copy_", "strided copy_"
@@ -413,3 +417,7 @@ def dry_run(s: Settings, out: Path | None) -> None:
         common.DRY_RUN_GPU,
         common.results_path("pack", common.DRY_RUN_GPU, None, out, common.dry_run_dir()),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(sys.modules[__name__]))
