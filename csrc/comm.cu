@@ -241,8 +241,7 @@ int graphar_comm_failed_flag(void* comm, void** flag_out) {
 
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot) {
   const Comm* c = as_comm(comm);
-  const uint64_t one = static_cast<uint64_t>(c->epoch_packs / c->ranks) * 16;
-  *one_shot = one < c->max_bytes ? one : c->max_bytes;
+  *one_shot = one_shot_limit(c);
   *two_shot = c->max_bytes;  // the epoch was sized for it
   return 0;
 }

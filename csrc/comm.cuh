@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "barrier.cuh"
+#include "graphar_cuda.h"
 
 namespace graphar {
 
@@ -19,6 +20,7 @@ struct Comm {
   uint64_t max_bytes = 0, timeout_ns = 0;
   int64_t epoch_packs = 0;  // packs per epoch of the push receive region
   bool pdl = false;         // the kernels may use programmatic dependent launch (pdl_compiled_in)
+  graphar_kernels kernels{};  // which kernel serves which call (plan.cu): none until set
   char* meta = nullptr;     // Signal, the 2stage tmp buffer (max_bytes), the push region (2 epochs)
   char* buffer = nullptr;  // registered input buffer (max_bytes)
   RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
@@ -53,6 +55,12 @@ struct Comm {
 };
 
 inline Comm* as_comm(void* p) { return static_cast<Comm*>(p); }
+
+// The push one-shot's largest message: each rank's packs land in every peer's epoch.
+inline uint64_t one_shot_limit(const Comm* c) {
+  const uint64_t room = static_cast<uint64_t>(c->epoch_packs / c->ranks) * 16;
+  return room < c->max_bytes ? room : c->max_bytes;
+}
 
 // Where the push receive region starts in a meta allocation.
 inline char* push_region(void* meta, uint64_t max_bytes) {

@@ -15,8 +15,11 @@ extern "C" {
 #pragma GCC visibility push(default)
 
 #define GRAPHAR_EINVAL (-1)
-// Not an error: a GRAPHAR_EAGER_ONLY all-reduce found its stream capturing and launched nothing.
+// Not an error: a GRAPHAR_PLAN_EAGER_ONLY plan found its stream capturing.
 #define GRAPHAR_CAPTURING (-2)
+// Not an error: no kernel of the communicator takes the call (graphar_comm_plan, graphar_comm_plan_norm);
+// graphar_last_error() says why. The caller runs the collective instead.
+#define GRAPHAR_DECLINED (-3)
 #define GRAPHAR_IPC_HANDLE_BYTES 64
 
 // dtype codes of graphar_comm_all_reduce
@@ -30,8 +33,15 @@ enum {
   GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
   GRAPHAR_STAGED = 3,         // the kernel copies into the registered buffer; peers read it through a graph slot
-  GRAPHAR_EAGER_ONLY = 4,     // GRAPHAR_EAGER, but a capturing stream gets no launch: GRAPHAR_CAPTURING
-                              // (graphar::all_reduce's C++ kernel: captures go to the Python kernel)
+};
+// the capture modes of a kernel table (graphar_kernels)
+enum { GRAPHAR_ROWS_EAGER = 0, GRAPHAR_ROWS_GRAPH = 1, GRAPHAR_ROWS_GRAPHAR_GRAPH = 2, GRAPHAR_ROW_MODES = 3 };
+#define GRAPHAR_MAX_ROWS 32
+// how graphar_comm_plan finds a call's capture mode
+enum {
+  GRAPHAR_PLAN_EAGER_ONLY = 0,     // the eager rows; a capturing stream: GRAPHAR_CAPTURING
+  GRAPHAR_PLAN_STREAM = 1,         // the eager rows, or the graph rows where the stream is capturing
+  GRAPHAR_PLAN_GRAPHAR_GRAPH = 2,  // the rows of a capture graphar owns (graphar.graph)
 };
 // flags of graphar_comm_all_to_all
 enum {
@@ -70,7 +80,36 @@ int graphar_comm_error_record(void* comm, void** record_out);
 // Device address of this rank's Signal::failed (uint32, nonzero once a kernel of the group gave up):
 // code outside the library that writes what the kernels share (the exchanges' packs) reads it first.
 int graphar_comm_failed_flag(void* comm, void** flag_out);
-// One all-reduce: its arguments in one struct, so that an eager call crosses into the library once.
+// The communicator's kernel choice and launch settings, which graphar_comm_set_kernels replaces (every
+// rank sets equal ones): per capture mode, a call of n bytes runs algos[m][i] for the first i with
+// n <= bounds[m][i] (rows ascending); algo 0, or no such row: no kernel, the collective serves.
+typedef struct graphar_kernels {
+  uint64_t bounds[GRAPHAR_ROW_MODES][GRAPHAR_MAX_ROWS];
+  int32_t algos[GRAPHAR_ROW_MODES][GRAPHAR_MAX_ROWS];
+  int32_t rows[GRAPHAR_ROW_MODES];
+  int32_t pdl;              // launch with programmatic dependent launch (where the loaded code waits for it)
+  uint64_t fused_norm_max;  // the fused norm's largest input in bytes; 0: off
+} graphar_kernels;
+int graphar_comm_set_kernels(void* comm, const graphar_kernels* kernels);
+// A tensor as the plans judge it: the kernels read it as it is, or not at all.
+typedef struct graphar_tensor {
+  uint64_t data;  // address of its first element; 0: no tensor (an absent residual or weight)
+  uint64_t nbytes;
+  int32_t dtype;   // GRAPHAR_FLOAT32 ...; -1: another
+  int32_t device;  // its CUDA device; -1: not on a GPU
+  int32_t contiguous;
+  int32_t reserved;
+} graphar_tensor;
+// The one place a call's kernel is chosen: the kernel (GRAPHAR_ONE_STAGE ...) of an all-reduce of x on
+// stream in *algo_out; algo 0 the table's, else that kernel where it can take x. GRAPHAR_DECLINED
+// when none takes x, GRAPHAR_CAPTURING (GRAPHAR_PLAN_EAGER_ONLY), an error once the group timed out.
+int graphar_comm_plan(void* comm, const graphar_tensor* x, uint64_t stream, int how, int algo, int32_t* algo_out);
+// Whether the fused norm takes x in rows of row_bytes, with residual (x's size) and weight (one row):
+// 0, GRAPHAR_DECLINED, or an error once the group timed out.
+int graphar_comm_plan_norm(void* comm, const graphar_tensor* x, const graphar_tensor* residual,
+                           const graphar_tensor* weight, uint64_t row_bytes);
+// One all-reduce on the kernel a plan chose: its arguments in one struct, so that an eager call crosses
+// into the library once.
 typedef struct graphar_all_reduce_args {
   uint64_t input;   // device pointers, 16-byte aligned
   uint64_t output;
@@ -80,8 +119,6 @@ typedef struct graphar_all_reduce_args {
   int32_t algo;     // GRAPHAR_ONE_STAGE ...
   int32_t path;     // GRAPHAR_EAGER ...
   int32_t slot;     // the graph slot of GRAPHAR_ZERO_COPY and GRAPHAR_STAGED
-  int32_t pdl;      // push kernels: programmatic dependent launch (ignored before Hopper)
-  int32_t reserved;
 } graphar_all_reduce_args;
 int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args);
 // The push one-shot all-reduce of rows of row_bytes, then per row: h = sum + residual, and
@@ -100,7 +137,7 @@ typedef struct graphar_all_reduce_norm_args {
   float eps;
   int32_t dtype;
   int32_t weight_first;
-  int32_t pdl;
+  int32_t reserved;
 } graphar_all_reduce_norm_args;
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
 // Benchmarks and tests on one GPU: the fused kernel of a world-size-2 communicator of rank 0 that was

@@ -126,7 +126,7 @@ int check_all_reduce(const Comm* c, const graphar_all_reduce_args& a) {
   }
   if (a.input % 16 != 0 || a.output % 16 != 0) return fail(GRAPHAR_EINVAL, "input and output must be 16-byte aligned");
   const bool graph_slot = a.path == GRAPHAR_ZERO_COPY || a.path == GRAPHAR_STAGED;
-  if (!graph_slot && a.path != GRAPHAR_EAGER && a.path != GRAPHAR_CAPTURED_COPY && a.path != GRAPHAR_EAGER_ONLY) {
+  if (!graph_slot && a.path != GRAPHAR_EAGER && a.path != GRAPHAR_CAPTURED_COPY) {
     return fail(GRAPHAR_EINVAL, "unknown input path %d", a.path);
   }
   if (graph_slot && (a.slot < 1 || a.slot >= c->graph_slots)) {
@@ -150,13 +150,13 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   p.out = reinterpret_cast<void*>(a.output);
   p.packs = packs;
   const int blocks = std::min(c->block_limit, (packs + kThreads - 1) / kThreads);
-  return launch(c, eager, kernel, &p, blocks, kThreads, stream, a.pdl != 0);
+  return launch(c, eager, kernel, &p, blocks, kThreads, stream, c->kernels.pdl != 0);
 }
 
 int launch_push(Comm* c, const graphar_all_reduce_args& a, const void* kernel, bool eager, cudaStream_t stream) {
   PushParams p = push_params(c, eager, a.input, a.output, a.nbytes);
   const int blocks = std::min(c->block_limit, (p.packs + kPushThreads - 1) / kPushThreads);
-  return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, a.pdl != 0);
+  return launch(c, eager, kernel, &p, blocks, kPushThreads, stream, c->kernels.pdl != 0);
 }
 
 }  // namespace
@@ -173,9 +173,8 @@ int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args) {
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
   bool eager = false;  // the other paths are graph slots or known captures
-  if (a.path == GRAPHAR_EAGER || a.path == GRAPHAR_EAGER_ONLY) {
+  if (a.path == GRAPHAR_EAGER) {
     if (int rc = is_eager(stream, &eager)) return rc;
-    if (!eager && a.path == GRAPHAR_EAGER_ONLY) return GRAPHAR_CAPTURING;
   }
   return is_push(a.algo) ? launch_push(c, a, kernel, eager, stream) : launch_v1(c, a, kernel, eager, stream);
 }

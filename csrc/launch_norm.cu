@@ -127,7 +127,7 @@ int launch_norm(Comm* c, const graphar_all_reduce_norm_args& a, bool loopback, i
   p.weight_first = a.weight_first;
   p.eps = a.eps;
   if (grid != nullptr) *grid = grid_;
-  return launch(c, eager, kernel, &p, grid_.blocks, grid_.threads, stream, a.pdl != 0);
+  return launch(c, eager, kernel, &p, grid_.blocks, grid_.threads, stream, c->kernels.pdl != 0);
 }
 
 }  // namespace

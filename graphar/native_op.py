@@ -4,6 +4,8 @@ eager fast path.
 An eager call through the dispatcher into a Python kernel spends more host time in boxing and
 Python than in the CUDA library (tools/eager_breakdown.py measures each step). The C++ kernels
 serve the common eager call and hand every other one to the Python kernel; their source says which.
+Both ask the CUDA library's plan which kernel serves a call (csrc/plan.cu): the C++ kernels hold no
+choice of their own, only each group's communicator (`serve`, once at its set-up).
 They are libgraphar_torch.so, which nvcc builds with the CUDA library (graphar._cuda.build_library)
 against torch's stable ABI as of 2.11: one build loads under every torch from 2.11 on, and a wheel
 carries it. Off (GRAPHAR_NATIVE_OP=0), or where it cannot be had or loaded, the Python kernel serves
@@ -31,7 +33,7 @@ LIB_NAME = _cuda.TORCH_LIB_NAME
 PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_op_last_error": (c_char_p, []),
     "graphar_op_install": (c_int, []),
-    "graphar_op_publish": (c_int, [c_char_p, c_void_p]),
+    "graphar_op_serve": (c_int, [c_char_p, c_void_p]),
     "graphar_op_calls": (c_uint64, [c_char_p]),
 }
 
@@ -51,7 +53,7 @@ def locate() -> Path:
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
-_published: set[str] = set()  # groups whose state the C++ kernels hold
+_served: set[str] = set()  # groups the C++ kernels serve
 
 
 def library() -> ctypes.CDLL | None:
@@ -98,13 +100,13 @@ def withdraw_when_torch_unregisters() -> None:
         return
 
     def unregister_and_withdraw(group_name: str) -> None:
-        if group_name in _published:
-            publish(group_name, None)
+        if group_name in _served:
+            serve(group_name, None)
         unregister(group_name)
 
     def unregister_all_and_withdraw() -> None:
-        for group_name in list(_published):
-            publish(group_name, None)
+        for group_name in list(_served):
+            serve(group_name, None)
         unregister_all()
 
     unregister_and_withdraw.graphar_withdraws = True
@@ -112,49 +114,29 @@ def withdraw_when_torch_unregisters() -> None:
     c10d._unregister_all_process_groups = unregister_all_and_withdraw
 
 
-def group_state(
-    *,
-    comm: int,
-    lib: ctypes.CDLL,
-    failed: int,
-    max_bytes: int,
-    device: int,
-    rank: int,
-    segments: abi.Segments,
-    fused_norm_max: int,
-    pdl: bool,
-) -> abi.OpGroup:
-    """struct graphar_op_group for a communicator: `lib` is the CUDA library, `failed` the host address of
-    its error record, `segments` the eager kernel choice, `fused_norm_max` the fused norm's limit."""
-    if len(segments) > abi.OP_MAX_ROWS:
-        raise ValueError(f"{len(segments)} kernel rows: the op library takes at most {abi.OP_MAX_ROWS}")
+def group_state(*, comm: int, lib: ctypes.CDLL, device: int, rank: int) -> abi.OpGroup:
+    """struct graphar_op_group for a communicator: its handle in the CUDA library `lib`, and the entry
+    points the C++ kernels call."""
 
     def address(fn: object) -> int:
         return ctypes.cast(fn, c_void_p).value
 
-    state = abi.OpGroup(
+    return abi.OpGroup(
         comm=comm,
+        plan=address(lib.graphar_comm_plan),
+        plan_norm=address(lib.graphar_comm_plan_norm),
         all_reduce=address(lib.graphar_comm_all_reduce),
-        last_error=address(lib.graphar_last_error),
-        failed=failed,
-        max_bytes=max_bytes,
         all_reduce_norm=address(lib.graphar_comm_all_reduce_norm),
-        fused_norm_max=fused_norm_max,
-        norm_max_row_bytes=_cuda.NORM_MAX_ROW_BYTES,
-        rows=len(segments),
+        last_error=address(lib.graphar_last_error),
         device=device,
         rank=rank,
-        pdl=int(pdl),
     )
-    for i, (bound, algo) in enumerate(segments):
-        state.bounds[i] = bound
-        state.algos[i] = 0 if algo is None else abi.ALGO_CODES[algo]
-    return state
 
 
-def publish(group_name: str, state: abi.OpGroup | None) -> None:
-    """Hand a group's state to the C++ kernel (None withdraws it); nothing when the library is not
-    loaded. A state is for a group torch has registered now (its unregistering withdraws it)."""
+def serve(group_name: str, state: abi.OpGroup | None) -> None:
+    """The C++ kernels serve the group through `state` from now on (None: withdrawn); nothing when the
+    library is not loaded. A state is for a group torch has registered now (its unregistering
+    withdraws it)."""
     lib = _library
     if lib is None:
         return
@@ -163,12 +145,12 @@ def publish(group_name: str, state: abi.OpGroup | None) -> None:
             dist.distributed_c10d._resolve_process_group(group_name)
         except RuntimeError as e:  # no group of that name
             raise GrapharCudaError(f"graphar op library, group {group_name!r}: {e}") from e
-    if lib.graphar_op_publish(group_name.encode(), None if state is None else ctypes.byref(state)) != 0:
+    if lib.graphar_op_serve(group_name.encode(), None if state is None else ctypes.byref(state)) != 0:
         raise GrapharCudaError(f"graphar op library, group {group_name!r}: {lib.graphar_op_last_error().decode()}")
     if state is None:
-        _published.discard(group_name)
+        _served.discard(group_name)
     else:
-        _published.add(group_name)
+        _served.add(group_name)
 
 
 def calls(group_name: str) -> int:

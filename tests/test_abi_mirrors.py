@@ -61,9 +61,34 @@ def test_launch_paths() -> None:
         "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
         "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY,
         "GRAPHAR_STAGED": abi.PATH_STAGED,
-        "GRAPHAR_EAGER_ONLY": abi.PATH_EAGER_ONLY,
     }
     assert {name: codes[name] for name in python} == python
+
+
+def test_plan_modes_and_kernel_table() -> None:
+    text = _text("graphar_cuda.h")
+    assert _enum(text, "GRAPHAR_PLAN_") == {
+        "GRAPHAR_PLAN_EAGER_ONLY": abi.PLAN_EAGER_ONLY,
+        "GRAPHAR_PLAN_STREAM": abi.PLAN_STREAM,
+        "GRAPHAR_PLAN_GRAPHAR_GRAPH": abi.PLAN_GRAPHAR_GRAPH,
+    }
+    rows = _enum(text, "GRAPHAR_ROWS_")
+    assert [rows[f"GRAPHAR_ROWS_{m}"] for m in ("EAGER", "GRAPH", "GRAPHAR_GRAPH")] == [0, 1, 2]
+    assert _enum(text, "GRAPHAR_ROW_MODES") == {"GRAPHAR_ROW_MODES": 3}
+    (max_rows,) = re.findall(r"#define GRAPHAR_MAX_ROWS (\d+)", text)
+    assert int(max_rows) == abi.MAX_ROWS
+    body = re.search(r"typedef struct graphar_kernels \{([^}]*)\}", text).group(1)
+    scalar = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
+    declared = re.findall(r"(uint64_t|int32_t)\s+(\w+)((?:\[GRAPHAR_\w+\])*);", body)
+    want = []
+    for t, name, dims in declared:
+        field = scalar[t]
+        for dim in reversed(re.findall(r"\[(\w+)\]", dims)):
+            field = field * {"GRAPHAR_ROW_MODES": 3, "GRAPHAR_MAX_ROWS": abi.MAX_ROWS}[dim]
+        want.append((name, field))
+    got = [(n, f) for n, f in abi.Kernels._fields_]
+    assert [n for n, _ in got] == [n for n, _ in want]
+    assert [ctypes.sizeof(f) for _, f in got] == [ctypes.sizeof(f) for _, f in want]
 
 
 def test_return_codes() -> None:
@@ -71,6 +96,7 @@ def test_return_codes() -> None:
     assert {name: int(v) for name, v in defines.items()} == {
         "GRAPHAR_EINVAL": abi.EINVAL,
         "GRAPHAR_CAPTURING": abi.CAPTURING,
+        "GRAPHAR_DECLINED": abi.DECLINED,
     }
 
 
@@ -106,6 +132,7 @@ def test_error_record_layout() -> None:
     [
         ("graphar_all_reduce_args", abi.ALL_REDUCE_ARGS_FIELDS, abi.ALL_REDUCE_ARGS),
         ("graphar_all_reduce_norm_args", abi.NORM_ARGS_FIELDS, abi.NORM_ARGS),
+        ("graphar_tensor", abi.TENSOR_FIELDS, abi.TENSOR),
     ],
 )
 def test_argument_structs(name: str, fields: tuple, packed) -> None:
@@ -151,11 +178,8 @@ def test_prototypes_match_the_header(header: str, prototypes: dict) -> None:
 
 
 def test_op_group_layout() -> None:
-    text = _text("torch_ops/graphar_op.h")
-    (rows,) = re.findall(r"#define GRAPHAR_OP_MAX_ROWS (\d+)", text)
-    assert int(rows) == abi.OP_MAX_ROWS
-    body = re.search(r"typedef struct graphar_op_group \{([^}]*)\}", text).group(1)
-    declared = re.findall(r"(uint64_t|int32_t)\s+(\w+)(\[GRAPHAR_OP_MAX_ROWS\])?;", body)
+    body = re.search(r"typedef struct graphar_op_group \{([^}]*)\}", _text("torch_ops/graphar_op.h")).group(1)
     scalar = {"uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
-    want = [(name, scalar[t] * abi.OP_MAX_ROWS if array else scalar[t]) for t, name, array in declared]
-    assert [(n, f) for n, f in abi.OpGroup._fields_] == want
+    assert [(n, f) for n, f in abi.OpGroup._fields_] == [
+        (name, scalar[t]) for t, name in re.findall(r"(uint64_t|int32_t)\s+(\w+);", body)
+    ]

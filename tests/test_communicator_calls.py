@@ -52,6 +52,7 @@ _OUTPUTS = {
     ),
     "graphar_ipc_handle": lambda lib, base, out: _write(out, b"i" * _cuda.IPC_HANDLE_BYTES),
     "graphar_comm_graph_mappings": lambda lib, h, open_, unused: (open_.__setitem__(0, 3), unused.__setitem__(0, 1)),
+    "graphar_comm_plan": lambda lib, h, x, stream, how, algo, out: out.__setitem__(0, abi.ALGO_CODES["2stage"]),
 }
 
 
@@ -62,6 +63,7 @@ class _Library:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.failing: set[str] = set()
+        self.answers: dict[str, int] = {}  # a return code other than 0 or 1
         self.record = abi.ErrorRecord()
         self.bad_peer = -1
         for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
@@ -72,7 +74,7 @@ class _Library:
         self.calls.append((name, args))
         if name in _OUTPUTS:
             _OUTPUTS[name](self, *args)
-        return 1 if name in self.failing else 0
+        return self.answers.get(name, 1 if name in self.failing else 0)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
@@ -103,7 +105,12 @@ def _communicator() -> Communicator:
 
 def test_made_open_with_the_library_s_limits(library: _Library) -> None:
     comm = _communicator()
-    assert library.names() == ["graphar_comm_create", "graphar_comm_error_record", "graphar_comm_push_limits"]
+    assert library.names() == [
+        "graphar_comm_create",
+        "graphar_comm_error_record",
+        "graphar_comm_push_limits",
+        "graphar_comm_set_kernels",  # the all-reduce's kernel table, before any call can be planned
+    ]
     assert library.calls[0][1][:6] == (0, 2, MB, 36, 1_500_000_000, allreduce.GRAPH_SLOTS)
     assert comm.handle == HANDLE and comm.life is Life.OPEN and comm.usable
     assert comm.allreduce.policy.limits == (MB, 2 * MB)  # max_bytes within the two-shot's room
@@ -151,6 +158,20 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     ]
     library.bad_peer = 1
     assert comm.probe(1) == "P2P store/load with rank 1 did not round-trip"
+
+
+def test_a_plan_gives_the_kernel_or_why_none_takes_the_call(library: _Library) -> None:
+    comm = _communicator()
+    x = abi.TENSOR.pack(0x5000, 64, 0, 0, 1, 0)
+    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (abi.ALGO_CODES["2stage"], None)
+    assert library.calls[-1][1][2:5] == (5, abi.PLAN_STREAM, 0)
+    library.answers.update(graphar_comm_plan=abi.DECLINED, graphar_comm_plan_norm=abi.DECLINED)
+    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (0, "the stand-in says no")  # a verdict, not an error
+    assert comm.plan_norm(x, abi.NO_TENSOR, abi.NO_TENSOR, 64) == "the stand-in says no"
+    library.answers.update(graphar_comm_plan=abi.EINVAL, graphar_comm_plan_norm=0)
+    assert comm.plan_norm(x, abi.NO_TENSOR, abi.NO_TENSOR, 64) is None
+    with pytest.raises(GrapharCudaError, match=r"graphar all_reduce on group 'g' \(rank 0\): the stand-in says no"):
+        comm.plan(x, 5, abi.PLAN_STREAM, 0)  # an error (a group that timed out): raised
 
 
 def test_the_communicator_calls_only_what_the_library_exports() -> None:

@@ -62,12 +62,31 @@ def _declined_calls_reach_the_python_kernels(rank: int, library: str) -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"graphar::{op}", "CUDA"), op
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(30))
     group = dist.group.WORLD.group_name
-    # A state whose rows would serve every size: CPU tensors are not eligible, so the C++ kernel
-    # declines them without touching the (null) communicator.
-    failed = ctypes.c_uint32(0)  # the error record's word a kernel that gives up sets
-    state = abi.OpGroup(max_bytes=1 << 20, rows=1, rank=0, failed=ctypes.addressof(failed))
-    state.bounds[0], state.algos[0] = 1 << 62, abi.ALGO_CODES["push-oneshot"]
-    assert lib.graphar_op_publish(group.encode(), ctypes.byref(state)) == 0
+    # The CUDA library's plans stand-ins: they decline every call (CPU tensors), or, once the group
+    # timed out, fail with the library's message; the C++ kernels launch nothing of their own accord.
+    timed_out, planned, launched = [], [], []
+
+    def decide(what: str) -> int:
+        planned.append(what)
+        return abi.EINVAL if timed_out else abi.DECLINED
+
+    plan = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p
+    )(lambda comm, x, stream, how, algo, out: decide("all_reduce"))
+    plan_norm = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64
+    )(lambda comm, x, residual, weight, row_bytes: decide("norm"))
+    last_error = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"the group timed out (a kernel of it gave up)")
+    never = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda comm, args: launched.append(1) or 0)
+    lib_ = types.SimpleNamespace(
+        graphar_comm_plan=plan,
+        graphar_comm_plan_norm=plan_norm,
+        graphar_comm_all_reduce=never,
+        graphar_comm_all_reduce_norm=never,
+        graphar_last_error=last_error,
+    )
+    state = native_op.group_state(comm=1, lib=lib_, device=0, rank=0)
+    assert lib.graphar_op_serve(group.encode(), ctypes.byref(state)) == 0
     # CPU tensors sent to the CUDA kernels: declined, the arguments go back on the stack to the private ops.
     cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     all_reduce, norm = torch.ops.graphar.all_reduce.default, torch.ops.graphar.all_reduce_add_rms_norm.default
@@ -77,7 +96,7 @@ def _declined_calls_reach_the_python_kernels(rank: int, library: str) -> None:
         got = norm.redispatch(cuda, x, residual, weight, 1e-6, group, weight_first)
         want = ops.unfused_add_rms_norm(x, residual, weight, 1e-6, weight_first)
         assert all(torch.allclose(g, w) for g, w in zip(got, want))
-    assert lib.graphar_op_calls(group.encode()) == 0
+    assert planned == ["all_reduce", "norm", "norm"] and lib.graphar_op_calls(group.encode()) == 0
     # An error of the Python kernel: a RuntimeError with its message (torch >= 2.13 keeps it).
     with pytest.raises(RuntimeError, match="Could not resolve the process group registered under the name nope"):
         all_reduce.redispatch(cuda, x, "nope")
@@ -91,13 +110,13 @@ def _declined_calls_reach_the_python_kernels(rank: int, library: str) -> None:
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1024, "KiB more after 50000 calls"
     # A group that timed out raises in the C++ kernel itself, naming the group: behind the dispatcher
     # call to the Python kernel the error would lose its type (and on torch 2.11 its message).
-    failed.value = 1
+    timed_out.append(True)
     for op, args in [(all_reduce, (x, group)), (norm, (x, None, None, 1e-6, group, False))]:
         with pytest.raises(RuntimeError, match=f"on group '{group}' \\(rank 0\\): the group timed out"):
             op.redispatch(cuda, *args)
-    state.rows = abi.OP_MAX_ROWS + 1
-    assert lib.graphar_op_publish(group.encode(), ctypes.byref(state)) != 0
-    assert b"rows" in lib.graphar_op_last_error()
+    assert lib.graphar_op_serve(group.encode(), None) == 0  # withdrawn: the Python kernel serves, no plan asked
+    planned.clear()
+    assert torch.equal(all_reduce.redispatch(cuda, x, group), x) and planned == [] and launched == []
     end_worker()
 
 
@@ -134,7 +153,7 @@ def test_op_library_off_or_unavailable_leaves_the_python_kernel(monkeypatch, cap
     with caplog.at_level("WARNING", logger="graphar"):
         assert native_op.library() is None
     assert "no nvcc to build one" in caplog.text and native_op.calls("g") == 0
-    native_op.publish("g", None)  # nothing loaded: nothing to withdraw, no error
+    native_op.serve("g", None)  # nothing loaded: nothing to withdraw, no error
 
 
 # ---- what Python hands it -----------------------------------------------------------------------
@@ -144,15 +163,15 @@ def test_a_group_torch_destroys_has_its_state_withdrawn_first(monkeypatch) -> No
     """torch gives a destroyed group's name to the next group it makes, and the C++ kernels cannot ask
     c10d what a name names: the state of a group goes when torch unregisters its name, one group
     (destroy_process_group(group)) or all of them (destroy_process_group())."""
-    published: list[tuple[str, bool]] = []
+    served: list[tuple[str, bool]] = []
 
     class Library:  # what the C++ kernels would be handed
-        def graphar_op_publish(self, name: bytes, state: object) -> int:
-            published.append((name.decode(), state is not None))
+        def graphar_op_serve(self, name: bytes, state: object) -> int:
+            served.append((name.decode(), state is not None))
             return 0
 
     monkeypatch.setattr(native_op, "_library", Library())
-    monkeypatch.setattr(native_op, "_published", set())
+    monkeypatch.setattr(native_op, "_served", set())
     c10d = dist.distributed_c10d
     for name in ("_unregister_process_group", "_unregister_all_process_groups"):
         monkeypatch.setattr(c10d, name, getattr(c10d, name))  # torch's own again after the test
@@ -162,14 +181,14 @@ def test_a_group_torch_destroys_has_its_state_withdrawn_first(monkeypatch) -> No
     try:
         world, sub = dist.group.WORLD, dist.new_group([0])
         for group in (world, sub):
-            native_op.publish(group.group_name, abi.OpGroup())
+            native_op.serve(group.group_name, abi.OpGroup())
         dist.destroy_process_group(sub)
-        assert published[-1] == (sub.group_name, False)
+        assert served[-1] == (sub.group_name, False)
         with pytest.raises(GrapharCudaError, match="Could not resolve"):  # torch no longer knows the name
-            native_op.publish(sub.group_name, abi.OpGroup())
+            native_op.serve(sub.group_name, abi.OpGroup())
     finally:
         dist.destroy_process_group()
-    assert published == [
+    assert served == [
         (world.group_name, True),
         (sub.group_name, True),
         (sub.group_name, False),
@@ -177,45 +196,19 @@ def test_a_group_torch_destroys_has_its_state_withdrawn_first(monkeypatch) -> No
     ]
 
 
-def test_group_state_carries_the_policy_rows() -> None:
-    """The published state: the eager rows as (bound, code) arrays (None: 0, no kernel), the fused
-    norm's limits, the CUDA library's entry points by address; more rows than the struct holds raise."""
+def test_group_state_carries_the_library_s_entry_points() -> None:
+    """The served state: the communicator's handle and the CUDA library's entry points by address; no
+    kernel choice of its own (the library's plan holds it)."""
     proto = ctypes.CFUNCTYPE(ctypes.c_int)
-    functions = {
-        name: proto(lambda: 0)
-        for name in ("graphar_comm_all_reduce", "graphar_comm_all_reduce_norm", "graphar_last_error")
-    }
-    lib = types.SimpleNamespace(**functions)
-    segments = ((64 << 10, "push-oneshot"), (1 << 20, "1stage"), (1 << 62, None))
-    state = native_op.group_state(
-        comm=7,
-        lib=lib,
-        failed=1234,
-        max_bytes=8 << 20,
-        device=1,
-        rank=0,
-        segments=segments,
-        fused_norm_max=512 << 10,
-        pdl=True,
+    names = (
+        "graphar_comm_plan",
+        "graphar_comm_plan_norm",
+        "graphar_comm_all_reduce",
+        "graphar_comm_all_reduce_norm",
+        "graphar_last_error",
     )
-    assert (state.rows, list(state.bounds[:3]), list(state.algos[:3])) == (3, [64 << 10, 1 << 20, 1 << 62], [3, 1, 0])
-    assert (state.comm, state.failed, state.fused_norm_max, state.norm_max_row_bytes, state.pdl) == (
-        7,
-        1234,
-        512 << 10,
-        _cuda.NORM_MAX_ROW_BYTES,
-        1,
-    )
-    assert state.all_reduce == ctypes.cast(functions["graphar_comm_all_reduce"], ctypes.c_void_p).value
-    with pytest.raises(ValueError, match=f"at most {abi.OP_MAX_ROWS}"):
-        native_op.group_state(
-            comm=7,
-            lib=lib,
-            failed=1234,
-            max_bytes=1,
-            device=1,
-            rank=0,
-            segments=segments * 6,
-            fused_norm_max=0,
-            pdl=False,
-        )
+    functions = {name: proto(lambda: 0) for name in names}
+    state = native_op.group_state(comm=7, lib=types.SimpleNamespace(**functions), device=1, rank=3)
+    assert (state.comm, state.device, state.rank) == (7, 1, 3)
+    for field, name in zip(("plan", "plan_norm", "all_reduce", "all_reduce_norm", "last_error"), names):
+        assert getattr(state, field) == ctypes.cast(functions[name], ctypes.c_void_p).value, field

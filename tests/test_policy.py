@@ -1,7 +1,9 @@
-"""The all-reduce's kernel choice (graphar.comm.policy) and the eager path that applies it, on the CPU.
+"""The all-reduce's kernel choice (graphar.comm.policy) and the Python path that hands it to the CUDA
+library and applies the library's plan, on the CPU.
 
 The path runs against a fake communicator whose "device" is the CPU (-1), so that plain tensors are
-eligible and the arguments that would reach the library can be read back.
+eligible; it stands in for the library's plan (csrc/plan.cu, whose reasons tests/gpu assert) with a
+row lookup in the table it was handed, and records the arguments that would reach the library.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 import allreduce as allreduce_bench
 import winners
-from graphar import graphs, ops
+from graphar import graphs, ops, settings
 from graphar.comm import abi, policy, registry, set_up
 from graphar.comm import allreduce as ar
 
@@ -39,7 +41,6 @@ def test_tuned_rows_replace_the_shipped_ones_and_may_leave_a_size_to_nccl() -> N
     tuned = policy.Policy(9, 2, LIMITS).tuning(rows)
     assert tuned.pick(16 * KB, policy.EAGER) == "push-oneshot"
     assert tuned.pick(MB, policy.EAGER) is None and tuned.pick(MB, policy.GRAPH) == "1stage"
-    assert tuned.depends_on_capture(MB)  # eager on NCCL, graphs on 1stage: the capture is asked
     assert tuned.forcing("2stage").pick(MB, policy.EAGER) == "2stage"  # forcing still wins
     assert tuned.forcing(None).pick(MB, policy.EAGER) is None  # and keeps the tuned rows
     assert tuned.shipped() == policy.table(9, 2)[0]
@@ -65,7 +66,6 @@ def test_forced_kernel_within_its_limit_else_none() -> None:
     assert forced.pick(2 * MB, policy.EAGER) == "push-oneshot"
     assert forced.pick(2 * MB + 16, policy.EAGER) is None  # NCCL serves it
     assert forced.pick(16, policy.EAGER, algo="2stage") == "2stage"  # a call's own choice wins
-    assert not forced.depends_on_capture(16)
     with pytest.raises(ValueError, match="push-twoshot"):
         policy.Policy(9, 2, LIMITS, forced="oneshot")
     with pytest.raises(ValueError, match="push-twoshot"):
@@ -80,7 +80,7 @@ def test_a_one_shot_row_past_the_one_shot_room_goes_two_shot(monkeypatch) -> Non
 
 
 def test_segments_are_the_picks(monkeypatch) -> None:
-    """Every pick is a lookup in `segments`, which the C++ kernel gets: the two paths cannot disagree."""
+    """Every pick is a lookup in `segments`, the rows the CUDA library's plan looks calls up in."""
     rows = {
         policy.EAGER: ((64 * KB, "push-oneshot"), (MB, "1stage"), (policy.OPEN, "push-oneshot")),
         policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
@@ -91,7 +91,7 @@ def test_segments_are_the_picks(monkeypatch) -> None:
     for p in [policy.Policy(9, 2, limits)] + [policy.Policy(9, 2, limits, forced=a) for a in abi.ALGO_CODES]:
         for mode in policy.MODES:
             segments = p.segments(mode)
-            assert [b for b, _ in segments] == sorted(b for b, _ in segments) and len(segments) <= abi.OP_MAX_ROWS
+            assert [b for b, _ in segments] == sorted(b for b, _ in segments) and len(segments) <= abi.MAX_ROWS
             for n in range(16, 10 * MB, 16 * 1021):
                 want = next((a for b, a in segments if n <= b), None)
                 assert p.pick(n, mode) == want, (p.forced, mode, n)
@@ -116,18 +116,7 @@ def test_forcing_makes_a_new_policy() -> None:
     assert forced.forced == "2stage" and forced.fused_norm_max == 0 and table.forced is None
     assert forced.forcing(None).fused_norm_max == table.fused_norm_max
     with pytest.raises(AttributeError):
-        table.forced = "1stage"  # a policy in use never changes under the C++ kernel's published copy
-
-
-def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None:
-    rows = {
-        policy.EAGER: ((64 * KB, "push-oneshot"), (policy.OPEN, "1stage")),
-        policy.GRAPH: ((policy.OPEN, "push-oneshot"),),
-        policy.GRAPHAR_GRAPH: ((policy.OPEN, "1stage"),),
-    }
-    monkeypatch.setitem(policy.TABLE, (9, 2), rows)
-    p = policy.Policy(9, 2, LIMITS)
-    assert not p.depends_on_capture(64 * KB) and p.depends_on_capture(64 * KB + 16)
+        table.forced = "1stage"  # a policy in use never changes under the library's copy of its rows
 
 
 # ---- the eager path against a fake communicator ---------------------------------------------------
@@ -136,14 +125,34 @@ def test_capture_is_asked_only_where_the_pick_depends_on_it(monkeypatch) -> None
 class _CpuComm:
     group_name, world_size, device, max_bytes = "g", 2, -1, MB
     usable = True
+    one_shot_limit = MB
 
     def __init__(self) -> None:
         self.launched: list[dict[str, int]] = []
-        self.published: list[tuple[abi.Segments, int, bool]] = []
+        self.tables: list[tuple[abi.Segments, int, bool]] = []  # the eager rows, fused norm, PDL of each table
+        self._kernels = abi.Kernels()
         self.native = 0  # calls the C++ kernel served
 
-    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
-        self.published.append((segments, fused_norm_max, pdl))
+    def set_kernels(self, kernels: abi.Kernels) -> None:
+        self._kernels = kernels
+        eager = tuple(
+            (kernels.bounds[0][i], next((a for a, c in abi.ALGO_CODES.items() if c == kernels.algos[0][i]), None))
+            for i in range(kernels.rows[0])
+        )
+        self.tables.append((eager, kernels.fused_norm_max, bool(kernels.pdl)))
+
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
+        _, nbytes, dtype, _, contiguous, _ = abi.TENSOR.unpack(x)
+        if dtype < 0 or not contiguous or nbytes == 0 or nbytes % 16:
+            return 0, f"the input's {nbytes} bytes, dtype {dtype}, contiguous {contiguous}: no kernel reads it"
+        if algo:
+            room = self.one_shot_limit if algo == abi.ALGO_CODES["push-oneshot"] else self.max_bytes
+            return (algo, None) if nbytes <= room else (0, f"{nbytes} bytes is over the limits of the forced kernel")
+        mode = 2 if how == abi.PLAN_GRAPHAR_GRAPH else 0  # the fixture allows no capture query
+        k = self._kernels
+        row = next((i for i in range(k.rows[mode]) if nbytes <= k.bounds[mode][i]), None)
+        chosen = 0 if row is None else k.algos[mode][row]
+        return (chosen, None) if chosen else (0, f"the kernel table gives {nbytes} bytes to the collective")
 
     def native_calls(self) -> int:
         return self.native
@@ -197,8 +206,6 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
             algo=abi.ALGO_CODES["push-oneshot"],
             path=abi.PATH_EAGER,
             slot=0,
-            pdl=1,
-            reserved=0,
         )
     ]
     assert allreduce.calls == 1 and allreduce.try_all_reduce(x.t()) is None  # strided: NCCL's
@@ -215,7 +222,7 @@ def test_the_op_copies_misaligned_inputs_and_says_once_why_it_falls_back(cpu_all
         odd = [torch.randn(5), torch.randn(7), torch.arange(4)]  # 20 B, 28 B: not 16-byte packs; int64
         assert [ops.all_reduce(t, "g") for t in odd] == ["collective"] * 3
     said = [r.getMessage() for r in caplog.records if "runs on the collective" in r.getMessage()]
-    assert len(said) == 2 and "20 bytes is not a positive multiple of 16" in said[0] and "torch.int64" in said[1]
+    assert len(said) == 2 and "20 bytes" in said[0] and "dtype -1" in said[1]  # 28 bytes: the same kind
 
 
 def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) -> None:
@@ -254,11 +261,12 @@ def test_slots_of_a_freed_graph_are_reused(cpu_all_reduce, monkeypatch) -> None:
 
 
 def test_forced_kernel_that_cannot_take_the_size_says_so(cpu_all_reduce) -> None:
-    allreduce, _ = cpu_all_reduce
+    allreduce, comm = cpu_all_reduce
+    comm.one_shot_limit = 64 * KB
     allreduce.policy = policy.Policy(9, 8, policy.Limits(MB, 64 * KB), forced="push-oneshot")
     x = torch.randn(128 * KB // 4)
     assert allreduce.try_all_reduce(x) is None and not allreduce.eligible(x)
-    with pytest.raises(ValueError, match="forced kernel 'push-oneshot'"):
+    with pytest.raises(ValueError, match="input not eligible: .* forced kernel"):
         allreduce.all_reduce(x)
 
 
@@ -325,16 +333,15 @@ def test_policy_rows_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert tool.main([str(RESULTS), "9", "2"]) == 1
 
 
-def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> None:
+def test_the_library_gets_the_kernel_table_anew_on_every_change(cpu_all_reduce) -> None:
     allreduce, comm = cpu_all_reduce
     allreduce.pdl = False
-    assert comm.published == []  # nothing before init() publishes: the peers may not be open yet
-    allreduce.publish()
     allreduce.pdl = True
     allreduce.policy = allreduce.policy.forcing("1stage")
     table = ((MB, "push-oneshot"), (policy.OPEN, "push-twoshot"))  # the one-shot's room is 1 MB
     fused = 512 * KB  # off once another kernel is forced
-    assert comm.published == [
+    assert comm.tables == [
+        (table, fused, settings.PDL.get()),  # made: the library holds a table before any call
         (table, fused, False),
         (table, fused, True),
         (((MB, "1stage"), (policy.OPEN, None)), 0, True),
@@ -342,11 +349,16 @@ def test_the_eager_choice_is_published_again_on_every_change(cpu_all_reduce) -> 
     comm.native = 5
     allreduce.try_all_reduce(torch.randn(64))
     assert allreduce.calls == 6  # both kernels of the op count
+    with pytest.raises(ValueError, match="at most 32"):  # more rows than the library holds: refused, kept
+        allreduce.policy = allreduce.policy.forcing(None).tuning(
+            dict.fromkeys(policy.MODES, tuple((16 * (i + 1), "1stage") for i in range(abi.MAX_ROWS + 1)))
+        )
+    assert allreduce.policy.forced == "1stage" and len(comm.tables) == 4
 
 
 def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
-    """Noise between near-equal kernels must not cut the policy into many rows (the C++ kernel holds
-    abi.OP_MAX_ROWS of them)."""
+    """Noise between near-equal kernels must not cut the policy into many rows (the CUDA library holds
+    abi.MAX_ROWS of them per capture mode)."""
     s = allreduce_bench.Settings(
         sizes=[16 * KB << i for i in range(13)], dtype="bf16", modes=["eager"], ops=1, replays=1, eager_iters=1
     )
@@ -359,8 +371,8 @@ def test_a_near_tie_keeps_the_previous_size_s_kernel() -> None:
     assert winners.policy_rows(eager) == ((s.sizes[-2], "1stage"), (policy.OPEN, "push-twoshot"))
 
 
-def test_every_table_fits_the_cpp_kernel() -> None:
+def test_every_table_fits_the_library() -> None:
     for major, world_size in policy.TABLE:
         for mode in policy.MODES:
             p = policy.Policy(major, world_size, policy.Limits(max_bytes=64 * MB, push_one_shot=16 * KB))
-            assert len(p.segments(mode)) <= abi.OP_MAX_ROWS, (major, world_size, mode)
+            assert len(p.segments(mode)) <= abi.MAX_ROWS, (major, world_size, mode)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import graphar
 from graphar import _cuda, native_op, ops
-from graphar.comm import exchange, policy, registry, set_up, ulysses_shapes
+from graphar.comm import abi, exchange, policy, registry, set_up, ulysses_shapes
 from graphar.comm import ulysses as bodies
 from graphar.comm.allreduce import AllReduce
 from tests._interpreted import INTERPRETED, run_interpreted
@@ -167,6 +167,14 @@ class _AllReduceCalls:
     def native_calls(self) -> int:
         return 0
 
+    def set_kernels(self, kernels: abi.Kernels) -> None:
+        pass
+
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
+        """The library's verdict: float32 on the first kernel, anything else declined."""
+        dtype = abi.TENSOR.unpack(x)[2]
+        return (1, None) if dtype == abi.DTYPE_CODES[torch.float32] else (0, f"dtype code {dtype}")
+
     def launch_all_reduce(self, args: bytes) -> None:
         self.launched.append(args)
 
@@ -186,9 +194,10 @@ def all_reduce_group(monkeypatch) -> _AllReduceCalls:
 def test_a_tensor_into_all_reduce(all_reduce_group: _AllReduceCalls, dtype: torch.dtype) -> None:
     x = torch.arange(256).to(dtype)
     w = walk(lambda: torch.ops.graphar.all_reduce(x, "g"), [x])
-    _check(w, {"ops": None, "comm.allreduce": "ops"})
-    # One visit: a refused call's reason is decided there, and the op's log line reads it without the tensor.
-    assert [v.function for v in w.visits] == ["all_reduce", "try_all_reduce"], w.drawing()
+    _check(w, {"ops": None, "comm.allreduce": "ops", "comm.abi": "comm.allreduce"})
+    # One visit each: the tensor described once for the library's plan, which decides (a refused call's
+    # reason comes from there, and the op's log line reads it without the tensor).
+    assert [v.function for v in w.visits] == ["all_reduce", "try_all_reduce", "describe"], w.drawing()
     assert len(all_reduce_group.launched) == (dtype == torch.float32)
 
 
@@ -208,15 +217,15 @@ def _one_rank_world() -> Iterator[dist.ProcessGroup]:
 def test_max_bytes_into_init(monkeypatch) -> None:
     """graphar.init(max_bytes=) on a group of one process posing as two H200s' rank 0, its library
     the stand-in: the number goes to settings' rule, to the ranks' agreement, into the communicator
-    and its policy, and to the C++ kernel's state."""
+    and its policy (the C++ kernels never hold it: the library's plan checks sizes)."""
     lib = _Library()
-    lib.graphar_last_error = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"")  # the C++ kernel's state takes its address
+    lib.graphar_last_error = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"")  # the C++ kernels' state takes its address
     for target, name, fake in [
         (_cuda, "library", lambda: lib),
         (_cuda, "build_id", lambda: "0123abcd"),
         (_cuda, "pci_bus_id", lambda device: "0000:01:00.0"),
         (native_op, "library", lambda: object()),
-        (native_op, "publish", lambda name, state: None),
+        (native_op, "serve", lambda name, state: None),
         (torch.cuda, "is_available", lambda: True),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
@@ -242,7 +251,6 @@ def test_max_bytes_into_init(monkeypatch) -> None:
             "comm.rendezvous": "comm.set_up",
             "comm.communicator": "comm.set_up",
             "comm.policy": "comm.communicator",
-            "native_op": "comm.set_up",
         },
     )
 

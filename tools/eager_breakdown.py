@@ -54,7 +54,6 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
     import graphar.ops
     from graphar import _cuda, graphs
     from graphar.comm import abi, policy
-    from graphar.comm.allreduce import ineligible_reason
     from graphar.kernels import rms_norm
 
     x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
@@ -72,17 +71,16 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
         abi.ALGO_CODES[kernel],
         abi.PATH_EAGER,
         0,
-        ar.pdl,
-        0,
     )
+    described = abi.describe(x)
+    forced = 0 if algo is None else abi.ALGO_CODES[algo]
     return {
         "comm.check()": comm.check,
-        "ineligible_reason (dtype, nbytes, contiguity, device, alignment)": lambda: ineligible_reason(
-            x, comm.device, comm.max_bytes
-        ),
         "graphs.current_capture()": graphs.current_capture,
-        "policy: picks (cached, every capture mode)": lambda: ar.policy.picks(nbytes, algo),
-        "torch.cuda.is_current_stream_capturing() (skipped when the pick does not depend on it)": torch.cuda.is_current_stream_capturing,
+        "abi.describe(x) (dtype, bytes, device, contiguity, address)": lambda: abi.describe(x),
+        "library plan: eligibility, capture query, kernel pick": lambda: comm.plan(
+            described, stream, abi.PLAN_STREAM, forced
+        ),
         "torch.empty_like(x, memory_format=torch.contiguous_format) (the output)": lambda: torch.empty_like(
             x, memory_format=torch.contiguous_format
         ),
@@ -90,7 +88,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(comm.device),
         "x.data_ptr() + out.data_ptr()": lambda: (x.data_ptr(), out.data_ptr()),
         "ALL_REDUCE_ARGS.pack(...) (one struct)": lambda: abi.ALL_REDUCE_ARGS.pack(
-            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0, 1, 0
+            x.data_ptr(), out.data_ptr(), nbytes, stream, 1, 2, 0, 0
         ),
         "library call: capture query, ordering event, launch": lambda: comm.launch_all_reduce(args),
         "whole AllReduce.try_all_reduce": lambda: ar.try_all_reduce(x, algo),
@@ -117,11 +115,11 @@ def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
     for name, fn in [*steps.items(), (WITHDRAWN_STEP, steps[OP_STEP])]:
         dist.barrier()  # both ranks time the same step together: the kernels need their peer
         if name == WITHDRAWN_STEP:  # every call of the group handed to the Python kernel, for this step
-            native_op.publish(comm.group_name, None)
+            native_op.serve(comm.group_name, None)
         calls = UNFUSED_NORM_CALLS if name.startswith(UNFUSED_NORM_STEP) else 200 if name.startswith(LAUNCHES) else 2000
         us = _per_call_us(fn, calls)
         if name == WITHDRAWN_STEP:
-            comm.allreduce.publish()
+            comm.serve_native()
         if rank == 0:
             print(f"{us:8.2f} us  {name}", flush=True)
 

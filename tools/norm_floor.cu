@@ -154,7 +154,9 @@ struct Shape {
   // us per launch of the library's fused kernel through its loopback launch, its split capped at
   // max_split (0: the library's own grid); the grid it used in *grid.
   double fused_us(void* comm, cudaStream_t s, int pdl, int max_split, int grid[3]) {
-    args.pdl = pdl;
+    graphar_kernels kernels{};  // no rows: the loopback launch needs no plan, only PDL
+    kernels.pdl = pdl;
+    CHECK(graphar_comm_set_kernels(comm, &kernels));
     return us_per_launch(s, [&](int) {
       CHECK(graphar_comm_norm_loopback(comm, &args, max_split, &grid[0], &grid[1], &grid[2]));
     });

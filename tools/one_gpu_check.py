@@ -53,10 +53,12 @@ def _init_relaxed():
 
 
 def check_all_reduce(comm, rank: int) -> None:
+    from graphar.comm import policy
+
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for nbytes in (16, 48, 64 * KB + 16, MB, 8 * MB):
             for algo in ALGOS:
-                if comm.allreduce.policy.picks(nbytes, algo).eager is None:
+                if comm.allreduce.policy.pick(nbytes, policy.EAGER, algo) is None:
                     continue  # over this kernel's limit at this world size (the push one-shot's shrinks with it)
                 x = integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
                 y = comm.all_reduce(x, algo=algo)
@@ -65,7 +67,9 @@ def check_all_reduce(comm, rank: int) -> None:
         nbytes = 64 * KB + 48  # shards of unequal length
         x = torch.randn(nbytes // dtype.itemsize, generator=torch.Generator().manual_seed(rank)).to(dtype).cuda()
         sums = {
-            algo: comm.all_reduce(x, algo=algo) for algo in ALGOS if comm.allreduce.policy.picks(nbytes, algo).eager
+            algo: comm.all_reduce(x, algo=algo)
+            for algo in ALGOS
+            if comm.allreduce.policy.pick(nbytes, policy.EAGER, algo)
         }
         first, *others = sums
         for algo in others:

@@ -4,18 +4,17 @@
 //
 // An eager call that goes through the dispatcher into Python spends most of its host time outside
 // the CUDA library: boxing the arguments, the Python kernel's checks, the outputs allocated from
-// Python. These kernels serve the common call themselves: a healthy communicator, eligible inputs,
-// and for the all-reduce a stream that is not capturing. Every other call goes unchanged to the op's
-// Python kernel: captures of the all-reduce (graphar.graph records its calls, and a capture may pick
-// another kernel), a group without a published communicator, inputs the custom kernels cannot take
-// (NCCL, or the norm apart). A communicator that timed out raises here. What they
-// accept, the Python kernels accept too and serve with the same CUDA kernel and arguments (the kernel
-// choice is the Python policy's, published per group), so whichever serves a call, every rank runs
-// the same CUDA kernel. The fused kernel is a push kernel, which needs no registration in any
-// capture, so its C++ kernel serves captures as well.
+// Python. These kernels serve the common call themselves: the CUDA library's plan (graphar_comm_plan,
+// the one place a call's kernel is chosen) takes it, and for the all-reduce the stream is not
+// capturing. Every other call goes unchanged to the op's Python kernel: captures of the all-reduce
+// (graphar.graph records its calls), a group no communicator serves here, calls the library declines
+// (the collective runs them, or the norm apart, and Python logs why). A communicator that timed out
+// raises here. Both kernels ask the same plan, so whichever serves a call, every rank runs the same
+// CUDA kernel. The fused kernel is a push kernel, which needs no registration in any capture, so its
+// C++ kernel serves captures as well.
 //
 // What the stable ABI lacks, and what stands in for it:
-// - c10d, which told whether a name still names the group a state was published for (torch gives a
+// - c10d, which told whether a name still names the group a state was served for (torch gives a
 //   destroyed group's name to the next group it makes): graphar.native_op withdraws a group's state
 //   when torch unregisters its name.
 // - calling an op's kernel for one dispatch key: torch_call_dispatcher dispatches anew, which would
@@ -54,11 +53,13 @@ using torch::stable::detail::to;
 
 thread_local std::string t_last_error;
 
+using PlanFn = int (*)(void*, const graphar_tensor*, uint64_t, int, int, int32_t*);
+using PlanNormFn = int (*)(void*, const graphar_tensor*, const graphar_tensor*, const graphar_tensor*, uint64_t);
 using AllReduceFn = int (*)(void*, const graphar_all_reduce_args*);
 using AllReduceNormFn = int (*)(void*, const graphar_all_reduce_norm_args*);
 using LastErrorFn = const char* (*)();
 
-// A group as published (null once withdrawn) and its call count, which outlives republishing.
+// A group as served (null once withdrawn) and its call count, which outlives serving anew.
 struct Entry {
   std::shared_ptr<const graphar_op_group> group;
   std::atomic<uint64_t> calls{0};
@@ -94,15 +95,6 @@ std::pair<Entry*, std::shared_ptr<const graphar_op_group>> find(const std::strin
   return {it->second.get(), it->second->group};
 }
 
-int32_t algo_for(const graphar_op_group& g, uint64_t nbytes) {
-  for (int i = 0; i < g.rows; i++) {
-    if (nbytes <= g.bounds[i]) return g.algos[i];
-  }
-  return 0;
-}
-
-bool timed_out(const graphar_op_group& g) { return *reinterpret_cast<const volatile uint32_t*>(g.failed) != 0; }
-
 int32_t torch_dtype(const Tensor& t) {
   int32_t dtype = 0;
   check_torch(aoti_torch_get_dtype(t.get(), &dtype), "aoti_torch_get_dtype");
@@ -121,17 +113,15 @@ uint64_t nbytes(const Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.e
 
 uint64_t address(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); }
 
-// t's dtype code when the custom kernels can read it as it is (graphar.comm.allreduce.ineligible_reason
-// on a contiguous tensor), else -1. A strided tensor goes to Python, which makes a contiguous copy: a
-// copy made here would be recorded into a capture that then declines the call.
-int eligible(const graphar_op_group& g, const Tensor& t) {
-  const int dtype = dtype_code(torch_dtype(t));
-  const uint64_t n = dtype < 0 ? 0 : nbytes(t);
-  if (n == 0 || n % 16 != 0 || n > g.max_bytes || !t.is_cuda() || t.get_device_index() != g.device ||
-      !t.is_contiguous() || address(t) % 16 != 0) {
-    return -1;
-  }
-  return dtype;
+// t as the library's plans judge it.
+graphar_tensor describe(const Tensor& t) {
+  graphar_tensor d{};
+  d.data = address(t);
+  d.dtype = dtype_code(torch_dtype(t));
+  d.nbytes = nbytes(t);
+  d.device = t.is_cuda() ? t.get_device_index() : -1;
+  d.contiguous = t.is_contiguous();
+  return d;
 }
 
 uint64_t current_stream(const graphar_op_group& g) {
@@ -165,34 +155,34 @@ void check(const graphar_op_group& g, int rc, const char* op, const std::string&
                   "): ", reinterpret_cast<LastErrorFn>(g.last_error)());
 }
 
-// A group whose kernel gave up raises here, not in the Python kernel: an error raised behind
-// torch_call_dispatcher loses its type, and on torch 2.11 its message too.
-void check_not_timed_out(const graphar_op_group& g, const char* op, const std::string& name) {
-  STD_TORCH_CHECK(!timed_out(g), "graphar ", op, " on group '", name, "' (rank ", g.rank,
-                  "): the group timed out (a kernel of it gave up waiting for a peer), so every call raises; "
-                  "graphar's GrapharTimeoutError (the communicator's check()) says where");
+// Whether the library's plan took the call: false where it declined (the Python kernel then serves it,
+// and logs why). An error (a group that timed out: its peers may be gone) raises here, not in the
+// Python kernel: behind torch_call_dispatcher an error loses its type, and on torch 2.11 its message.
+bool planned(const graphar_op_group& g, int rc, const char* op, const std::string& name) {
+  if (rc == GRAPHAR_DECLINED || rc == GRAPHAR_CAPTURING) return false;
+  check(g, rc, op, name);
+  return true;
 }
 
-// The sum, or nothing when the call is the Python kernel's. Nothing is launched or copied before
-// the verdict, so a declined call inside a capture records nothing.
+// The sum, or nothing when the call is the Python kernel's. Nothing is launched or allocated before
+// the plan's verdict, so a declined call inside a capture records nothing.
 std::optional<Tensor> try_all_reduce(const graphar_op_group& g, const Tensor& x, const std::string& name) {
-  check_not_timed_out(g, "all_reduce", name);
-  const int dtype = eligible(g, x);
-  const int32_t algo = dtype < 0 ? 0 : algo_for(g, nbytes(x));
-  if (algo == 0) return std::nullopt;
+  const graphar_tensor in = describe(x);
+  const uint64_t stream = in.device < 0 ? 0 : current_stream(g);  // no GPU, no stream: the plan declines it first
+  int32_t algo = 0;
+  const int rc = reinterpret_cast<PlanFn>(g.plan)(reinterpret_cast<void*>(g.comm), &in, stream,
+                                                  GRAPHAR_PLAN_EAGER_ONLY, 0, &algo);
+  if (!planned(g, rc, "all_reduce", name)) return std::nullopt;
   Tensor out = empty_like(x);
   graphar_all_reduce_args a{};
-  a.input = address(x);
+  a.input = in.data;
   a.output = address(out);
-  a.nbytes = nbytes(x);
-  a.stream = current_stream(g);
-  a.dtype = dtype;
+  a.nbytes = in.nbytes;
+  a.stream = stream;
+  a.dtype = in.dtype;
   a.algo = algo;
-  a.path = GRAPHAR_EAGER_ONLY;  // a capturing stream: no launch, GRAPHAR_CAPTURING
-  a.pdl = g.pdl;
-  const int rc = reinterpret_cast<AllReduceFn>(g.all_reduce)(reinterpret_cast<void*>(g.comm), &a);
-  if (rc == GRAPHAR_CAPTURING) return std::nullopt;
-  check(g, rc, "all_reduce", name);
+  a.path = GRAPHAR_EAGER;
+  check(g, reinterpret_cast<AllReduceFn>(g.all_reduce)(reinterpret_cast<void*>(g.comm), &a), "all_reduce", name);
   return out;
 }
 
@@ -204,30 +194,29 @@ std::optional<NormOutputs> try_all_reduce_norm(const graphar_op_group& g, const 
                                                const std::optional<Tensor>& residual,
                                                const std::optional<Tensor>& weight, double eps, bool weight_first,
                                                const std::string& name) {
-  check_not_timed_out(g, "all_reduce_add_rms_norm", name);
-  const int dtype = eligible(g, x);
-  if (dtype < 0 || x.dim() == 0 || nbytes(x) > g.fused_norm_max) return std::nullopt;
+  if (x.dim() == 0) return std::nullopt;
+  if (residual && residual->sizes() != x.sizes()) return std::nullopt;  // the sum would broadcast it
+  if (weight && weight->dim() != 1) return std::nullopt;
+  const graphar_tensor in = describe(x);
+  const graphar_tensor res = residual ? describe(*residual) : graphar_tensor{};
+  const graphar_tensor w = weight ? describe(*weight) : graphar_tensor{};
   const uint64_t row_bytes = static_cast<uint64_t>(x.size(-1)) * x.element_size();
-  if (row_bytes % 16 != 0 || row_bytes > g.norm_max_row_bytes) return std::nullopt;
-  if (residual && (residual->sizes() != x.sizes() || eligible(g, *residual) != dtype)) return std::nullopt;
-  if (weight && (weight->dim() != 1 || weight->size(0) != x.size(-1) || eligible(g, *weight) != dtype)) {
-    return std::nullopt;
-  }
+  const int rc = reinterpret_cast<PlanNormFn>(g.plan_norm)(reinterpret_cast<void*>(g.comm), &in, &res, &w, row_bytes);
+  if (!planned(g, rc, "all_reduce_add_rms_norm", name)) return std::nullopt;
   Tensor normed = empty_like(x);
   Tensor summed = empty_like(x);
   graphar_all_reduce_norm_args a{};
-  a.input = address(x);
-  a.residual = residual ? address(*residual) : 0;
-  a.weight = weight ? address(*weight) : 0;
+  a.input = in.data;
+  a.residual = res.data;
+  a.weight = w.data;
   a.output = address(normed);
   a.residual_output = address(summed);
-  a.nbytes = nbytes(x);
+  a.nbytes = in.nbytes;
   a.row_bytes = row_bytes;
   a.stream = current_stream(g);
   a.eps = static_cast<float>(eps);
-  a.dtype = dtype;
+  a.dtype = in.dtype;
   a.weight_first = weight_first;
-  a.pdl = g.pdl;
   check(g, reinterpret_cast<AllReduceNormFn>(g.all_reduce_norm)(reinterpret_cast<void*>(g.comm), &a),
         "all_reduce_add_rms_norm", name);
   return NormOutputs(std::move(normed), std::move(summed));
@@ -335,11 +324,7 @@ int graphar_op_install(void) {
   }
 }
 
-int graphar_op_publish(const char* group_name, const graphar_op_group* group) {
-  if (group != nullptr && (group->rows < 0 || group->rows > GRAPHAR_OP_MAX_ROWS)) {
-    t_last_error = "rows out of [0, GRAPHAR_OP_MAX_ROWS]";
-    return GRAPHAR_EINVAL;
-  }
+int graphar_op_serve(const char* group_name, const graphar_op_group* group) {
   try {
     auto state = group ? std::make_shared<const graphar_op_group>(*group) : nullptr;
     std::lock_guard<std::mutex> lock(g_mutex);

@@ -22,12 +22,14 @@ PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Input paths of a launch (GRAPHAR_EAGER ...), PATH_ here so that they are not taken for the policy's
 # capture modes (graphar.comm.policy.EAGER ...): copy-in, where the library asks the stream whether it
 # is capturing; copy-in inside a foreign capture; zero copy through a graph slot; copy into the
-# registered buffer then a graph slot; copy-in or no launch at all when the stream is capturing
-# (graphar::all_reduce's C++ kernel, which hands captures to Python). The all-to-all's copy takes the
-# first two.
-PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED, PATH_EAGER_ONLY = 0, 1, 2, 3, 4
-# Return codes besides CUDA's: bad arguments; a GRAPHAR_EAGER_ONLY call on a capturing stream.
-EINVAL, CAPTURING = -1, -2
+# registered buffer then a graph slot. The all-to-all's copy takes the first two.
+PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED = 0, 1, 2, 3
+# Return codes besides CUDA's: bad arguments; a GRAPHAR_PLAN_EAGER_ONLY plan on a capturing stream; a call
+# no kernel takes (graphar_comm_plan: the collective serves it, graphar_last_error says why).
+EINVAL, CAPTURING, DECLINED = -1, -2, -3
+# How graphar_comm_plan finds a call's capture mode (GRAPHAR_PLAN_EAGER_ONLY ...): eager only; the eager
+# or the graph rows by the stream; graphar.graph's rows.
+PLAN_EAGER_ONLY, PLAN_STREAM, PLAN_GRAPHAR_GRAPH = 0, 1, 2
 # Flags of an all-to-all (GRAPHAR_A2A_PUSHED ...): the chunks were pushed into the receivers' buffers;
 # this rank's pack already placed its own chunk in the output; the exchange's last copy (it gives the
 # lease back).
@@ -71,37 +73,53 @@ def _packed(**names_by_code: str) -> tuple[tuple[tuple[str, str], ...], struct.S
     return fields, struct.Struct("=" + "".join(code for _, code in fields))
 
 
-# struct graphar_all_reduce_args and struct graphar_all_reduce_norm_args.
-ALL_REDUCE_ARGS_FIELDS, ALL_REDUCE_ARGS = _packed(Q="input output nbytes stream", i="dtype algo path slot pdl reserved")
+# struct graphar_all_reduce_args, struct graphar_all_reduce_norm_args and struct graphar_tensor.
+ALL_REDUCE_ARGS_FIELDS, ALL_REDUCE_ARGS = _packed(Q="input output nbytes stream", i="dtype algo path slot")
 NORM_ARGS_FIELDS, NORM_ARGS = _packed(
-    Q="input residual weight output residual_output nbytes row_bytes stream", f="eps", i="dtype weight_first pdl"
+    Q="input residual weight output residual_output nbytes row_bytes stream", f="eps", i="dtype weight_first reserved"
 )
+TENSOR_FIELDS, TENSOR = _packed(Q="data nbytes", i="dtype device contiguous reserved")
+NO_TENSOR = TENSOR.pack(0, 0, -1, -1, 0, 0)
 
 
-# The op library's (csrc/torch_ops/graphar_op.h): the rows of a published eager kernel choice. The
-# all-reduce benchmark times 13 sizes, so a table from it has at most 13 rows, plus the one-shot's split.
-OP_MAX_ROWS = 16
-# Such rows, as graphar.comm.policy makes them: (largest bytes, kernel or None: no kernel takes those
-# sizes), ascending; struct graphar_op_group carries them as its bounds and algos.
+def describe(x: torch.Tensor | None) -> bytes:
+    """struct graphar_tensor of `x` (None: NO_TENSOR), as the library's plans judge it."""
+    if x is None:
+        return NO_TENSOR
+    return TENSOR.pack(x.data_ptr(), x.nbytes, DTYPE_CODES.get(x.dtype, -1), x.get_device(), x.is_contiguous(), 0)
+
+
+# A kernel table's rows per capture mode (GRAPHAR_MAX_ROWS): the tuner's size classes and the one-shot's
+# split fit with room to spare.
+MAX_ROWS = 32
+# Rows as graphar.comm.policy makes them: (largest bytes, kernel or None: no kernel takes those sizes),
+# ascending.
 Segments = tuple[tuple[int, str | None], ...]
 
 
+class Kernels(ctypes.Structure):
+    """struct graphar_kernels: the communicator's kernel choice per capture mode (graphar.comm.policy's
+    EAGER, GRAPH and GRAPHAR_GRAPH, in that order) and its launch settings."""
+
+    _fields_ = [
+        ("bounds", (ctypes.c_uint64 * MAX_ROWS) * 3),
+        ("algos", (ctypes.c_int32 * MAX_ROWS) * 3),
+        ("rows", ctypes.c_int32 * 3),
+        ("pdl", ctypes.c_int32),
+        ("fused_norm_max", ctypes.c_uint64),
+    ]
+
+
 class OpGroup(ctypes.Structure):
-    """struct graphar_op_group: what the ops' C++ kernels need of a group's communicator."""
+    """struct graphar_op_group: a group's communicator as the ops' C++ kernels call it."""
 
     _fields_ = [
         ("comm", ctypes.c_uint64),
+        ("plan", ctypes.c_uint64),
+        ("plan_norm", ctypes.c_uint64),
         ("all_reduce", ctypes.c_uint64),
-        ("last_error", ctypes.c_uint64),
-        ("failed", ctypes.c_uint64),
-        ("max_bytes", ctypes.c_uint64),
         ("all_reduce_norm", ctypes.c_uint64),
-        ("fused_norm_max", ctypes.c_uint64),
-        ("norm_max_row_bytes", ctypes.c_uint64),
-        ("bounds", ctypes.c_uint64 * OP_MAX_ROWS),
-        ("algos", ctypes.c_int32 * OP_MAX_ROWS),
-        ("rows", ctypes.c_int32),
+        ("last_error", ctypes.c_uint64),
         ("device", ctypes.c_int32),
         ("rank", ctypes.c_int32),
-        ("pdl", ctypes.c_int32),
     ]

@@ -27,17 +27,21 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from graphar import _cuda, graphs, settings
-from graphar.comm import fused_norm, policy
+from graphar.comm import policy
 from graphar.comm.abi import (
     ALGO_CODES,
     ALL_REDUCE_ARGS,
     DTYPE_CODES,
+    MAX_ROWS,
     NORM_ARGS,
     PATH_EAGER,
     PATH_STAGED,
     PATH_ZERO_COPY,
+    PLAN_GRAPHAR_GRAPH,
+    PLAN_STREAM,
     PUSH_ALGOS,
-    Segments,
+    Kernels,
+    describe,
 )
 from graphar.errors import GrapharCommError
 
@@ -49,6 +53,7 @@ logger = logging.getLogger("graphar")
 _BLOCK_LIMITS = {8: 36, 9: 64}
 _DEFAULT_BLOCK_LIMIT = 36
 _FIRST_GRAPH_SLOT, GRAPH_SLOTS = 1, 1 << 16  # slot 0 holds the registered buffers
+_PUSH_CODES = frozenset(ALGO_CODES[a] for a in PUSH_ALGOS)
 
 
 def block_limit(capability_major: int) -> int:
@@ -57,22 +62,17 @@ def block_limit(capability_major: int) -> int:
     return limit if limit is not None else _BLOCK_LIMITS.get(capability_major, _DEFAULT_BLOCK_LIMIT)
 
 
-def ineligible_reason(x: torch.Tensor, device: int, max_bytes: int) -> str | None:
-    """Why the custom kernels cannot sum `x` (None when they can); cheap when they can."""
-    if x.dtype not in DTYPE_CODES:
-        return f"dtype {x.dtype} (float32, float16 and bfloat16 only)"
-    nbytes = x.nbytes
-    if nbytes == 0 or nbytes % 16 != 0:
-        return f"{nbytes} bytes is not a positive multiple of 16"
-    if nbytes > max_bytes:
-        return f"{nbytes} bytes is over the limit of {max_bytes}"
-    if not x.is_contiguous():
-        return "not contiguous"
-    if x.data_ptr() % 16 != 0:
-        return "data pointer is not 16-byte aligned"
-    if x.get_device() != device:
-        return f"on {x.device}, not on cuda:{device}"
-    return None
+def kernel_table(kernels: policy.Policy, pdl: bool) -> Kernels:
+    """struct graphar_kernels of a policy: what the CUDA library picks every call's kernel from."""
+    table = Kernels(pdl=int(pdl), fused_norm_max=kernels.fused_norm_max)
+    for m, mode in enumerate(policy.MODES):
+        rows = kernels.segments(mode)
+        if len(rows) > MAX_ROWS:
+            raise ValueError(f"{len(rows)} {mode} kernel rows: the CUDA library takes at most {MAX_ROWS}")
+        table.rows[m] = len(rows)
+        for i, (bound, algo) in enumerate(rows):
+            table.bounds[m][i], table.algos[m][i] = bound, 0 if algo is None else ALGO_CODES[algo]
+    return table
 
 
 class GraphSlots(NamedTuple):
@@ -92,16 +92,17 @@ class CommCalls(Protocol):
 
     group_name: str
     device: int
-    max_bytes: int
 
     @property
     def usable(self) -> bool: ...  # open and healthy: a host read, no sync
     def check(self) -> None: ...
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
+    def set_kernels(self, kernels: Kernels) -> None: ...
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]: ...
+    def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
-    def publish_eager(self, segments: Segments, fused_norm_max: int, pdl: bool) -> None: ...  # to the C++ kernels
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
@@ -136,15 +137,15 @@ class AllReduce:
     """The custom all-reduce of one communicator; `calls` counts the calls its kernels served.
 
     Eager calls through the ops are served by their C++ kernels where they are built
-    (graphar.native_op), with the kernel choice and launch settings `publish()` hands them; every
-    other call comes here. Setting `policy` or `pdl` publishes again, so both paths pick alike.
+    (graphar.native_op); every other call comes here. Both ask the CUDA library which kernel serves a
+    call, from the table this object hands it (`policy` and `pdl`: setting either hands it anew).
     """
 
     def __init__(self, comm: CommCalls, kernels: policy.Policy) -> None:
         self.comm = comm
         self._policy = kernels
         self._pdl = settings.PDL.get()
-        self._published = False
+        comm.set_kernels(kernel_table(kernels, self._pdl))
         self._next_slot = _FIRST_GRAPH_SLOT  # never handed out yet, from here up
         self._free_slots: list[int] = []  # handed back by destroyed graphs (a heap)
         self._recorded = 0
@@ -171,8 +172,8 @@ class AllReduce:
 
     @policy.setter
     def policy(self, kernels: policy.Policy) -> None:
+        self.comm.set_kernels(kernel_table(kernels, self._pdl))
         self._policy = kernels
-        self._republish()
 
     @property
     def pdl(self) -> bool:
@@ -181,23 +182,13 @@ class AllReduce:
 
     @pdl.setter
     def pdl(self, on: bool) -> None:
+        self.comm.set_kernels(kernel_table(self._policy, on))
         self._pdl = on
-        self._republish()
 
     @property
     def calls(self) -> int:
         """How many calls graphar's kernels served, through the ops' Python or C++ kernels."""
         return self._calls + self.comm.native_calls() - self._native_calls_before
-
-    def publish(self) -> None:
-        """Hand the eager kernel choice and launch settings to the ops' C++ kernels;
-        `init` calls it once the communicator is ready, the setters again on every change."""
-        self._published = True
-        self.comm.publish_eager(self._policy.segments(policy.EAGER), self._policy.fused_norm_max, self._pdl)
-
-    def _republish(self) -> None:
-        if self._published:
-            self.publish()
 
     @property
     def group_name(self) -> str:
@@ -239,11 +230,9 @@ class AllReduce:
         False once the communicator is closed or broken (a call would raise). The question
         `try_all_reduce` answers, asked without a call."""
         comm = self.comm
-        return (
-            comm.usable
-            and ineligible_reason(x, comm.device, comm.max_bytes) is None
-            and self._policy.pick(x.nbytes, policy.EAGER) is not None
-        )
+        if not comm.usable:
+            return False
+        return comm.plan(describe(x), torch._C._cuda_getCurrentRawStream(comm.device), PLAN_STREAM, 0)[0] != 0
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""
@@ -271,44 +260,29 @@ class AllReduce:
 
     def try_all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor | None:
         """`all_reduce(x, algo)`, or None when no kernel can take `x` (the caller then uses NCCL), with
-        the reason in `refusal`: this is the one place a call is refused.
-
-        The op's path, kept lean: one eligibility pass, a cached kernel pick, a capture query only
-        where the pick depends on it, one allocation (the output) and one call into the library.
+        the reason in `refusal`. The CUDA library's plan decides, for this path and the op's C++
+        kernel alike; this adds what only Python knows: graphar.graph's captures, which record the
+        v1 kernels' inputs for their graph slots.
         """
         comm = self.comm
         comm.check()
-        reason = ineligible_reason(x, comm.device, comm.max_bytes)
+        forced = algo if algo is not None else self._policy.forced
+        if forced is not None and forced not in ALGO_CODES:
+            raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {forced!r}")
+        capture = graphs.current_capture()
+        stream = torch._C._cuda_getCurrentRawStream(comm.device)
+        how = PLAN_STREAM if capture is None else PLAN_GRAPHAR_GRAPH
+        chosen, reason = comm.plan(describe(x), stream, how, 0 if forced is None else ALGO_CODES[forced])
         if reason is not None:
             self.refusal = reason
             return None
-        nbytes = x.nbytes
-        picks = self._policy.picks(nbytes, algo)
-        capture = graphs.current_capture()
-        if capture is not None:
-            chosen = picks.graphar_graph
-        elif picks.depend_on_capture and torch.cuda.is_current_stream_capturing():
-            chosen = picks.graph
-        else:
-            chosen = picks.eager
-        if chosen is None:  # a forced kernel that cannot take the size, or a tuned row that chose NCCL
-            forced = algo or self._policy.forced
-            self.refusal = (
-                f"{nbytes} bytes is over the limits of the forced kernel {forced!r}"
-                if forced is not None
-                else f"the tuned table measured NCCL faster on this group at {nbytes} bytes"
-            )
-            return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dtype_code, algo_code = DTYPE_CODES[x.dtype], ALGO_CODES[chosen]
+        nbytes, dtype_code = x.nbytes, DTYPE_CODES[x.dtype]
         path, slot = PATH_EAGER, 0  # the library asks the stream whether it is capturing
-        if capture is not None and chosen not in PUSH_ALGOS:
-            path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, algo_code))
-        stream = torch._C._cuda_getCurrentRawStream(comm.device)
+        if capture is not None and chosen not in _PUSH_CODES:
+            path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, chosen))
         comm.launch_all_reduce(
-            ALL_REDUCE_ARGS.pack(
-                x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, algo_code, path, slot, self._pdl, 0
-            )
+            ALL_REDUCE_ARGS.pack(x.data_ptr(), out.data_ptr(), nbytes, stream, dtype_code, chosen, path, slot)
         )
         self._calls += 1
         return out
@@ -322,24 +296,19 @@ class AllReduce:
         weight_first: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(sum of x + residual) * weight, sum of x + residual) by the fused kernel, or None when
-        it cannot take them (the caller then runs the all-reduce and the norm apart).
-
-        The fused kernel takes rows (x's last dim) of 16-byte multiples up to the kernel's row limit,
-        messages up to the policy's fused limit, and residual and weight of x's dtype
-        (graphar.comm.fused_norm, which the pass reads too), contiguous and aligned: x's shape and the
-        row for the weight.
+        it cannot take them (the caller then runs the all-reduce and the norm apart). The CUDA
+        library's plan decides by dtypes, sizes and layout; x's shape and the weight's one row are
+        checked here, where the shapes are known.
         """
         comm = self.comm
         comm.check()
-        if ineligible_reason(x, comm.device, comm.max_bytes) is not None or x.dim() == 0:
+        if x.dim() == 0 or (residual is not None and residual.shape != x.shape):
+            return None
+        if weight is not None and weight.dim() != 1:
             return None
         row_bytes = x.shape[-1] * x.element_size()
-        dtypes = (None if t is None else t.dtype for t in (residual, weight))
-        if fused_norm.refusal(x.dtype, *dtypes, row_bytes, x.nbytes, self._policy.fused_norm_max) is not None:
+        if comm.plan_norm(describe(x), describe(residual), describe(weight), row_bytes) is not None:
             return None
-        for t, shape in ((residual, x.shape), (weight, x.shape[-1:])):
-            if t is not None and (t.shape != shape or ineligible_reason(t, comm.device, comm.max_bytes) is not None):
-                return None
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
@@ -356,7 +325,7 @@ class AllReduce:
                 eps,
                 DTYPE_CODES[x.dtype],
                 int(weight_first),
-                self._pdl,
+                0,
             )
         )
         self._calls += 1

@@ -71,6 +71,8 @@ class Communicator:
         self.timeout_s = timeout_s
         self._store = store
         self._lib = _cuda.library()
+        self._plan = self._lib.graphar_comm_plan
+        self._plan_norm = self._lib.graphar_comm_plan_norm
         self._launch = self._lib.graphar_comm_all_reduce
         self._launch_norm = self._lib.graphar_comm_all_reduce_norm
         # The library's graph mappings are touched at registration and from graphs' finalizers, which
@@ -200,46 +202,48 @@ class Communicator:
 
     # ---- typed calls into the CUDA library (graphar_cuda.h states each one's contract) ------------
 
+    def set_kernels(self, kernels: abi.Kernels) -> None:
+        """The kernel choice and launch settings every later plan and launch reads (graphar_comm_set_kernels)."""
+        self._ok("set_kernels", self._lib.graphar_comm_set_kernels(self._handle, ctypes.byref(kernels)))
+
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
+        """The kernel of an all-reduce of `x` (graphar.comm.abi.describe) on `stream`, and None; or 0 and
+        why no kernel takes it (csrc graphar_comm_plan: the one place a call's kernel is chosen)."""
+        chosen = ctypes.c_int32()
+        rc = self._plan(self._handle, x, stream, how, algo, ctypes.byref(chosen))
+        if rc == abi.DECLINED:
+            return 0, _cuda.last_error()
+        self._ok("all_reduce", rc)
+        return chosen.value, None
+
+    def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None:
+        """Why the fused norm cannot take these tensors (graphar.comm.abi.describe), or None when it can."""
+        rc = self._plan_norm(self._handle, x, residual, weight, row_bytes)
+        if rc == abi.DECLINED:
+            return _cuda.last_error()
+        self._ok("all_reduce_add_rms_norm", rc)
+        return None
+
     def launch_all_reduce(self, args: bytes) -> None:
         """Launch one all-reduce; `args` is graphar.comm.abi.ALL_REDUCE_ARGS, packed."""
-        # Every eager all-reduce comes here: the bound function, its arguments in one struct.
         if self._launch(self._handle, args) != 0:
             self._raise("all_reduce")
 
     def launch_all_reduce_norm(self, args: bytes) -> None:
         """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.comm.abi.NORM_ARGS, packed."""
-        if self._launch_norm(self._handle, args) != 0:  # a decode step's path too: the bound function
+        if self._launch_norm(self._handle, args) != 0:
             self._raise("all_reduce_add_rms_norm")
 
-    def publish_eager(self, segments: abi.Segments, fused_norm_max: int, pdl: bool) -> None:
-        """Hand the all-reduce's eager kernel choice and launch settings to the ops' C++ kernels (built
-        on first use; when they cannot be, the Python kernels serve every call). Only the group's
-        registered, healthy communicator publishes: a closed or broken one stays withdrawn."""
+    def serve_native(self) -> None:
+        """From now on the ops' C++ kernels serve the group's eager calls through this communicator
+        (graphar.native_op, loaded on first use; where it cannot be, the Python kernels serve every
+        call). Only the group's registered, healthy communicator serves: a closed or broken one is
+        withdrawn."""
         if not (self.usable and registry.serves(self)) or native_op.library() is None:
             return
-        if len(segments) > abi.OP_MAX_ROWS:  # a policy table longer than the C struct holds
-            logger.warning(
-                "graphar: group %r's eager kernel choice has %d rows, the C++ kernel takes %d: eager "
-                "all-reduces run the Python kernel",
-                self.group_name,
-                len(segments),
-                abi.OP_MAX_ROWS,
-            )
-            self._withdraw()
-            return
-        state = native_op.group_state(
-            comm=self._handle,
-            lib=self._lib,
-            failed=ctypes.addressof(self._record),
-            max_bytes=self.max_bytes,
-            device=self.device,
-            rank=self.rank,
-            segments=segments,
-            fused_norm_max=fused_norm_max,
-            pdl=pdl,
-        )
+        state = native_op.group_state(comm=self._handle, lib=self._lib, device=self.device, rank=self.rank)
         try:
-            native_op.publish(self.group_name, state)
+            native_op.serve(self.group_name, state)
         except GrapharCudaError as e:  # e.g. c10d cannot resolve the name here: slower, still right
             logger.warning("graphar: group %r's eager all-reduces run the Python kernel: %s", self.group_name, e)
             self._withdraw()
@@ -247,7 +251,7 @@ class Communicator:
     def _withdraw(self) -> None:
         """Every later eager call of the group goes to the Python kernel (which knows why)."""
         if registry.serves(self):
-            native_op.publish(self.group_name, None)
+            native_op.serve(self.group_name, None)
 
     def native_calls(self) -> int:
         """Calls of this group the C++ kernel served (graphar.native_op)."""

@@ -1,6 +1,7 @@
-"""What the fused all-reduce + residual add + RMSNorm kernel takes, by dtypes and sizes: one rule, which
-the all-reduce applies to each call (graphar.comm.allreduce) and the norm pass to a graph's shapes
-(passes/norm.py), to leave alone a norm that no call could ever fuse."""
+"""What the fused all-reduce + residual add + RMSNorm kernel takes, by dtypes and sizes, as the norm pass
+applies it to a graph's symbolic shapes (passes/norm.py), to leave alone a norm that no call could ever
+fuse. Each call is judged by the CUDA library's plan (csrc/plan.cu, graphar_comm_plan_norm) by the
+same rule on its real sizes."""
 
 from __future__ import annotations
 

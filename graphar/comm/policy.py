@@ -78,25 +78,10 @@ def table(capability_major: int, world_size: int) -> tuple[dict[str, Rows], int]
     return modes, FUSED_NORM_MAX.get(key, _FUSED_NORM_UNMEASURED)
 
 
-class Picks(NamedTuple):
-    """The kernel of one size in each capture mode (None: the forced kernel cannot take it)."""
-
-    eager: str | None
-    graph: str | None
-    graphar_graph: str | None
-
-    def of(self, mode: str) -> str | None:
-        return self[MODES.index(mode)]
-
-    @property
-    def depend_on_capture(self) -> bool:
-        """Whether eager calls and calls in a foreign capture get different kernels."""
-        return self.eager != self.graph
-
-
 class Policy:
-    """The kernel per (size, capture mode) for one communicator; picks are cached per size. Immutable:
-    `forcing(algo)` makes the policy with another forced kernel."""
+    """The kernel per (size, capture mode) for one communicator, as rows the CUDA library picks every
+    call's kernel from (graphar.comm.allreduce.kernel_table). Immutable: `forcing(algo)` makes the
+    policy with another forced kernel."""
 
     def __init__(
         self,
@@ -117,7 +102,6 @@ class Policy:
             self._rows = tuned
         # Bytes of the all-reduce's input.
         self.fused_norm_max = min(measured, limits.push_one_shot) if fuses_norm(forced) else 0
-        self._cache: dict[tuple[int, str | None], Picks] = {}
 
     @property
     def forced(self) -> str | None:
@@ -136,19 +120,9 @@ class Policy:
         """The shipped table's rows for this GPU architecture and world size, by capture mode."""
         return table(*self._key)[0]
 
-    def picks(self, nbytes: int, algo: str | None = None) -> Picks:
-        """The kernels of a call of `nbytes` in every capture mode (`algo` forces one); one lookup
-        on the all-reduce's path, cached per size and forced kernel."""
-        chosen = algo if algo is not None else self._forced
-        picks = self._cache.get((nbytes, chosen))
-        if picks is None:
-            picks = self._cache[(nbytes, chosen)] = Picks(*(_lookup(self.segments(m, chosen), nbytes) for m in MODES))
-        return picks
-
     def segments(self, mode: str, algo: str | None = None) -> Segments:
         """The kernel by size in one capture mode, as rows (largest bytes, kernel or None: no kernel
-        takes it) in ascending order: every pick is a lookup in these rows, and graphar::all_reduce's
-        C++ kernel gets the eager ones (graphar.native_op)."""
+        takes it) in ascending order: the CUDA library's plan looks every call up in these rows."""
         chosen = algo if algo is not None else self._forced
         _check_algo(chosen)
         if chosen is not None:
@@ -165,12 +139,10 @@ class Policy:
         return tuple(out)
 
     def pick(self, nbytes: int, mode: str, algo: str | None = None) -> str | None:
-        """The kernel for one call in one capture mode; None when the forced kernel cannot take it."""
-        return self.picks(nbytes, algo).of(mode)
-
-    def depends_on_capture(self, nbytes: int) -> bool:
-        """Whether eager calls and calls in a foreign capture get different kernels at this size."""
-        return self.picks(nbytes).depend_on_capture
+        """The kernel the rows give a call of `nbytes` in one capture mode, as the library's plan looks it
+        up for an input it can take (reports and the tuner ask; calls ask the library); None when no
+        kernel takes the size."""
+        return next((kernel for bound, kernel in self.segments(mode, algo) if nbytes <= bound), None)
 
     def _limit(self, algo: str) -> int:
         return self.limits.push_one_shot if algo == PUSH_ONE_SHOT else self.limits.max_bytes
@@ -179,7 +151,3 @@ class Policy:
 def _check_algo(algo: str | None) -> None:
     if algo is not None and algo not in ALGO_CODES:
         raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {algo!r}")
-
-
-def _lookup(segments: Segments, nbytes: int) -> str | None:
-    return next((algo for bound, algo in segments if nbytes <= bound), None)

@@ -172,7 +172,7 @@ def init(
         comm.close()
         raise
     registry.register(comm)
-    comm.allreduce.publish()
+    comm.serve_native()
     return comm
 
 

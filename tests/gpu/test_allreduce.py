@@ -144,20 +144,22 @@ def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
     comm = graphar.init(max_bytes=MB)
     try:
         name = comm.group_name
-        cases = {
-            "int32": torch.ones(64, dtype=torch.int32, device="cuda"),
-            "24 bytes": torch.ones(12, dtype=torch.float16, device="cuda"),
-            "non-contiguous": integer_valued(64 * 64, torch.float32).view(64, 64).t(),
-            "misaligned view": integer_valued(65, torch.float32)[1:],
+        cases = {  # what the CUDA library's plan says of each (csrc/plan.cu), and the input
+            "dtype": torch.ones(64, dtype=torch.int32, device="cuda"),
+            "24 bytes is not a positive multiple of 16": torch.ones(12, dtype=torch.float16, device="cuda"),
+            "0 bytes": torch.ones(0, device="cuda"),
+            "not contiguous": integer_valued(64 * 64, torch.float32).view(64, 64).t(),
+            "not 16-byte aligned": integer_valued(65, torch.float32)[1:],
             "over the limit": integer_valued(MB // 4 + 4, torch.float32),
-            "cpu": torch.ones(64, dtype=torch.float32),
+            "not on a GPU": torch.ones(64, dtype=torch.float32),
         }
-        for what, x in cases.items():
-            assert not comm.eligible(x), what
+        for reason, x in cases.items():
+            assert not comm.eligible(x), reason
             with pytest.raises(ValueError, match=name):
                 comm.all_reduce(x)
+            assert reason in comm.allreduce.refusal, (reason, comm.allreduce.refusal)
             if x.is_cuda:  # the op sums them all the same: NCCL, or the kernels from a copy (strided, misaligned)
-                assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x.contiguous())), what
+                assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x.contiguous())), reason
         with pytest.raises(ValueError, match="push-oneshot"):
             comm.all_reduce(integer_valued(64, torch.float32), algo="3stage")
     finally:
