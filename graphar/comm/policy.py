@@ -1,4 +1,4 @@
-"""Which all-reduce kernel serves a call: a table measured with `python -m graphar bench allreduce`.
+"""Which all-reduce kernel serves a call: a table measured with `python bench/allreduce.py`.
 
 The table is keyed by (compute capability major, world size) and capture mode, and lists rows
 (largest size in bytes, kernel) in ascending order; the last row's kernel serves every larger size.
