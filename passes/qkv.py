@@ -35,8 +35,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +45,6 @@ from graphar.config import Config
 
 from .attention import is_attention_output
 from .layout import (
-    Size,
     all_to_all_received,
     apply,
     compose,
@@ -61,85 +58,12 @@ from .layout import (
     shape_of,
     tieable,
 )
+from .qkv_match import AllToAllMatch, Relayout
 from .qkv_rewrite import Rewriter
 
 log = logging.getLogger("graphar")
 
 c10d = torch.ops._c10d_functional
-
-
-class _Relayout(NamedTuple):
-    """An all-to-all read as a Ulysses relayout: the 4-D X before it, and the nodes after it equal to X
-    relaid out (the rewrite replaces the last)."""
-
-    source: torch.fx.Node
-    results: tuple[torch.fx.Node, ...]
-
-
-@dataclass
-class _AllToAllMatch:
-    """One all_to_all_single + wait_tensor with equal splits, and what it means."""
-
-    all_to_all: torch.fx.Node
-    wait: torch.fx.Node
-    group_name: str
-    world_size: int
-    # When it is a Ulysses relayout, by the dim of X it scatters (1 or 2; it gathers the other): the
-    # farthest X read that way and the last result. Both can hold, through a transpose on either side.
-    relayouts: dict[int, _Relayout] = field(default_factory=dict)
-
-    @property
-    def sent(self) -> torch.fx.Node:
-        """The all_to_all's input."""
-        return self.all_to_all.args[0]
-
-    @property
-    def scatter_dim(self) -> int:
-        """The reading packed exchanges use: heads at dim 2 when both hold (no transposes)."""
-        return 2 if 2 in self.relayouts else 1
-
-    @property
-    def relayout(self) -> _Relayout | None:
-        return self.relayouts[self.scatter_dim] if self.relayouts else None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.all_to_all.meta["val"].dtype
-
-    @property
-    def heads(self) -> Size:
-        """The scattered dim of X: the heads of a Ulysses relayout."""
-        return shape_of(self.relayout.source)[self.scatter_dim]
-
-    @property
-    def rewrite_input(self) -> torch.fx.Node:
-        """The node the rewrite reads: X for a relayout, the all_to_all's input otherwise."""
-        return self.relayout.source if self.relayout is not None else self.sent
-
-    def packing_key(self) -> tuple:
-        """Exchanges may be packed together only with equal keys (relayouts: and equal `sizes_but_heads`)."""
-        if self.relayout is None:
-            return (self.group_name, self.dtype)
-        return (self.group_name, self.dtype, self.scatter_dim)
-
-    def sizes_but_heads(self) -> tuple[Size, ...]:
-        """X's sizes but the heads: Q, K and V must share them to be packed."""
-        shape = list(shape_of(self.relayout.source))
-        del shape[self.scatter_dim]
-        return tuple(shape)
-
-    def erase(self, last: torch.fx.Node) -> list[torch.fx.Node]:
-        """Erase the receive side from `last` back to the all_to_all, up to a node something else still
-        reads (it keeps the original exchange alive); returns the nodes erased."""
-        graph, node, erased = last.graph, last, []
-        while not node.users:
-            previous = node.args[0] if node is not self.all_to_all else None
-            graph.erase_node(node)
-            erased.append(node)
-            if previous is None:
-                break
-            node = previous
-        return erased
 
 
 def _equal_splits(all_to_all: torch.fx.Node, world_size: int) -> bool:
@@ -159,7 +83,7 @@ def _equal_splits(all_to_all: torch.fx.Node, world_size: int) -> bool:
     return len(sizes) == 2 and all(same(split, equal) for split in sizes)
 
 
-def _find_matches(graph: torch.fx.Graph, config: Config) -> list[_AllToAllMatch]:
+def _find_matches(graph: torch.fx.Graph, config: Config) -> list[AllToAllMatch]:
     found = []
     for all_to_all in graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default):
         group_name, users = all_to_all.args[3], list(all_to_all.users)
@@ -177,13 +101,13 @@ def _find_matches(graph: torch.fx.Graph, config: Config) -> list[_AllToAllMatch]
         if not _equal_splits(all_to_all, world_size):
             log.info("graphar qkv: %s left alone: splits are not provably equal", all_to_all.name)
             continue
-        match = _AllToAllMatch(all_to_all, users[0], group_name, world_size)
+        match = AllToAllMatch(all_to_all, users[0], group_name, world_size)
         _read_relayouts(match)
         found.append(match)
     return found
 
 
-def _read_relayouts(match: _AllToAllMatch) -> None:
+def _read_relayouts(match: AllToAllMatch) -> None:
     """Fill match.relayouts with the ways the exchange reads as a Ulysses relayout of a 4-D tensor."""
     send_chain = [match.sent]  # the layout ops before the all_to_all, and their first input
     while is_layout_op(send_chain[0]) and isinstance(send_chain[0].args[0], torch.fx.Node):
@@ -193,13 +117,13 @@ def _read_relayouts(match: _AllToAllMatch) -> None:
         receive_chain.append(user)
     for start, x in enumerate(send_chain):  # the farthest X first: the rewrite then skips the most copies
         for scatter_dim, ys in _relayout_results(match, send_chain[start:], receive_chain).items():
-            match.relayouts.setdefault(scatter_dim, _Relayout(x, tuple(ys)))
+            match.relayouts.setdefault(scatter_dim, Relayout(x, tuple(ys)))
     if not match.relayouts:
         log.info("graphar qkv: %s is not a Ulysses relayout of a 4-D tensor", match.all_to_all.name)
 
 
 def _relayout_results(
-    match: _AllToAllMatch, send: list[torch.fx.Node], receive: list[torch.fx.Node]
+    match: AllToAllMatch, send: list[torch.fx.Node], receive: list[torch.fx.Node]
 ) -> dict[int, list[torch.fx.Node]]:
     """For X = send[0] (then the send-side ops up to the all_to_all's input): by scattered dim, the
     nodes of `receive` that equal the relayout of X, in order."""
@@ -226,7 +150,7 @@ def _relayout_results(
 class _GraphOrder:
     """Graph positions, and which exchanges each node is computed from, for independence checks."""
 
-    def __init__(self, graph: torch.fx.Graph, matches: Sequence[_AllToAllMatch]) -> None:
+    def __init__(self, graph: torch.fx.Graph, matches: Sequence[AllToAllMatch]) -> None:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         # One pass in graph order: each node's mask of the waits it is computed from. A graph search per
         # pair tried grew with the cube of the layers: each DiT output exchange is packable with every
@@ -239,13 +163,13 @@ class _GraphOrder:
                 mask |= self.upstream[n]
             self.upstream[node] = mask
 
-    def independent(self, members: Sequence[_AllToAllMatch]) -> bool:
+    def independent(self, members: Sequence[AllToAllMatch]) -> bool:
         return not any(
             self.upstream[a.rewrite_input] & self.bit[b.wait] for a in members for b in members if a is not b
         )
 
 
-def _qkv_packable(a: _AllToAllMatch, b: _AllToAllMatch) -> bool:
+def _qkv_packable(a: AllToAllMatch, b: AllToAllMatch) -> bool:
     """Relayouts of one kind, group and dtype, whose heads are numbers (the slices of the packed
     result need them) and whose other sizes are equal, or may be tied (`tieable`)."""
     return (
@@ -256,7 +180,7 @@ def _qkv_packable(a: _AllToAllMatch, b: _AllToAllMatch) -> bool:
     )
 
 
-def _tie(triplet: Sequence[_AllToAllMatch]) -> None:
+def _tie(triplet: Sequence[AllToAllMatch]) -> None:
     """Guard equal the sizes of a Q/K/V triplet that are `tieable` but not proved equal: the pass's one
     guard, and a needed one: nothing in the graph relates separate inputs' symbols, and the packed op
     needs them equal. Inputs of unequal lengths then recompile, into a graph that leaves them unpacked."""
@@ -267,8 +191,8 @@ def _tie(triplet: Sequence[_AllToAllMatch]) -> None:
 
 
 def _form_triplets(
-    matches: list[_AllToAllMatch], order: _GraphOrder, packable: Callable[[_AllToAllMatch, _AllToAllMatch], bool]
-) -> tuple[list[list[_AllToAllMatch]], list[_AllToAllMatch]]:
+    matches: list[AllToAllMatch], order: _GraphOrder, packable: Callable[[AllToAllMatch, AllToAllMatch], bool]
+) -> tuple[list[list[AllToAllMatch]], list[AllToAllMatch]]:
     """Greedy, in graph order: each match joins the first two later ones it can be packed with.
     Returns the triplets and the matches left out of them."""
     matches = sorted(matches, key=lambda m: order.position[m.all_to_all])

@@ -6,14 +6,11 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from .layout import HEADS_SWAP, accepts_strides, new_node, same, shape_of
-
-if TYPE_CHECKING:
-    from .qkv import _AllToAllMatch
+from .qkv_match import AllToAllMatch
 
 log = logging.getLogger("graphar")
 
@@ -48,7 +45,7 @@ class Rewriter:
         position = {n: i for i, n in enumerate(self.graph.nodes)}
         return max(nodes, key=position.__getitem__).next
 
-    def readable(self, nodes: Sequence[torch.fx.Node], match: _AllToAllMatch) -> bool:
+    def readable(self, nodes: Sequence[torch.fx.Node], match: AllToAllMatch) -> bool:
         """Whether the nodes a rewrite reads still exist (an earlier rewrite may have erased one that
         held other values than its replacement: the exchange then stays as it is)."""
         if any(node in self.erased for node in nodes):
@@ -56,7 +53,7 @@ class Rewriter:
             return False
         return True
 
-    def replace(self, match: _AllToAllMatch, results: Sequence[torch.fx.Node], new: torch.fx.Node) -> None:
+    def replace(self, match: AllToAllMatch, results: Sequence[torch.fx.Node], new: torch.fx.Node) -> None:
         """Point the users of old = results[-1] at new, then erase the receive side from old back to
         the all_to_all; the erased `results`, equal to old, read as new from then on. Where new is a
         view with other strides than old, a copy replaces it if a user's view needs strides it lacks,
@@ -73,7 +70,7 @@ class Rewriter:
             if node in self.erased:
                 self.replaced[node] = new
 
-    def qkv(self, triplet: list[_AllToAllMatch]) -> bool:
+    def qkv(self, triplet: list[AllToAllMatch]) -> bool:
         """Three sequence -> heads relayouts (Q, K, V) as one packed exchange, sliced back by heads::
 
             before:  q2 = clone(permute(view(q, [b, S, P, hq/P, d]), [2, 1, 0, 3, 4]))   # [P, S, b, hq/P, d]
@@ -110,7 +107,7 @@ class Rewriter:
         )
         return True
 
-    def output(self, match: _AllToAllMatch) -> bool:
+    def output(self, match: AllToAllMatch) -> bool:
         """The heads -> sequence relayout of the attention output (scatters dim 1, gathers dim 2)::
 
             before:  o2 = clone(permute(view(o, [b, P, S, h, d]), [1, 3, 2, 0, 4]))    # o: [b, P*S, h, d]
@@ -136,7 +133,7 @@ class Rewriter:
         log.info("graphar qkv: %s rewritten into %s on group %r", match.all_to_all.name, out.name, match.group_name)
         return True
 
-    def packed(self, triplet: list[_AllToAllMatch]) -> bool:
+    def packed(self, triplet: list[AllToAllMatch]) -> bool:
         """Three all-to-alls that are no relayout, as one exchange of the three buffers::
 
         before:  w_i = wait_tensor(all_to_all_single(t_i, splits_i, splits_i, group))   # i = 0, 1, 2

@@ -40,9 +40,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # package is long imported). passes/manager.py's cache-key hashing is another change's, in
     # progress (issue 32 item 5).
     ("passes.manager", "graphar"): "the version in the cache key",
-    # Type-only (TYPE_CHECKING): the rewriter, split out of passes/qkv.py for size, takes qkv's matches
-    # as arguments; at run time only qkv imports it.
-    ("passes.qkv_rewrite", "passes.qkv"): "the matches' type",
 }
 
 
