@@ -176,6 +176,13 @@ def _blocks(name: str, default: int | None, meaning: str) -> Setting[int | None]
     return Setting(name, default, _int_in(1, MAX_BLOCKS), f"an integer in [1, {MAX_BLOCKS}]", meaning)
 
 
+SHARE_GPU = _switch(
+    "GRAPHAR_SHARE_GPU",
+    False,
+    "testing only: let a group whose ranks share one GPU, over gloo, set up (graphar's one-GPU tests and tools; "
+    "run them under CUDA's Multi-Process Service, else the GPU time-slices the ranks and every call waits for a "
+    "context switch); never for a real job",
+)
 NATIVE_OP = _switch(
     "GRAPHAR_NATIVE_OP",
     True,

@@ -44,10 +44,12 @@ def _facts(host="h", bus="0000:01:00.0", error=None):
     return {"host": host, "bus": bus, "launch": {}, "error": error}
 
 
-def test_shared_verdict() -> None:
+def test_shared_verdict(monkeypatch) -> None:
     assert set_up._shared_reason([_facts(), _facts(bus="0000:02:00.0")]) is None
     assert "several hosts" in set_up._shared_reason([_facts(), _facts(host="other", bus="0000:02:00.0")])
     assert "share a GPU" in set_up._shared_reason([_facts(), _facts()])
+    monkeypatch.setenv("GRAPHAR_SHARE_GPU", "1")  # the testing-only switch of the one-GPU tools
+    assert set_up._shared_reason([_facts(), _facts()]) is None
     assert set_up._shared_reason([_facts(), _facts(error="no library")]) == "rank 1: no library"
 
 

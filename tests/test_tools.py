@@ -1,7 +1,6 @@
 """The GPU tools (tools/one_gpu_check.py, tools/one_gpu_bench.py, tools/one_gpu_clients.py, tools/soak.py) run only
-on GPU machines; here, on the CPU, they are kept from rotting: they import, their CLIs answer, everything they relax in
-graphar still exists (a renamed function would otherwise be patched as a new attribute and the tool
-fail on a GPU), the smoke run reads a report's graphar cells right, and the soak's plan, counts,
+on GPU machines; here, on the CPU, they are kept from rotting: they import, their CLIs answer, they share one GPU
+through graphar's documented switch (GRAPHAR_SHARE_GPU) and patch nothing of graphar's, the smoke run reads a report's graphar cells right, and the soak's plan, counts,
 verdicts, report and launcher (with stand-in ranks) hold."""
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -22,11 +22,35 @@ from graphar.comm import set_up
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
-def test_the_harness_relaxes_only_what_exists() -> None:
-    sources = [(TOOLS / name).read_text() for name in ("one_gpu_common.py", "one_gpu_check.py")]
-    patched = [name for text in sources for name in re.findall(r"^\s*set_up\.(\w+) = ", text, re.M)]
-    assert len(patched) >= 4, "the harness relaxes less than it did: has it moved?"
-    assert [name for name in patched if not callable(getattr(set_up, name, None))] == []
+@pytest.fixture(autouse=True)
+def _no_shared_gpu_after() -> None:
+    """The tools turn GRAPHAR_SHARE_GPU on in their own process; run here, it ends with the test."""
+    before = os.environ.pop("GRAPHAR_SHARE_GPU", None)
+    yield
+    os.environ.pop("GRAPHAR_SHARE_GPU", None)
+    if before is not None:
+        os.environ["GRAPHAR_SHARE_GPU"] = before
+
+
+def test_the_harness_shares_a_gpu_through_the_documented_switch(monkeypatch) -> None:
+    """The one-GPU tools overwrite nothing of graphar's: they turn on GRAPHAR_SHARE_GPU, under which the
+    set-up takes a gloo group whose ranks share one GPU (and without which it refuses both)."""
+    sources = [path.read_text() for path in TOOLS.glob("*.py")]
+    assert not [m for text in sources for m in re.findall(r"^\s*set_up\._?\w+ = ", text, re.M)]
+    gloo = types.SimpleNamespace()
+    monkeypatch.setattr(set_up.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(set_up.dist, "get_world_size", lambda group: 2)
+    facts = [{"host": "h", "bus": "0000:01:00.0", "launch": {}, "error": None}] * 2
+    monkeypatch.delenv("GRAPHAR_SHARE_GPU", raising=False)
+    assert "not NCCL" in set_up._uniform_reason(gloo) and "share a GPU" in set_up._shared_reason(facts)
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import one_gpu_common
+
+        one_gpu_common.relax_set_up()
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert set_up._uniform_reason(gloo) is None and set_up._shared_reason(facts) is None
 
 
 def test_the_harness_imports_and_lists_its_world_sizes() -> None:

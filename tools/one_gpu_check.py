@@ -45,8 +45,7 @@ from one_gpu_compiled import (
 def _init_relaxed():
     from graphar.comm import set_up
 
-    relax_set_up()
-    set_up._not_worth_setting_up = lambda group: None  # gloo groups set up at their first call too, here
+    relax_set_up()  # gloo groups set up at their first call too, here
     comm = set_up.init(max_bytes=8 * MB, timeout_s=30)
     assert comm is not None, "graphar.init set up no communicator"
     return comm

@@ -23,14 +23,9 @@ def mps_running() -> bool:
 
 
 def relax_set_up() -> None:
-    """Let graphar.init set up a communicator whose ranks share one GPU over a gloo group: slow (the GPU
-    time-slices the ranks' kernels), not wrong, and refused everywhere but in these tools."""
-    from graphar.comm import set_up
-
-    set_up._uniform_reason = lambda group: None  # a gloo group: NCCL refuses two ranks on one GPU
-    shared = set_up._shared_reason
-    set_up._shared_reason = lambda facts: shared([{**f, "bus": f"{f['bus']}/{r}"} for r, f in enumerate(facts)])
-    set_up._nvlink_reason = lambda buses, rank: None  # every rank is on the one GPU: no link to ask about
+    """Let graphar.init set up a communicator whose ranks share one GPU over a gloo group: graphar's
+    testing-only switch GRAPHAR_SHARE_GPU (graphar.settings), refused by default."""
+    os.environ["GRAPHAR_SHARE_GPU"] = "1"
 
 
 def integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -113,8 +113,15 @@ def _not_worth_setting_up(group: dist.ProcessGroup) -> str | None:
         return "GRAPHAR_AUTO_INIT=0"
     if dist.get_world_size(group) == 1:
         return "one rank: nothing to exchange"
-    if "nccl" not in str(dist.get_backend(group)):
-        return f"backend {dist.get_backend(group)!r} is not NCCL"  # gloo on CUDA tensors: its own choice
+    return _backend_reason(group)  # gloo on CUDA tensors: its own choice
+
+
+def _backend_reason(group: dist.ProcessGroup) -> str | None:
+    """NCCL's groups set up; gloo's only where ranks share one GPU for testing (GRAPHAR_SHARE_GPU), which
+    NCCL refuses."""
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend and not ("gloo" in backend and settings.SHARE_GPU.get()):
+        return f"backend {backend!r} is not NCCL"
     return None
 
 
@@ -244,8 +251,9 @@ def _disabled(group_name: str, backend: str, reason: str) -> None:
 
 def _uniform_reason(group: dist.ProcessGroup) -> str | None:
     """Checks whose answer is the same on every rank, so no exchange is needed."""
-    if "nccl" not in str(dist.get_backend(group)):
-        return f"backend {dist.get_backend(group)!r} is not NCCL"
+    reason = _backend_reason(group)
+    if reason is not None:
+        return reason
     world_size = dist.get_world_size(group)
     if world_size not in _WORLD_SIZES:
         return f"world size {world_size} is not one of {_WORLD_SIZES}"
@@ -292,6 +300,8 @@ MUST_AGREE: dict[str, str] = {
     # A rank that does not set a group up at its first collective leaves its peers waiting in that set-up
     # (caught here at a set-up every rank reaches; else that set-up's exchange times out, naming the cause).
     settings.AUTO_INIT.name: "set GRAPHAR_AUTO_INIT alike on every rank",
+    # A rank that refuses a shared GPU leaves its peers waiting in the set-up's exchange.
+    settings.SHARE_GPU.name: "set GRAPHAR_SHARE_GPU alike on every rank",
 }
 # Ranks may differ in the others. GRAPHAR_PDL: the same kernel, which waits for the kernel before it
 # on its own stream; only its start moves. GRAPHAR_NATIVE_OP: the C++ and Python kernels launch the
@@ -346,6 +356,7 @@ def _launch_settings(max_bytes: int, capability_major: int, world_size: int) -> 
                 settings.TUNE_BUDGET_S,
                 settings.DETERMINISTIC,
                 settings.AUTO_INIT,
+                settings.SHARE_GPU,
             )
         },
     }
@@ -371,14 +382,17 @@ def _shared_reason(facts: Sequence[dict[str, Any]]) -> str | None:
     if len({f["host"] for f in facts}) != 1:
         return f"the group spans several hosts: {sorted({f['host'] for f in facts})}"
     buses = [f["bus"] for f in facts]
-    if len(set(buses)) != len(buses):
-        return f"ranks share a GPU: {buses}"
+    if len(set(buses)) != len(buses) and not settings.SHARE_GPU.get():
+        return f"ranks share a GPU: {buses} (GRAPHAR_SHARE_GPU=1 lets them, for testing only)"
     return None
 
 
 def _nvlink_reason(buses: Sequence[str], rank: int) -> str | None:
     try:
-        missing = [r for r, bus in enumerate(buses) if r != rank and not _cuda.nvlink_between(buses[rank], bus)]
+        # A peer on this rank's own GPU (GRAPHAR_SHARE_GPU) needs no link.
+        missing = [
+            r for r, bus in enumerate(buses) if bus != buses[rank] and not _cuda.nvlink_between(buses[rank], bus)
+        ]
     except GrapharUnavailable as e:
         return f"cannot confirm NVLink ({e})"
     return f"no NVLink to ranks {missing}" if missing else None

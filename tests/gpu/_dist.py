@@ -49,13 +49,9 @@ SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"
 
 
 def _share_one_gpu() -> None:
-    """Relax graphar's set-up for ranks on one GPU over gloo (tools/one_gpu_common.py), the automatic
-    set-up included (GRAPHAR_AUTO_INIT still decides it)."""
-    from graphar import settings
-    from graphar.comm import set_up
-
+    """graphar's set-up takes ranks on one GPU over gloo (GRAPHAR_SHARE_GPU, tools/one_gpu_common.py),
+    the automatic set-up included (GRAPHAR_AUTO_INIT still decides it)."""
     relax_set_up()
-    set_up._not_worth_setting_up = lambda group: None if settings.AUTO_INIT.get() else "GRAPHAR_AUTO_INIT=0"
 
 
 def _entry(
