@@ -282,6 +282,7 @@ ALL: tuple[Setting[Any], ...] = (
     CACHE_DIR,
     CUDA_ARCHS,
     SKIP_CUDA_BUILD,
+    SHARE_GPU,
 )
 
 

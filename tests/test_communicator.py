@@ -92,6 +92,7 @@ def test_a_setting_that_differs_on_one_rank_is_named_with_every_value(setting: s
         ("GRAPHAR_TUNE", "1", "set GRAPHAR_TUNE alike on every rank"),
         ("GRAPHAR_TUNE_BUDGET_S", "5", "set GRAPHAR_TUNE_BUDGET_S alike on every rank"),
         ("GRAPHAR_DETERMINISTIC", "0", "set GRAPHAR_DETERMINISTIC alike on every rank"),
+        ("GRAPHAR_SHARE_GPU", "1", "set GRAPHAR_SHARE_GPU alike on every rank"),
     ],
 )
 def test_a_variable_set_on_one_rank_only_is_refused_with_its_cure(variable, value, cure, monkeypatch) -> None:

@@ -30,6 +30,7 @@ CASES = {
     "GRAPHAR_CACHE_DIR": ({"/tmp/g": "/tmp/g"}, []),
     "GRAPHAR_CUDA_ARCHS": ({"90a;80": ("90a", "80"), "90a, 100a": ("90a", "100a")}, ["sm_90", "9", ";"]),
     "GRAPHAR_SKIP_CUDA_BUILD": ({"1": True, "off": False}, ["maybe"]),
+    "GRAPHAR_SHARE_GPU": ({"1": True, "no": False}, ["shared"]),
 }
 
 
