@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from graphar.comm import overlap, ulysses, ulysses_shapes
-from graphar.comm.set_up import serving
+from graphar.comm.set_up import communicator_or_set_up
 from graphar.kernels import rms_norm
 
 c10d = torch.ops._c10d_functional
@@ -87,7 +87,7 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new contiguous tensor."""
-    comm = serving(group_name, x.device)
+    comm = communicator_or_set_up(group_name, x.device)
     if comm is None:
         return functional_all_reduce(x, group_name)
     flat = _flat(x)
@@ -225,7 +225,7 @@ def all_reduce_add_rms_norm(
     # Flat and aligned, as the kernels read them: which kernel serves then depends on shapes alone,
     # equal on every rank, never on where a rank's tensors happen to start.
     residual, weight = (t if t is None else _flat(t) for t in (residual, weight))
-    comm = serving(group_name, x.device)
+    comm = communicator_or_set_up(group_name, x.device)
     if comm is not None:
         x = _flat(x)
         fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)

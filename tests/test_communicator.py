@@ -170,16 +170,19 @@ def test_init_of_a_set_up_group_says_which_arguments_it_cannot_apply(caplog, mon
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("entry", ["init", "serving"])
+@pytest.mark.parametrize("entry", ["init", "communicator_or_set_up"])
 def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry, caplog, monkeypatch) -> None:
-    """torch gives a destroyed group's name to its next group: `init` and the op kernels' `serving`
+    """torch gives a destroyed group's name to its next group: `init` and the op kernels' `communicator_or_set_up`
     close the old communicator (its ranks may differ) and settle the new group afresh, except inside
     a capture, which cannot wait for the device: there NCCL serves, and the next eager call closes."""
     closed = []
     stale = types.SimpleNamespace(group_name=None, close=lambda: closed.append(True) or registry.discard(stale))
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    call = {"init": set_up.init, "serving": lambda: set_up.serving(name, torch.device("cuda", 0))}[entry]
+    call = {
+        "init": set_up.init,
+        "communicator_or_set_up": lambda: set_up.communicator_or_set_up(name, torch.device("cuda", 0)),
+    }[entry]
     for generation in range(2):  # the second world reuses the first's group name
         dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
         try:
@@ -190,7 +193,7 @@ def test_the_communicator_of_a_destroyed_group_of_the_same_name_is_closed(entry,
                 monkeypatch.setitem(set_up._settled, name, dist.group.WORLD)
                 assert call() is stale and not closed
             else:
-                if entry == "serving":
+                if entry == "communicator_or_set_up":
                     capturing[0] = True
                     assert call() is None and not closed, "closed inside a capture"
                     capturing[0] = False
@@ -238,9 +241,9 @@ def test_the_automatic_set_up_leaves_alone_what_it_cannot_serve(fresh_registry, 
     try:
         name, group = dist.group.WORLD.group_name, dist.group.WORLD
         with caplog.at_level(logging.INFO, logger="graphar"):
-            assert set_up.serving(name, torch.device("cpu")) is None and name not in set_up._settled
+            assert set_up.communicator_or_set_up(name, torch.device("cpu")) is None and name not in set_up._settled
             for _ in range(2):
-                assert set_up.serving(name, torch.device("cuda", 0)) is None
+                assert set_up.communicator_or_set_up(name, torch.device("cuda", 0)) is None
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1 and "not set up at its first collective: backend 'fake' is not NCCL" in said[0]
         assert set_up._settled[name] is group
@@ -268,10 +271,13 @@ def test_first_eager_collective_on_cuda_runs_init_once_per_group(fresh_registry,
             name = dist.group.WORLD.group_name
             with caplog.at_level(logging.WARNING, logger="graphar"):
                 capturing[0] = generation == 0
-                assert set_up.serving(name, cuda) is None and set_up.serving(name, cuda) is None
+                assert (
+                    set_up.communicator_or_set_up(name, cuda) is None
+                    and set_up.communicator_or_set_up(name, cuda) is None
+                )
                 capturing[0] = False
                 for _ in range(3):
-                    set_up.serving(name, cuda)
+                    set_up.communicator_or_set_up(name, cuda)
             assert inits[generation:] == [dist.group.WORLD], generation
         finally:
             dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The registry: the one communicator that serves each process group, by the group's name.
 
 `graphar.comm.set_up` registers a group's communicator once its set-up succeeded; a communicator's
-`close` takes it out. A lookup is one dict read: every eager collective makes one (`set_up.serving`).
+`close` takes it out. A lookup is one dict read: every eager collective makes one (`set_up.communicator_or_set_up`).
 It keeps what `Member` says of a communicator and imports none (graphar.comm.communicator imports it).
 """
 

@@ -6,7 +6,7 @@ are safe (one node, even world size <= 8, P2P confirmed by a real IPC store and 
 every pair above 2 ranks); otherwise None on every rank, with the reason logged once. Where the
 ranks differ in a setting every rank must share (`MUST_AGREE`), it raises GrapharCommError on every
 rank. Every step whose outcome can differ between ranks ends in an exchange of verdicts
-(`rendezvous`), so all ranks decide alike. `serving` runs `init` for a group that never had it, at
+(`rendezvous`), so all ranks decide alike. `communicator_or_set_up` runs `init` for a group that never had it, at
 its first eager collective.
 """
 
@@ -59,7 +59,7 @@ def _close_destroyed(comm: Communicator) -> None:
     comm.close()
 
 
-def serving(group_name: str, device: torch.device) -> Communicator | None:
+def communicator_or_set_up(group_name: str, device: torch.device) -> Communicator | None:
     """The communicator that serves a collective of the group on `device`. Where `init` never ran for
     the group, the group's first eager collective on a CUDA device runs it (GRAPHAR_AUTO_INIT, which
     every rank must set alike), so that backend="graphar" alone turns the custom paths on. Every rank
@@ -131,7 +131,7 @@ def init(
     """Set up graphar's IPC communicator for `group` (default: the world) on the current CUDA device.
 
     Collective: every rank of the group calls it. Optional: a group without it sets up at its first
-    eager collective (`serving`); call it to choose the moment, the buffers' size or the timeout, or
+    eager collective (`communicator_or_set_up`); call it to choose the moment, the buffers' size or the timeout, or
     before a capture that would be the group's first collective. Returns None on every rank (and
     logs why, once) when the group cannot use it; raises GrapharCommError on every rank when the
     ranks differ in a setting they must share (`MUST_AGREE`). `max_bytes` (default

@@ -17,7 +17,7 @@ so every path gives the results of separate `all_to_all_single`s bit for bit. Th
 depends only on shapes, dtypes and the world size, equal on every rank.
 
 Transport: a group with a graphar communicator (`graphar.init(group)`, or set up at the group's first
-eager exchange: `set_up.serving`) exchanges over CUDA IPC: the body makes the exchange's whole plan
+eager exchange: `set_up.communicator_or_set_up`) exchanges over CUDA IPC: the body makes the exchange's whole plan
 (graphar.comm.ulysses_stages) and hands it to the exchange (`graphar.comm.exchange`), which calls
 nothing back. The pack writes into the rank's registered exchange buffer and each rank pulls its
 chunks from the peers straight into the result, the receive relayout folded into the copy; or
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from graphar import pool
 from graphar.comm import exchange, ulysses_shapes, ulysses_stages
-from graphar.comm.set_up import serving
+from graphar.comm.set_up import communicator_or_set_up
 from graphar.kernels import pack
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
@@ -62,9 +62,9 @@ def _ipc(group_name: str, out: torch.Tensor, plan: Callable[[], ulysses_stages.P
 
 def _ipc_exchange(group_name: str, device: torch.device) -> exchange.IpcExchange | None:
     """The IPC exchange of a group that has a graphar communicator (`graphar.init`, or set up here at
-    the group's first eager exchange: `set_up.serving`), else None. The Ulysses room's one call into
+    the group's first eager exchange: `set_up.communicator_or_set_up`), else None. The Ulysses room's one call into
     set-up: it owns which groups get a communicator and when; this room only asks for the exchange."""
-    comm = serving(group_name, device)
+    comm = communicator_or_set_up(group_name, device)
     return None if comm is None else comm.exchange
 
 
@@ -156,7 +156,7 @@ def reserve(
     the bodies above take, so it lives beside them (graphar.ulysses makes it public).
 
     Collective on a CUDA device: it sizes the IPC exchange buffers too, and sets up the group's
-    communicator where `graphar.init` was not called for it (`set_up.serving`)."""
+    communicator where `graphar.init` was not called for it (`set_up.communicator_or_set_up`)."""
     p = ulysses_shapes.world_size(group_name)
     b, s_local, _, d = shapes[0]
     heads = ulysses_shapes.packed_heads([s[2] for s in shapes], p)
