@@ -5,7 +5,7 @@
 // buffer. A call reads the ws input pointers of its RankData slot: the registered buffers for
 // eager calls, the caller's tensors (pointers filled in after capture) inside graphar.graph.
 // A block that finds another kernel of the communicator running, or whose barrier fails (a peer never
-// came or gave up, or the group failed before), writes its share of the output as poison (barrier.cuh)
+// came or gave up, or the group failed before), writes its share of the output as poison (flags.cuh)
 // and meets no later barrier. 1stage's exit barrier
 // counts too: a peer that gave up after this rank passed the entry may have refilled the buffer this
 // rank was reading. Both kernels start with the PDL wait (pdl.cuh), before they read anything.

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "barrier.cuh"
+#include "flags.cuh"
 #include "comm.cuh"
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 
 using namespace graphar;
 
@@ -59,7 +59,7 @@ int close_and_free(Comm* c) {
 // A communicator whose launches a CUDA graph holds: the graph's kernels carry its buffers, the
 // peers' mappings and the error record by address, and nothing tells graphar when the graph dies.
 // So they stay allocated and mapped for the rest of the process, and the group is marked failed: a
-// replay after destroy writes NaN (barrier.cuh) instead of touching freed or reused memory.
+// replay after destroy writes NaN (flags.cuh) instead of touching freed or reused memory.
 int retire_for_graphs(Comm* c) {
   const Flag failed = 1;
   const cudaError_t marked = cudaMemcpy(&c->signals.signals[c->rank]->failed, &failed, sizeof(failed),
@@ -254,7 +254,7 @@ int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
   Signal& s = host[0];
   for (int b = 0; b < kMaxBlocks; b++) {
     for (int r = 0; r < kMaxRanks; r++) {
-      s.self_counter[b][r] = value;  // the flags as eager calls store them (barrier.cuh flag_value)
+      s.self_counter[b][r] = value;  // the flags as eager calls store them (flags.cuh flag_value)
       s.peer_counter[value & 1][b][r] = value & kCount;
       s.peer_counter[(value + 1) & 1][b][r] = (value - 1) & kCount;
     }

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "barrier.cuh"
+#include "signal.cuh"
 #include "graphar_cuda.h"
 
 namespace graphar {

@@ -9,7 +9,7 @@
 #include "all_to_all.cuh"
 #include "comm.cuh"
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 #include "launch.cuh"
 
 using namespace graphar;

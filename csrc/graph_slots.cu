@@ -9,7 +9,7 @@
 
 #include "comm.cuh"
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 
 using namespace graphar;
 

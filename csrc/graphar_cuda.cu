@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 
 using namespace graphar;
 

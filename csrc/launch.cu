@@ -10,7 +10,7 @@
 #include "all_reduce.cuh"
 #include "comm.cuh"
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 #include "launch.cuh"
 #include "push.cuh"
 

@@ -8,7 +8,7 @@
 
 #include "comm.cuh"
 #include "graphar_cuda.h"
-#include "host.cuh"
+#include "host.h"
 #include "launch.cuh"
 #include "push_norm.cuh"
 

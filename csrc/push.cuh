@@ -157,7 +157,7 @@ __device__ __forceinline__ void epoch_regions(const PushParams& p, uint32_t epoc
 }
 
 // The call's epoch, and whether the group failed before it or another kernel of the communicator is
-// running (barrier.cuh), read once per block before any thread of it works. The epoch and failed flag
+// running (claim.cuh), read once per block before any thread of it works. The epoch and failed flag
 // are loaded before the claim's atomic (a load after its acquire would wait for it) and read after it
 // went out, so that the three round trips overlap; the epoch's load is then not ordered after the
 // acquire, so it is volatile (barrier.cuh arrival says why that suffices). A block that may go on

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 MB = 1 << 20
-MAX_BLOCKS = 64  # kMaxBlocks of csrc/barrier.cuh: one barrier slot per block
+MAX_BLOCKS = 64  # kMaxBlocks of csrc/signal.cuh: one barrier slot per block
 
 
 def _errors_module() -> ModuleType:

@@ -101,12 +101,12 @@ def test_return_codes() -> None:
 
 
 def test_barrier_where_codes_are_all_named() -> None:
-    where = re.search(r"enum Where[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
+    where = re.search(r"enum Where[^{]*\{([^}]*)\}", _text("signal.cuh")).group(1)
     assert sorted(int(v) for v in re.findall(r"\bk\w+\s*=\s*(\d+)", where)) == sorted(abi.WHERE)
 
 
 def test_failure_causes() -> None:
-    cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("barrier.cuh")).group(1)
+    cause = re.search(r"enum Cause[^{]*\{([^}]*)\}", _text("signal.cuh")).group(1)
     assert dict(re.findall(r"\b(k\w+) = (\d+)", cause)) == {
         "kTimedOut": str(abi.TIMED_OUT),
         "kPeerGaveUp": str(abi.PEER_GAVE_UP),
@@ -117,12 +117,12 @@ def test_failure_causes() -> None:
 
 
 def test_max_blocks() -> None:
-    (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("barrier.cuh"))
+    (value,) = re.findall(r"constexpr int kMaxBlocks = (\d+);", _text("signal.cuh"))
     assert int(value) == settings.MAX_BLOCKS == abi.MAX_BLOCKS
 
 
 def test_error_record_layout() -> None:
-    body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("barrier.cuh")).group(1)
+    body = re.search(r"struct ErrorRecord \{([^}]*)\}", _text("signal.cuh")).group(1)
     fields = re.findall(r"(uint32_t)\s+(\w+);", body)
     assert [(name, ctypes.c_uint32) for _, name in fields] == list(abi.ErrorRecord._fields_)
 

@@ -97,7 +97,7 @@ def test_barrier_ptx_has_the_intended_orderings(build) -> None:
 _CLAIM_PROGRAM = r"""
 #include <cstdio>
 #include <random>
-#include "barrier.cuh"
+#include "claim.cuh"
 using namespace graphar;
 // What count_in leaves in Signal::running when these launches' blocks are in: (tag, blocks) pairs.
 template <typename Words>
@@ -160,7 +160,7 @@ ALL_REDUCE_KERNELS = (
 
 @needs_nvcc
 def test_every_kernel_claims_the_communicator_first_and_releases_it_last(build) -> None:
-    """One kernel of a communicator at a time per rank (barrier.cuh claim_block): each block counts
+    """One kernel of a communicator at a time per rank (claim.cuh, and barrier.cuh claim_block): each block counts
     itself in (acquire) before any flag, slot or buffer store, with its entry's own loads already in
     flight, and out (relaxed) at its very end; an exchange's last copy then gives the exchange's lease
     back (all_to_all.cuh exchange_lease). 1stage counts out in one of two places: right after its exit

@@ -216,7 +216,7 @@ def _two_streams(rank: int, world_size: int, kind: str, small: bool, other: str)
     or two more graphs' replays, each on a stream of its own) of the same communicator on another: each
     output is right or NaN, and a NaN comes with an error at the next host call. In one process the
     streams' kernels do run at once. Three launches at once were the claim's blind spot: tags t - 1 and
-    t + 1 summed like two blocks of t (csrc/barrier.cuh, claim_word)."""
+    t + 1 summed like two blocks of t (csrc/claim.cuh, claim_word)."""
     comm, cases = _cases(world_size, kind, small, 3 if other == "two replays" else 2)
     calls = [_captured(case) for case in cases] if other != "eager" else [_captured(cases[0]), cases[1].run]
     streams = [torch.cuda.Stream() for _ in cases]
