@@ -1,7 +1,7 @@
 """Build graphar; the CUDA library is built with nvcc when there is one (PATH, CUDA_HOME).
 
 The library has a plain C ABI and no torch headers, so one build serves every
-torch version. Beside it the same build makes the op library (graphar.native_op) against torch's
+torch version. Beside it the same build makes the op library (graphar.allreduce.native_op) against torch's
 stable ABI as of 2.11, which serves every torch from 2.11 on, where torch is importable here
 (`pip install --no-build-isolation`). Without nvcc the package installs without them and graphar
 builds them on first use where nvcc exists; set GRAPHAR_SKIP_CUDA_BUILD=1 to skip the build on purpose.
@@ -87,7 +87,7 @@ def _build(cuda: ModuleType, package_dir: Path) -> Path:
 
 
 setup(
-    packages=["graphar", "graphar.comm", "graphar.kernels", "graphar.passes"],
+    packages=["graphar", "graphar.allreduce", "graphar.ulysses", "graphar.passes"],
     package_dir={"graphar.passes": "passes"},
     cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel},
 )

@@ -261,9 +261,9 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"graphar is initialised with max_bytes={GRAPHAR_MAX_BYTES >> 20} MB (its default limit is 8 MB) "
         "so that the whole range is covered; '-' marks a size graphar refuses.",
         "graphar columns in graph modes run under a plain torch.cuda.graph; 'zero-copy' ones under "
-        "graphar.graphs.graph (v1 kernels read the inputs in place, pointers backfilled after capture). "
+        "graphar.allreduce.graphs.graph (v1 kernels read the inputs in place, pointers backfilled after capture). "
         "The push kernels read their inputs in place under any capture and in eager calls.",
-        "'auto' is graphar.comm.policy's pick; no-PDL: the kernel launched without programmatic dependent launch.",
+        "'auto' is graphar.allreduce.policy's pick; no-PDL: the kernel launched without programmatic dependent launch.",
         "symm one_shot / two_shot read inputs that already live in the symmetric buffer (no copy-in), "
         "as PyTorch's own symmetric-memory benchmarks do; two_shot is in place.",
         f"Inputs rotate among {N_BUFFERS} buffers; multicast is off (NCCL_NVLS_ENABLE=0, "

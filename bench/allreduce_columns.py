@@ -25,7 +25,7 @@ class Kernel:
     """What a graphar column runs: a kernel (None: the policy's pick), how graph modes capture it."""
 
     algo: str | None
-    zero_copy: bool = False  # captured under graphar.graphs.graph (the v1 kernels read inputs in place)
+    zero_copy: bool = False  # captured under graphar.allreduce.graphs.graph (the v1 kernels read inputs in place)
     pdl: bool = True  # programmatic dependent launch
 
 
@@ -123,7 +123,7 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
     def use(kernel: Kernel) -> None:
         # The column's kernel and PDL, set only when they change (each change republishes them to
         # the C++ kernel, a library call that must not be timed); every graphar column sets both.
-        ar = comm.allreduce
+        ar = comm.kernels
         if ar.pdl != kernel.pdl:
             ar.pdl = kernel.pdl
         if ar.policy.forced != kernel.algo:
@@ -141,8 +141,8 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
         c.columns[name] = Column(
             op=lambda x, out, kernel=kernel: run(x, kernel),
             eligible=lambda x, kernel=kernel: eligible(x, kernel),
-            context=graphar.graphs.graph if kernel.zero_copy else torch.cuda.graph,
-            calls=lambda: comm.allreduce.calls,
+            context=graphar.allreduce.graphs.graph if kernel.zero_copy else torch.cuda.graph,
+            calls=lambda: comm.kernels.calls,
         )
 
 

@@ -34,7 +34,7 @@ from torch import nn
 import common
 import plot
 import ranks
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from ulysses import parse_shape
 
 DTYPE = torch.bfloat16

@@ -7,7 +7,7 @@ Spawns one process per GPU (on one GPU: `PYTHONPATH=. python tools/one_gpu_bench
 its ranks sharing it). One decode step of decode's tensor-parallel Llama-style model (hidden 4096,
 8 layers, two all-reduces per layer), each block compiled once for every batch size
 (torch.compile(dynamic=True); compiled before any capture), is captured by
-`graphar.graphs.BatchGraphs` for 64 batch sizes (1, 2, 4, then 8 to 480 in steps of 8, and 512: a
+`graphar.allreduce.graphs.BatchGraphs` for 64 batch sizes (1, 2, 4, then 8 to 480 in steps of 8, and 512: a
 serving loop's list) two ways:
   (a) local copies: every all-reduce replaced by a local copy of its bytes (an opaque op, which
       Inductor cannot fuse away), compiled by Inductor;
@@ -163,7 +163,7 @@ def unique_graphs() -> int:
 
 def build(step: decode.Step, s: Settings) -> tuple[object | None, str | None, float]:
     """BatchGraphs of `step` over s.batches, agreed on every rank: (graphs, None, seconds) or (None, why, 0)."""
-    from graphar.graphs import BatchGraphs
+    from graphar.allreduce.graphs import BatchGraphs
 
     hidden = decode.Shape().hidden
     statics = {b: torch.randn(b, hidden, device="cuda", dtype=decode.DTYPE) for b in s.batches}
@@ -179,9 +179,9 @@ def build(step: decode.Step, s: Settings) -> tuple[object | None, str | None, fl
 
 @contextlib.contextmanager
 def timed_registrations(spent: list[float]) -> Iterator[None]:
-    """Each capture's end in graphar.graphs (the registration with the peers, collective: it waits for the
+    """Each capture's end in graphar.allreduce.graphs (the registration with the peers, collective: it waits for the
     slowest rank) timed into `spent`, in seconds."""
-    from graphar import graphs
+    from graphar.allreduce import graphs
 
     real = graphs.finish
 
@@ -201,9 +201,9 @@ def timed_registrations(spent: list[float]) -> Iterator[None]:
 
 def graphar_counts() -> tuple[int, int]:
     """(calls graphar's kernels served, zero-copy calls captured) of the world group's communicator."""
-    from graphar.comm.registry import communicator
+    from graphar.allreduce.registry import communicator
 
-    allreduce = communicator(dist.group.WORLD.group_name).allreduce
+    allreduce = communicator(dist.group.WORLD.group_name).kernels
     return allreduce.calls, allreduce.graph_calls
 
 

@@ -7,7 +7,7 @@
 attending the heads in chunks; it can only win where attending in chunks costs less than the exchange
 it hides. This measures that cost in this process, on the current GPU, with no peers: one rank's share
 of the heads (heads / --world-size) attending the whole sequence, through graphar's own
-`graphar.comm.overlap.ulysses_attention` (its chunk plan, head slicing, SDPA call pinned to the
+`graphar.ulysses.overlap.ulysses_attention` (its chunk plan, head slicing, SDPA call pinned to the
 backend, side stream and events), with its two exchanges replaced
   none:  by nothing: each chunk's Q/K/V already lie where the exchange would put them (packed, as
          graphar's exchange leaves them), and the output stays where the attention wrote it;
@@ -15,7 +15,7 @@ backend, side stream and events), with its two exchanges replaced
          another chunk attends, as its exchanges would).
 Each (shape, backend) is timed at the chunk counts graphar runs when asked for --chunks (its plan may
 run fewer: an even split of the heads, and flash's cap) and at the count attention_chunks="auto" picks
-(graphar.comm.overlap.auto_chunks). Per call over a CUDA graph of back-to-back calls (median of
+(graphar.ulysses.overlap.auto_chunks). Per call over a CUDA graph of back-to-back calls (median of
 replays). The chunking tax is a chunked time over the unchunked one (1 chunk) in the same mode, less
 1; the target is at most 3 % at the count the rule picks. Before timing, every chunk count's
 attention output is checked bit for bit against the unchunked one ("NO" otherwise), and the SDPA
@@ -40,7 +40,7 @@ import common
 import plot
 import ranks
 import shapes
-from graphar.comm import overlap
+from graphar.ulysses import overlap
 from shapes import Shape
 
 BACKENDS = ("flash", "cudnn", "efficient")  # the SDPA kernels Inductor lowers to, which the op pins
@@ -156,7 +156,7 @@ class Emulated:
             self.q_in, self.kv_in, self.kv_in, GROUP, self.shape.causal, None, n, self.backend
         )
 
-    # The op's calls into graphar.comm.ulysses and ulysses_shapes, replaced while `patched()` holds.
+    # The op's calls into graphar.ulysses.exchanges and ulysses_shapes, replaced while `patched()` holds.
 
     def world_size(self, group_name: str) -> int:
         return self.p
@@ -181,10 +181,10 @@ class Emulated:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        from graphar.comm import ulysses, ulysses_shapes
+        from graphar.ulysses import exchanges, shapes
 
         with contextlib.ExitStack() as stack:
-            patches = ((ulysses_shapes, "world_size"), (ulysses, "qkv_exchange"), (ulysses, "output_exchange"))
+            patches = ((shapes, "world_size"), (exchanges, "qkv_exchange"), (exchanges, "output_exchange"))
             for module, name in patches:
                 stack.enter_context(common.overriding(module, name, getattr(self, name)))
             yield
@@ -372,12 +372,12 @@ def notes(cells: dict[tuple, common.Cell], s: Settings, reasons: dict[str, str])
         f"bf16; one rank's share of the heads at world size {s.world_size} (heads / {s.world_size}) attending the "
         f"whole sequence s, on one GPU in one process; us per call: median of {s.replays} replays of a CUDA graph "
         f"of up to {s.max_calls} back-to-back calls ({FLOP_BUDGET:.0e} attention FLOPs per graph at most).",
-        "Each call is graphar.comm.overlap.ulysses_attention with its exchanges emulated: its chunk plan, head "
+        "Each call is graphar.ulysses.overlap.ulysses_attention with its exchanges emulated: its chunk plan, head "
         "slicing, SDPA call pinned to the backend, side stream and events as graphar runs them.",
         "Chunk columns: the tax, a chunked time over the unchunked one in the same mode, less 1, and in brackets "
         "the chunks graphar's plan runs when asked for that many (an even split of the heads; with flash each "
         "chunk keeps 160 query blocks); '1 (not chunked)' where the plan runs one.",
-        f"Rule: attention_chunks='auto' (graphar.comm.overlap.auto_chunks; AUTO_MAX_CHUNKS = "
+        f"Rule: attention_chunks='auto' (graphar.ulysses.overlap.auto_chunks; AUTO_MAX_CHUNKS = "
         f"{overlap.AUTO_MAX_CHUNKS}, AUTO_MIN_ROWS = {rule}, AUTO_CAUSAL_FACTOR = {overlap.AUTO_CAUSAL_FACTOR}); "
         f"target: a tax of at most {TARGET_TAX:.0%} (exchanges replaced by nothing) at the count it picks, for "
         "every shape; where no count meets it the rule must pick 1.",

@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import plot
-from graphar._launch import free_port, init_nccl_worker
+from graphar.processes import free_port, init_nccl_worker
 from ranks import Cell, alone, attempt, max_over_ranks, rank
 
 U = TypeVar("U")
@@ -219,7 +219,7 @@ def capture(
 ) -> torch.cuda.CUDAGraph:
     """Capture fn(0), ..., fn(n - 1) into one CUDA graph after `warmup` eager calls on the capture stream.
 
-    Collective. `context` is torch.cuda.graph or a drop-in with its arguments (graphar.graphs.graph).
+    Collective. `context` is torch.cuda.graph or a drop-in with its arguments (graphar.allreduce.graphs.graph).
     The warm-up (where a compiled fn compiles) is agreed: if it raised on any rank, this raises on
     every rank, none of them left capturing alone.
     """

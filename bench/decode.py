@@ -6,11 +6,11 @@
 Each decoder block is compiled (torch.compile per block, as torchtitan does) and one decode step,
 all blocks plus the final norm, is captured in a CUDA graph:
   (a) backend="inductor": dist.all_reduce stays NCCL; captured with torch.cuda.graph;
-  (b) backend="graphar" after graphar.init: captured with graphar.graphs.BatchGraphs
+  (b) backend="graphar" after graphar.init: captured with graphar.allreduce.graphs.BatchGraphs
       (zero-copy all-reduces);
   (c) backend="graphar": captured with a plain torch.cuda.graph (the copy-in path);
   (d) backend="graphar" with options={"fuse_norm": True} (the all-reduce, residual add and RMSNorm
-      fused where the pattern holds): captured with graphar.graphs.BatchGraphs;
+      fused where the pattern holds): captured with graphar.allreduce.graphs.BatchGraphs;
   (e) as (b), every all-reduce on the push one-shot kernel (the policy forced while capturing).
 A variant whose compile or capture fails on any rank is "err" on every rank; (d) is "not rewritten"
 where graphar's pass fused no norm.
@@ -192,7 +192,7 @@ def plain_graph(step: Step, static_x: torch.Tensor) -> Step:
 
 def capture_variant(v: str, step: Step, s: Settings) -> dict[int, Step]:
     """batch -> a callable that runs one captured step of variant v."""
-    from graphar.graphs import BatchGraphs
+    from graphar.allreduce.graphs import BatchGraphs
 
     statics = {b: torch.randn(b, s.shape.hidden, device="cuda", dtype=DTYPE) for b in s.batches}
     if v in (INDUCTOR, COPY_IN):  # dynamic=False: each batch size is a compilation of its own
@@ -226,9 +226,9 @@ def build_variants(steps: dict[str, Step], s: Settings, reasons: dict[str, str])
 
 def forced_kernel(algo: str | None) -> contextlib.AbstractContextManager[None]:
     """Every all-reduce of the world group's communicator on `algo` (None: the policy's picks)."""
-    from graphar.comm.registry import communicator
+    from graphar.allreduce.registry import communicator
 
-    allreduce = communicator(dist.group.WORLD.group_name).allreduce
+    allreduce = communicator(dist.group.WORLD.group_name).kernels
     return common.overriding(allreduce, "policy", allreduce.policy.forcing(algo or allreduce.policy.forced))
 
 

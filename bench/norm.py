@@ -2,7 +2,7 @@
 
     python bench/norm.py [--tokens 1,8,...] [--hidden 4096] [--world-size N] [--quick] [--dry-run] [--out F]
 
-Per op, in a CUDA graph of back-to-back ops (graphar.graphs.graph), bf16, [tokens, hidden]:
+Per op, in a CUDA graph of back-to-back ops (graphar.allreduce.graphs.graph), bf16, [tokens, hidden]:
   NCCL + norm:        dist.all_reduce, then the residual add and RMSNorm compiled by Inductor;
   all-reduce alone:   graphar's all-reduce (the policy's kernel), and the push one-shot;
   unfused:            graphar's all-reduce, then the same compiled add + RMSNorm;
@@ -92,7 +92,7 @@ def fused_is_right(op: Op, tokens: int, hidden: int) -> bool:
     """On integer-valued inputs (their sum is exact in any order), from an eager call and from a replay
     of a captured one: sum + residual equal to the unfused ops' bits, the normed output within
     NORMED_TOLERANCE of theirs."""
-    from graphar.graphs import graph as graphar_graph
+    from graphar.allreduce.graphs import graph as graphar_graph
 
     mine = torch.Generator(device="cuda").manual_seed(dist.get_rank())  # x differs between ranks
     x = torch.randint(-4, 5, (tokens, hidden), device="cuda", generator=mine).to(DTYPE)
@@ -127,11 +127,11 @@ def fused_status(
     def refused() -> str | None:
         # graphar exposes no predicate for the fused kernel's limits: an eager call tells (it launches
         # the kernel, a collective, where the kernel takes x, which is on every rank alike).
-        return None if comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, False) is not None else "-"
+        return None if comm.kernels.try_all_reduce_norm(x, residual, weight, EPS, False) is not None else "-"
 
     status = ranks.verdict(refused, "the fused kernel's eager call", reasons, f"{FUSED} eager call")
     if status == "-":
-        reasons[FUSED] = "'-': over the fused kernel's size (graphar.comm.policy), the op runs unfused"
+        reasons[FUSED] = "'-': over the fused kernel's size (graphar.allreduce.policy), the op runs unfused"
     if status is not None:
         return status
     status = ranks.verdict(
@@ -147,7 +147,7 @@ def fused_status(
 
 def run_tokens(tokens: int, comm, ops: dict[str, Op], s: Settings, reasons: dict[str, str]) -> dict[tuple, common.Cell]:
     """(tokens, column) -> cell; every rank takes the same decisions, each through a collective."""
-    from graphar.graphs import graph as graphar_graph
+    from graphar.allreduce.graphs import graph as graphar_graph
 
     x = torch.randn(tokens, s.hidden, device="cuda", dtype=DTYPE)
     gen = torch.Generator(device="cuda").manual_seed(tokens)  # replicated: equal on every rank

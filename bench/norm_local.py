@@ -93,9 +93,8 @@ class Loopback:
     local work, through graphar_comm_norm_loopback."""
 
     def __init__(self, max_bytes: int) -> None:
-        from graphar import _cuda
-        from graphar.comm import abi
-        from graphar.comm.allreduce import block_limit
+        from graphar import _cuda, abi
+        from graphar.allreduce.kernels import block_limit
 
         self._cuda, self._abi = _cuda, abi
         self.lib = _cuda.library()

@@ -5,7 +5,7 @@
 
 Runs in this process on the current GPU. For each shape `b x s x h x d` (global sequence s; K/V heads
 with `:kvN`) laid out for --world-size ranks P (local sequence S = s / P), it times the four layouts
-of graphar.kernels.pack as graphar calls them:
+of graphar.ulysses.pack as graphar calls them:
   pack_heads       Q, K, V [b, S, h_c, d] -> [P, b, S, (hq + 2 hkv) / P, d]   (sequence -> heads, send)
   gather_sequence  [P, b, S, H, d] -> [b, P*S, H, d]                          (its receive side; b > 1)
   pack_sequence    [b, P*S, h, d] -> [P, b, S, h, d]                          (heads -> sequence, send)
@@ -13,7 +13,7 @@ of graphar.kernels.pack as graphar calls them:
 against `torch.Tensor.copy_` of as many contiguous bytes (the target's reference: the kernel at 90 %
 of it at least), `copy_` of the same strided views (what graphar falls back to without Triton), and
 the same kernel launched with other tiles (`--tiles T:W`: _TILE_ELEMENTS = T, num_warps = W; a sweep,
-for tuning: graphar.kernels.pack launches 4096:4). Each result is checked bit for bit against the
+for tuning: graphar.ulysses.pack launches 4096:4). Each result is checked bit for bit against the
 strided copy_ first (WRONG otherwise). Per op over CUDA graphs of back-to-back ops (median of
 replays), inputs rotating among enough sets that L2 holds none of them. Bandwidth: bytes read +
 written per second. The table goes to stdout and to pack-<gpu>.md (bench/results/, or --out),
@@ -35,7 +35,8 @@ import common
 import plot
 import ranks
 import shapes
-from graphar.kernels import pack as kernels
+from graphar.triton_common import triton_available
+from graphar.ulysses import pack as kernels
 from shapes import Shape
 
 OPS = ("pack_heads", "gather_sequence", "pack_sequence", "gather_heads")
@@ -149,7 +150,7 @@ def layout(op: str, shape: Shape, p: int, sets: Callable[[int], int], device: st
 
 
 def recorded(run: Callable[[], object]) -> list[kernels.Pair]:
-    """The (dst, src) pairs graphar's function hands to graphar.kernels.pack.relayout (which does not run)."""
+    """The (dst, src) pairs graphar's function hands to graphar.ulysses.pack.relayout (which does not run)."""
     pairs: list[kernels.Pair] = []
 
     def record(given: list, *args: object, **kwargs: object) -> bool:
@@ -163,7 +164,7 @@ def recorded(run: Callable[[], object]) -> list[kernels.Pair]:
 
 def tiled(pairs: list[kernels.Pair], tile: Tile) -> Callable[[], None]:
     """The relayout kernel on `pairs`, launched with `tile` instead of graphar's own choice (its grid
-    and constexprs from graphar.kernels.pack._launch with _TILE_ELEMENTS = tile[0])."""
+    and constexprs from graphar.ulysses.pack._launch with _TILE_ELEMENTS = tile[0])."""
     with common.overriding(kernels, "_TILE_ELEMENTS", tile[0]):
         grid, args, constants = kernels._launch(pairs, None)
     return lambda: kernels._relayout_kernel[grid](*args, **constants, num_warps=tile[1])
@@ -208,7 +209,7 @@ def run_op(op: str, shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[
         STRIDED: strided,
     }
     cells: dict[tuple, common.Cell] = {(shape, op, "bytes"): float(lay.nbytes)}
-    # graphar.kernels.pack's private launch, read as it is today: where it has changed, the sweep's
+    # graphar.ulysses.pack's private launch, read as it is today: where it has changed, the sweep's
     # cells say so ("err") and the rest still runs.
     cells[(shape, op, "launch")] = ranks.attempt(lambda: launch_tiles(pairs[0]), "reading the launch")[0] or "err"
     for tile in s.tiles:
@@ -261,7 +262,7 @@ def run_shape(shape: Shape, s: Settings, reasons: dict[str, str]) -> dict[tuple,
 
 
 def worker(s: Settings, out: Path | None) -> None:
-    if not kernels.triton_available():
+    if not triton_available():
         raise SystemExit("Triton is not installed: graphar's pack kernel cannot run")
     torch.manual_seed(0)
     common.progress(f"timing {len(OPS)} layouts at {len(s.shapes)} shapes on one GPU")
@@ -357,7 +358,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"bf16; layouts for {s.world_size} ranks (S = s / {s.world_size}); us per op: median of {s.replays} replays "
         f"of a CUDA graph of up to {s.max_ops} back-to-back ops ({GRAPH_BYTES >> 30} GB moved per graph at most); "
         f"inputs rotate among sets of {ROTATE_BYTES >> 20} MB in all (up to {MAX_SETS}), so L2 holds none.",
-        "GB/s: 2 x the bytes moved (read + write) over the time. kernel: graphar.kernels.pack's function as graphar "
+        "GB/s: 2 x the bytes moved (read + write) over the time. kernel: graphar.ulysses.pack's function as graphar "
         "calls it; copy_: torch.Tensor.copy_ of as many contiguous bytes; strided copy_: copy_ of the same views.",
         "tile (R x H x D): BLOCK_R rows x BLOCK_H heads x D_PAD elements, the tile graphar's launch moves per "
         f"program (_TILE_ELEMENTS = {kernels._TILE_ELEMENTS}, 4 warps). The sweep launches the same kernel with "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import common
 import plot
 import ranks
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 # The Ulysses baseline shapes (DiT-like), then Wan-2.1-like (40 heads, d 128): 480p and 720p, 81 frames.
 DEFAULT_SHAPES = [(1, 4096, 24, 128), (1, 16384, 40, 128), (2, 4096, 16, 64), (1, 32760, 40, 128), (1, 75600, 40, 128)]
@@ -127,8 +127,8 @@ def run_shape(
 ) -> dict[tuple, common.Cell]:
     """(shape, column) -> cell; every rank takes the same decisions, each through a collective."""
     from graphar import ulysses
-    from graphar.comm.registry import communicator
-    from graphar.kernels import pack
+    from graphar.allreduce.registry import communicator
+    from graphar.ulysses import pack, transport
 
     ipc_group = dist.group.WORLD.group_name  # graphar.init() gave it a communicator: the IPC transport
     b, seq, h, d = shape
@@ -140,7 +140,7 @@ def run_shape(
     qkv = [[torch.randn(b, s_local, h, d, device="cuda", dtype=DTYPE) for _ in range(3)] for _ in range(sets)]
     outs = [torch.randn(b, seq, h_local, d, device="cuda", dtype=DTYPE) for _ in range(sets)]
 
-    ex = communicator(ipc_group).exchange
+    ex = transport.of(communicator(ipc_group))
     groups = [(nccl_group, False), (ipc_group, False), (ipc_group, True)]  # IPC pull first sizes the buffers
     status = ranks.verdict(
         lambda: wrong_exchanges(qkv[0], outs[0], groups, ex),
@@ -300,7 +300,7 @@ def notes(s: Settings, reasons: dict[str, str]) -> list[str]:
         f"bf16; CUDA graphs of up to {s.max_ops} back-to-back ops (fewer for large shapes, "
         f"{GRAPH_BYTES >> 30} GB exchanged per graph at most); median of {s.replays} replays; max over ranks.",
         f"Inputs rotate between two sets below {SMALL_BYTES >> 20} MB of q+k+v per rank.",
-        "3 x all_to_all_single: graphar.ulysses_unpacked.seq_to_heads_unpacked (yunchang's all_to_all_4D "
+        "3 x all_to_all_single: graphar.ulysses.unpacked.seq_to_heads_unpacked (yunchang's all_to_all_4D "
         "layout); graphar packed: graphar.ulysses.seq_to_heads (graphar::qkv_all_to_all + views), on a group "
         "without a graphar communicator (NCCL) and on the world group after graphar.init() (IPC): pulled "
         "(each rank reads its chunks from its peers' buffers) or pushed (the pack stores each chunk in its "

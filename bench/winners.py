@@ -1,4 +1,4 @@
-"""From the all-reduce benchmark's numbers to graphar.comm.policy's table, and back from a report.
+"""From the all-reduce benchmark's numbers to graphar.allreduce.policy's table, and back from a report.
 
 The benchmark names the fastest graphar kernel per size for each capture mode of the policy
 (`fastest_table`, a section of its report); `policy_rows` turns those winners into the policy's
@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import common
-from graphar.comm import policy
+from graphar.allreduce import policy
 
-FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.comm.policy's table follows it"
+FASTEST_HEADING = "fastest graphar kernel per capture mode (PDL on); graphar.allreduce.policy's table follows it"
 Winners = dict[str, list[tuple[int, str]]]  # capture mode -> [(bytes, kernel)]
 # A kernel keeps its sizes while it stays within this fraction of the fastest: timing noise between
 # near-equal kernels must not cut the table into many rows.

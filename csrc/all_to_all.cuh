@@ -38,7 +38,7 @@ struct AllToAllParams {
 // Signal::running under the tag its copies will carry (count_in: the copies' blocks then find
 // only their own tag) before the first pack; the last copy counts it out. A lease taken beside
 // another kernel of the communicator marks the group failed, and every pack reads that flag before
-// it stores (graphar/kernels/pack.py): the loser writes nothing shared, its copies and the kernel it
+// it stores (graphar/ulysses/pack.py): the loser writes nothing shared, its copies and the kernel it
 // met write poison, and the next host call raises.
 __global__ void exchange_lease(BarrierParams p) { enter_alone(p, kAllToAllLease); }
 
@@ -51,7 +51,7 @@ constexpr int kPullUnroll = kRanks >= 6 ? 1 : 16 / kRanks;
 constexpr int kPullThreads = 256;
 
 // Entry: the pack wrote the exchange buffers (own or, pushed, the peers') in an earlier kernel that
-// ended with a system-scope fence (graphar/kernels/pack.py), so its stores, the pushed ones over the
+// ended with a system-scope fence (graphar/ulysses/pack.py), so its stores, the pushed ones over the
 // link included, were performed before this kernel started; the release/acquire then makes this
 // block's arrival the peers' signal to read.
 // Exit: a buffer may be written again (the next pack: own buffer when pulled, the peers' when

@@ -59,13 +59,13 @@ _import_passes_from_checkout()
 
 from graphar import ops as _ops  # noqa: F401  (registers graphar's custom ops)
 from graphar import settings
+from graphar.allreduce.graphs import BatchGraphs, graph
+from graphar.allreduce.registry import shutdown
+from graphar.allreduce.set_up import init
 from graphar.backend import graphar_backend, install, uninstall
 from graphar.backend import register as _register_backend
-from graphar.comm.registry import shutdown
-from graphar.comm.set_up import init
 from graphar.config import Config
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharError, GrapharTimeoutError, SettingError
-from graphar.graphs import BatchGraphs, graph
 from graphar.passes.manager import watch_compiles as _watch_compiles
 
 settings.check_all()

@@ -3,7 +3,7 @@
 The library is looked up next to this file (put there by setup.py) and used when it was built from
 the sources at hand; otherwise it is built once into ~/.cache/graphar/<hash of sources, nvcc and
 archs>/ under a file lock, so that the ranks of a job do not race. `available()` never raises. The
-same build makes the op library beside it (csrc/torch_ops/, torch's stable ABI: graphar.native_op
+same build makes the op library beside it (csrc/torch_ops/, torch's stable ABI: graphar.allreduce.native_op
 loads it) where torch's headers are installed.
 
 setup.py loads this module by path, without the package (torch may not be installed yet), so it

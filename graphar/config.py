@@ -18,7 +18,7 @@ from graphar.errors import SettingError
 
 # torch.compile's modes, for `options={"mode": ...}` (torch refuses mode= together with options=).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# attention_chunks="auto": graphar.comm.overlap.auto_chunks picks the chunks per shape at run time.
+# attention_chunks="auto": graphar.ulysses.overlap.auto_chunks picks the chunks per shape at run time.
 AUTO = "auto"
 
 
@@ -48,7 +48,7 @@ class Config:
     fuse_norm: bool = False
     # Pipeline each Ulysses attention (exchange, attention, exchange) over up to this many chunks of
     # heads (graphar::ulysses_attention); 0 or 1: off; "auto": as many as the rule measured on one GPU
-    # picks per shape (graphar.comm.overlap.auto_chunks; 1 where chunking would cost more than it can
+    # picks per shape (graphar.ulysses.overlap.auto_chunks; 1 where chunking would cost more than it can
     # hide). Off until measured on 2 GPUs.
     attention_chunks: int | str = 0
     # Largest all-reduce (bytes) the pass rewrites; larger ones stay on their collective.

@@ -28,9 +28,9 @@ from torch.utils._pytree import tree_leaves
 
 import graphar
 from graphar import _cuda
-from graphar._launch import end_worker, free_port
-from graphar.comm.registry import communicator
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.allreduce.registry import communicator
+from graphar.processes import end_worker, free_port
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
 HIDDEN, FFN, BATCH = 64, 256, 8
@@ -162,7 +162,7 @@ def _run(out: _Printer, rank: int, world_size: int, device: torch.device, backen
             model = TensorParallelMLP(rank, world_size, dtype, device)
             x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             _compile_and_check(out, "the tensor-parallel MLP", model, x, backend)
-            logging.getLogger("graphar.graphs").setLevel(logging.WARNING)  # show the graphs once
+            logging.getLogger("graphar.allreduce.graphs").setLevel(logging.WARNING)  # show the graphs once
         x = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(device)  # this rank's tokens
         _compile_and_check(out, "the Ulysses attention block", UlyssesAttention(device), x, backend)
 
@@ -176,8 +176,8 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) 
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass we want to show
     if rank == 0:
-        logging.getLogger("graphar.graphs").addHandler(_GraphPrinter())
-        logging.getLogger("graphar.graphs").setLevel(logging.DEBUG)
+        logging.getLogger("graphar.allreduce.graphs").addHandler(_GraphPrinter())
+        logging.getLogger("graphar.allreduce.graphs").setLevel(logging.DEBUG)
     try:
         _run(_Printer(rank == 0, start), rank, world_size, device, backend)
     finally:

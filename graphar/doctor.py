@@ -39,7 +39,7 @@ import torch
 
 import graphar
 from graphar import _cuda, settings
-from graphar.comm import policy
+from graphar.allreduce import policy
 from graphar.doctor_probe import PLAN_SIZES, probe
 from graphar.errors import GrapharUnavailable
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphar
-from graphar import native_op
-from graphar._launch import end_worker, free_port, init_nccl_worker
-from graphar.comm import policy
-from graphar.comm.registry import communicator
+from graphar.allreduce import native_op, policy
+from graphar.allreduce.registry import communicator
+from graphar.processes import end_worker, free_port, init_nccl_worker
+from graphar.ulysses import transport
 
 KB, MB = 1 << 10, 1 << 20
 PLAN_SIZES = (16 * KB, 64 * KB, 256 * KB, 512 * KB, 1 * MB, 2 * MB, 8 * MB, 16 * MB)
@@ -73,15 +73,15 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
         comm = communicator(dist.group.WORLD.group_name)
         if comm is not None:
             facts["max_bytes"] = comm.max_bytes
-            kernels = comm.allreduce.policy
+            kernels = comm.kernels.policy
             facts["plan"] = {
                 n: [kernels.pick(n, mode) for mode in policy.MODES] for n in PLAN_SIZES if n <= comm.max_bytes
             }
             facts["push"] = {"one_shot": kernels.limits.push_one_shot, "fused_norm": kernels.fused_norm_max}
-            tuned = comm.allreduce.tuned
+            tuned = comm.kernels.tuned
             facts["tuned"] = None if tuned is None else {"source": tuned.source, "lines": tuned.describe()}
-            facts["pdl"] = comm.allreduce.pdl and torch.cuda.get_device_capability()[0] >= 9
-            facts["alltoall"] = "push" if comm.exchange.push else "pull"
+            facts["pdl"] = comm.kernels.pdl and torch.cuda.get_device_capability()[0] >= 9
+            facts["alltoall"] = "push" if transport.of(comm).push else "pull"
             facts["native_op"] = native_op.library() is not None
             # Whether legacy IPC can share the caching allocator's memory: expandable segments say no.
             facts["shareable"] = comm.pointer_info(torch.empty(MB, device="cuda").data_ptr())[1]

@@ -2,17 +2,17 @@
 
 - `graphar::all_reduce(x, group_name)`: the sum over the group, through its communicator's custom
   kernels when there is one and the call is eligible, else the original functional collective. Eager
-  calls on CUDA tensors go first to its C++ kernel where it is built (graphar.native_op);
+  calls on CUDA tensors go first to its C++ kernel where it is built (graphar.allreduce.native_op);
 - `graphar::qkv_all_to_all(q, k, v, group_name)`: Ulysses sequence -> heads for Q, K and V in one
-  packed exchange (`graphar.comm.ulysses.qkv_exchange` says what the result holds);
+  packed exchange (`graphar.ulysses.exchanges.qkv_exchange` says what the result holds);
 - `graphar::heads_to_seq_all_to_all(o, group_name)`: the output exchange, heads -> sequence;
 - `graphar::packed_all_to_all_single(xs, group_name)`: N equal-split all_to_all_singles as one;
 - `graphar::ulysses_attention(q, k, v, group_name, is_causal, scale, chunks, kernel)`: the Q/K/V
   exchange, attention (on the SDPA kernel named, if any) and output exchange as one pipeline over
-  chunks of heads (`graphar.comm.overlap`);
+  chunks of heads (`graphar.ulysses.overlap`);
 - `graphar::all_reduce_add_rms_norm(x, residual, weight, eps, group_name)`: the sum, plus the residual,
   RMS-normalised; returns (normed, the sum plus the residual): one fused kernel up to the policy's
-  size, else the all-reduce, then the add and the norm in one Triton kernel (graphar.kernels.rms_norm).
+  size, else the all-reduce, then the add and the norm in one Triton kernel (graphar.allreduce.rms_norm).
 
 Every op takes its group by name (as `_c10d_functional` does), returns new contiguous memory whatever
 the inputs' strides, and has a fake that returns exactly the real op's sizes, strides and dtype:
@@ -24,7 +24,7 @@ The ops are defined with `torch.library.Library` and an explicit schema, not `to
 a call through the dispatcher then costs about 2-3 us of host time instead of about 10 (custom_op adds a
 Python autograd wrapper and alias checks to every call), which is most of a decode step's all-reduce
 when it runs without CUDA graphs. The all-reduce and the fused norm go further: their Python kernels
-are registered for CompositeExplicitAutograd, and C++ kernels for CUDA tensors (graphar.native_op)
+are registered for CompositeExplicitAutograd, and C++ kernels for CUDA tensors (graphar.allreduce.native_op)
 serve the plain eager calls without entering Python; the calls they decline go to two private ops,
 `graphar::_all_reduce_python` and `graphar::_all_reduce_add_rms_norm_python`, which have the public
 ops' Python kernels and nothing else (`_define_python_kernel`). The implementations never return an
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from graphar.comm import overlap, ulysses, ulysses_shapes
-from graphar.comm.set_up import communicator_or_set_up
-from graphar.kernels import rms_norm
+from graphar.allreduce import rms_norm
+from graphar.allreduce.set_up import communicator_or_set_up
+from graphar.ulysses import exchanges, overlap, shapes
 
 c10d = torch.ops._c10d_functional
 
@@ -66,7 +66,7 @@ def _define(
 
 def _define_python_kernel(schema: str, impl: Callable[..., Any]) -> None:
     """graphar::_<name>_python: graphar::<name>'s schema, its group name as UTF-8 bytes, run by `impl`
-    alone. The op's C++ kernel (graphar.native_op) hands it the calls it declines: built on torch's
+    alone. The op's C++ kernel (graphar.allreduce.native_op) hands it the calls it declines: built on torch's
     stable ABI, it can call an op only through the whole dispatcher, where graphar::<name> on CUDA
     tensors would come back to it. Bytes, not a str: torch 2.11 to 2.13 leak their copy of a str handed
     to that call (pytorch#191340), which a process with no communicator would pay on every call."""
@@ -91,9 +91,9 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     if comm is None:
         return functional_all_reduce(x, group_name)
     flat = _flat(x)
-    out = comm.allreduce.try_all_reduce(flat)
+    out = comm.kernels.try_all_reduce(flat)
     if out is None:
-        comm.allreduce.say_why_not()
+        comm.kernels.say_why_not()
         return functional_all_reduce(x, group_name)
     return out
 
@@ -105,7 +105,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-# For every backend: the C++ kernel (graphar.native_op), once installed, takes CUDA tensors before it
+# For every backend: the C++ kernel (graphar.allreduce.native_op), once installed, takes CUDA tensors before it
 # and hands every call it does not serve itself to the same Python kernel through the private op. So
 # for all_reduce_add_rms_norm below.
 _ALL_REDUCE = "all_reduce(Tensor x, str group_name) -> Tensor"
@@ -115,12 +115,12 @@ _define_python_kernel(_ALL_REDUCE, all_reduce)
 
 def qkv_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sequence -> heads for Q, K and V in one exchange: `[b, P*S, (hq + hk + hv)/P, d]`."""
-    return ulysses.qkv_exchange((q, k, v), group_name)
+    return exchanges.qkv_exchange((q, k, v), group_name)
 
 
-# The Ulysses ops' fakes: their shapes and checks are the bodies' own (graphar.comm.ulysses_shapes).
+# The Ulysses ops' fakes: their shapes and checks are the bodies' own (graphar.ulysses.shapes).
 def _qkv_all_to_all_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str) -> torch.Tensor:
-    return q.new_empty(ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name))
+    return q.new_empty(shapes.qkv_shape((q, k, v), shapes.world_size(group_name), group_name))
 
 
 _define(
@@ -132,11 +132,11 @@ _define(
 
 def heads_to_seq_all_to_all(o: torch.Tensor, group_name: str) -> torch.Tensor:
     """Heads -> sequence: `[b, P*S, h, d]` (all tokens, local heads) -> `[b, S, P*h, d]`."""
-    return ulysses.output_exchange(o, group_name)
+    return exchanges.output_exchange(o, group_name)
 
 
 def _heads_to_seq_all_to_all_fake(o: torch.Tensor, group_name: str) -> torch.Tensor:
-    return o.new_empty(ulysses_shapes.output_shape(o, ulysses_shapes.world_size(group_name), group_name))
+    return o.new_empty(shapes.output_shape(o, shapes.world_size(group_name), group_name))
 
 
 _define(
@@ -148,12 +148,12 @@ _define(
 
 def packed_all_to_all_single(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
     """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange."""
-    return ulysses.packed_exchange(xs, group_name)
+    return exchanges.packed_exchange(xs, group_name)
 
 
 def _packed_all_to_all_single_fake(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
-    shapes = ulysses_shapes.packed_shapes(xs, ulysses_shapes.world_size(group_name), group_name)
-    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
+    out_shapes = shapes.packed_shapes(xs, shapes.world_size(group_name), group_name)
+    return [x.new_empty(shape) for x, shape in zip(xs, out_shapes)]
 
 
 _define(
@@ -167,7 +167,7 @@ _define(
 def _ulysses_attention_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, *_: Any
 ) -> torch.Tensor:
-    ulysses_shapes.qkv_shape((q, k, v), ulysses_shapes.world_size(group_name), group_name)  # the exchange's checks
+    shapes.qkv_shape((q, k, v), shapes.world_size(group_name), group_name)  # the exchange's checks
     return q.new_empty(q.shape)
 
 
@@ -221,14 +221,14 @@ def all_reduce_add_rms_norm(
     """RMSNorm(sum of `x` over the group + `residual`) * `weight`; returns (normed, sum + residual).
     `residual` and `weight` may be None; `residual`, when given, has `x`'s shape, `weight` the last dim;
     `weight_first`: see `unfused_add_rms_norm`. One fused kernel where the communicator's takes the
-    shapes (graphar.comm.allreduce.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
+    shapes (graphar.allreduce.kernels.AllReduce.try_all_reduce_norm), else the all-reduce then the norm."""
     # Flat and aligned, as the kernels read them: which kernel serves then depends on shapes alone,
     # equal on every rank, never on where a rank's tensors happen to start.
     residual, weight = (t if t is None else _flat(t) for t in (residual, weight))
     comm = communicator_or_set_up(group_name, x.device)
     if comm is not None:
         x = _flat(x)
-        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, eps, weight_first)
+        fused = comm.kernels.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused
     return add_rms_norm(all_reduce(x, group_name), rms_norm.Norm(residual, weight, eps, weight_first))
@@ -236,7 +236,7 @@ def all_reduce_add_rms_norm(
 
 def add_rms_norm(summed: torch.Tensor, norm: rms_norm.Norm) -> tuple[torch.Tensor, torch.Tensor]:
     """`unfused_add_rms_norm`'s results in one Triton launch where the kernel takes the tensors
-    (graphar.kernels.rms_norm), else by torch's ops: the norm of the fused op's fallback, which then
+    (graphar.allreduce.rms_norm), else by torch's ops: the norm of the fused op's fallback, which then
     costs what Inductor's unfused graph costs, the all-reduce and one norm kernel."""
     dtypes = add_rms_norm_dtypes(summed, norm.residual, norm.weight, norm.weight_first)
     out = rms_norm.add_rms_norm(summed, norm, dtypes)

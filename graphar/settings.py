@@ -134,7 +134,7 @@ MAX_ALLREDUCE_BYTES = Setting(
     "default of the `max_all_reduce_bytes` option and of `graphar.init(max_bytes=)`: the largest "
     "all-reduce the custom kernels serve, and the size of their IPC buffers",
 )
-ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")  # the all-reduce kernels (graphar.comm.abi)
+ALGOS = ("1stage", "2stage", "push-oneshot", "push-twoshot")  # the all-reduce kernels (graphar.abi)
 ALLREDUCE_ALGO = Setting(
     "GRAPHAR_ALLREDUCE_ALGO",
     None,
@@ -195,7 +195,7 @@ BLOCK_LIMIT = _blocks(
     None,
     "blocks per all-reduce launch; unset, a table by GPU architecture (64 on Hopper, 36 before)",
 )
-ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.comm.exchange)
+ALLTOALL_ALGOS = ("pull", "push")  # how the IPC all-to-all crosses the link (graphar.ulysses.transport)
 ALLTOALL_ALGO = Setting(
     "GRAPHAR_ALLTOALL_ALGO",
     "pull",

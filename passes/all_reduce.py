@@ -17,8 +17,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphar import settings
-from graphar.comm.registry import communicator
-from graphar.comm.set_up import sets_up_later
+from graphar.allreduce.registry import communicator
+from graphar.allreduce.set_up import sets_up_later
 from graphar.config import Config
 
 log = logging.getLogger("graphar")

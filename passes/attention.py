@@ -1,5 +1,5 @@
 """Rewrite a Ulysses attention, exchange -> attention -> exchange, into `graphar::ulysses_attention`,
-which pipelines the three over chunks of heads (graphar.comm.overlap) so that the exchanges hide
+which pipelines the three over chunks of heads (graphar.ulysses.overlap) so that the exchanges hide
 behind the attention.
 
 It runs after passes/qkv.py, on what that pass leaves for a Ulysses attention with heads at dim 2:
@@ -13,7 +13,7 @@ becomes
 
     out = graphar.ulysses_attention(q, k, v, group, c, s, chunks)
 
-(chunks: the option attention_chunks, or graphar.comm.overlap.AUTO_CHUNKS for "auto", which lets the
+(chunks: the option attention_chunks, or graphar.ulysses.overlap.AUTO_CHUNKS for "auto", which lets the
 op pick per shape), where sdpa is any of the attention kernels Inductor lowers `scaled_dot_product_attention` to (flash,
 efficient, cudnn, the CPU flash). Heads are independent in attention, so the result is the same bits.
 K and V may reach the kernel repeated for GQA as HF's repeat_kv writes it (the op then attends with
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from graphar.comm.overlap import AUTO_CHUNKS, AUTO_MAX_CHUNKS, chunk_count
 from graphar.config import AUTO, Config
+from graphar.ulysses.overlap import AUTO_CHUNKS, AUTO_MAX_CHUNKS, chunk_count
 
 from .layout import HEADS_SWAP, same
 
@@ -45,7 +45,7 @@ graphar_ops = torch.ops.graphar
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-# Inductor's attention kernels, by the name graphar.comm.overlap gives their SDPA backend.
+# Inductor's attention kernels, by the name graphar.ulysses.overlap gives their SDPA backend.
 _KERNEL_NAMES = {
     "_scaled_dot_product_flash_attention": "flash",
     "_scaled_dot_product_efficient_attention": "efficient",
@@ -196,7 +196,7 @@ def _reason_to_skip(match: _AttentionMatch, world_size: int, chunks: int) -> str
     bounds = [sum(heads[:i]) for i in range(4)]
     if starts != [(2, bounds[i], bounds[i + 1]) for i in range(3)]:
         return f"the slices {starts} are not Q, K and V of the exchange"
-    if v.shape[2] != k.shape[2]:  # graphar.comm.overlap splits V's heads as K's
+    if v.shape[2] != k.shape[2]:  # graphar.ulysses.overlap splits V's heads as K's
         return f"V's {v.shape[2]} heads differ from K's {k.shape[2]}"
     if chunk_count(q.shape[2], k.shape[2], world_size, chunks) < 2:
         return f"{q.shape[2]} Q and {k.shape[2]} K/V heads do not split into 2 or more chunks per rank"
@@ -211,7 +211,7 @@ def rewrite_ulysses_attention(graph: torch.fx.Graph, config: Config) -> int:
     # "auto": the op picks per shape at run time, up to AUTO_MAX_CHUNKS; a match must split that far
     # into two chunks at least.
     most, chunks = (AUTO_MAX_CHUNKS, AUTO_CHUNKS) if auto else (config.attention_chunks, config.attention_chunks)
-    from graphar.comm.ulysses_shapes import world_size
+    from graphar.ulysses.shapes import world_size
 
     graph.eliminate_dead_code()  # the Q/K/V rewrite leaves its old relayouts for this: users that are gone
     count = 0

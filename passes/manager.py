@@ -37,7 +37,7 @@ _PREFIX = "graphar_"
 # (and into torch's compile-time reports and traces beside Inductor's phases).
 TIMER = "graphar_pass"
 # Before/after graphs, compact, at DEBUG (the demo shows them; TORCH_LOGS="+graphar" prints them).
-graph_log = logging.getLogger("graphar.graphs")
+graph_log = logging.getLogger("graphar.allreduce.graphs")
 
 _PASS_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
 
@@ -125,20 +125,20 @@ class GrapharPass(CustomGraphPass):
 
 def hashed_files() -> tuple[str, ...]:
     """The files whose contents key the compiled graph: the passes and the rules they read (the chunk
-    rule, graphar.comm.overlap; what the fused norm kernel takes, graphar.comm.fused_norm, with its
-    row bound in graphar._cuda and its largest message in graphar.comm.policy), and every file that
+    rule, graphar.ulysses.overlap; what the fused norm kernel takes, graphar.allreduce.fused_norm, with its
+    row bound in graphar._cuda and its largest message in graphar.allreduce.policy), and every file that
     decides an op's output: the ops and their fakes (graphar.ops) and the shapes the fakes give
-    (graphar.comm.ulysses_shapes). A fake's sizes and strides shape the graph Inductor compiles; the
+    (graphar.ulysses.shapes). A fake's sizes and strides shape the graph Inductor compiles; the
     ops' bodies do not (tests/test_backend.py finds the files the fakes reach, and edits each)."""
     import graphar._cuda
-    import graphar.comm.fused_norm
-    import graphar.comm.overlap
-    import graphar.comm.policy
-    import graphar.comm.ulysses_shapes
+    import graphar.allreduce.fused_norm
+    import graphar.allreduce.policy
     import graphar.ops
+    import graphar.ulysses.overlap
+    import graphar.ulysses.shapes
 
-    rules = (graphar.comm.overlap, graphar.comm.fused_norm, graphar._cuda, graphar.comm.policy)
-    return _PASS_FILES + (graphar.ops.__file__, graphar.comm.ulysses_shapes.__file__, *(m.__file__ for m in rules))
+    rules = (graphar.ulysses.overlap, graphar.allreduce.fused_norm, graphar._cuda, graphar.allreduce.policy)
+    return _PASS_FILES + (graphar.ops.__file__, graphar.ulysses.shapes.__file__, *(m.__file__ for m in rules))
 
 
 class _Report:

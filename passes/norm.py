@@ -11,7 +11,7 @@ Runs after the all-reduce rewrite, on the post-grad graph, where an RMSNorm (HF'
 
 `h` may flow on (the next block's residual): it becomes the op's second result. An all-reduce that
 feeds the norm with no add fuses as well (residual=None). Anything else is left alone, its reason
-logged; so is a norm the fused kernel can be proven never to take (graphar.comm.fused_norm: dtypes,
+logged; so is a norm the fused kernel can be proven never to take (graphar.allreduce.fused_norm: dtypes,
 static sizes over its bounds, GRAPHAR_ALLREDUCE_ALGO forcing a kernel with no fused form): the op
 would run the all-reduce and the norm apart on every call, where Inductor compiles the norm into one
 kernel of its own. Only graph structure, shapes, dtypes and GRAPHAR_ALLREDUCE_ALGO (equal on every
@@ -29,7 +29,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphar import settings
-from graphar.comm import fused_norm, policy
+from graphar.allreduce import fused_norm, policy
 from graphar.config import Config
 from graphar.ops import add_rms_norm_dtypes
 

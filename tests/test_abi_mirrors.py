@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphar import _cuda, native_op, settings
-from graphar.comm import abi
+from graphar import _cuda, abi, settings
+from graphar.allreduce import native_op
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 

@@ -208,7 +208,7 @@ class <lambda>(torch.nn.Module):
         for a group that will not set up."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from graphar.comm import set_up
+        from graphar.allreduce import set_up
         from passes import all_reduce as pass_module
 
         def match(device: str) -> pass_module._AllReduceMatch:

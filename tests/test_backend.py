@@ -21,10 +21,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import graphar
 from graphar.backend import graphar_backend
-from graphar.comm import ulysses_shapes
 from graphar.config import Config
 from graphar.errors import SettingError
 from graphar.passes import GrapharPass, manager
+from graphar.ulysses import shapes
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ def _files_the_fakes_run() -> set[str]:
 def test_uuid_changes_when_a_file_that_decides_an_output_shape_changes(fake_world, tmp_path, monkeypatch) -> None:
     """Every file the fakes import or run is hashed: the cache key changes when any of them is edited."""
     files = _files_the_fakes_import() | _files_the_fakes_run()
-    assert {str(Path(m.__file__).resolve()) for m in (graphar.ops, ulysses_shapes)} <= files  # found what it must
+    assert {str(Path(m.__file__).resolve()) for m in (graphar.ops, shapes)} <= files  # found what it must
     hashed = manager.hashed_files
     before = GrapharPass(Config()).uuid()
     for i, path in enumerate(sorted(files)):

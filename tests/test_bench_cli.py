@@ -31,7 +31,7 @@ import allreduce
 import common
 import plot
 import ranks
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
@@ -359,7 +359,7 @@ def test_the_capture_benchmark_builds_a_serving_loop_s_sizes() -> None:
 
 
 def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> None:
-    """Its emulated exchanges feed graphar.comm.overlap.ulysses_attention (CPU: no streams): every
+    """Its emulated exchanges feed graphar.ulysses.overlap.ulysses_attention (CPU: no streams): every
     chunk count the plan keeps attends as the unchunked call does, in both modes, and the op's
     output is written where the output exchange would write it (copy mode)."""
     import chunking
@@ -385,9 +385,9 @@ def test_the_chunking_benchmark_times_graphar_s_own_pipelined_attention() -> Non
             with pytest.raises(RuntimeError, match="not into 3"):  # a count the plan does not keep is refused
                 emu.prepare(3)
                 emu.call(3, chunking.NONE)
-    from graphar.comm import ulysses_shapes
+    from graphar.ulysses import shapes
 
-    assert getattr(ulysses_shapes.world_size, "__self__", None) is None  # the patches end with the block
+    assert getattr(shapes.world_size, "__self__", None) is None  # the patches end with the block
 
 
 _PACK_CHECK = """

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from graphar import graphs
-from graphar.comm import abi, policy, registry, set_up
-from graphar.comm import allreduce as ar
-from graphar.comm import communicator as cm
-from graphar.comm.rendezvous import StoreExchange
+from graphar import abi
+from graphar.allreduce import communicator as cm
+from graphar.allreduce import graphs, policy, registry, set_up
+from graphar.allreduce import kernels as ar
+from graphar.allreduce.rendezvous import Rendezvous
 from graphar.errors import GrapharCommError, GrapharCudaError, SettingError
 
 KB, MB = 1 << 10, 1 << 20
@@ -117,7 +117,7 @@ def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:
     results: dict[int, list] = {}
 
     def rank(r: int) -> None:
-        exchange = StoreExchange(store, "t", r, 2, timeout_s=30)
+        exchange = Rendezvous(store, "t", r, 2, timeout_s=30)
         results[r] = [exchange.all_gather(("step", s, r), "test") for s in range(3)]
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
@@ -128,7 +128,7 @@ def test_store_exchange_gathers_in_rank_order_and_times_out() -> None:
     expected = [[("step", s, 0), ("step", s, 1)] for s in range(3)]
     assert results == {0: expected, 1: expected}
 
-    alone = StoreExchange(store, "alone", 0, 2, timeout_s=0.2)
+    alone = Rendezvous(store, "alone", 0, 2, timeout_s=0.2)
     with pytest.raises(GrapharCommError, match="not every rank arrived"):
         alone.all_gather(None, "lonely step")
 
@@ -302,7 +302,7 @@ class _FakeComm:
 
     def __init__(self, rank: int, store: dist.Store) -> None:
         self.group_name, self.world_size, self.device, self.max_bytes = "g", 2, 0, MB
-        self._store = StoreExchange(store, "graphs", rank, 2, timeout_s=30)
+        self._store = Rendezvous(store, "graphs", rank, 2, timeout_s=30)
         self.broken: str | None = None
         self.registered: tuple | None = None
         self.forgotten: list[int] = []
@@ -424,7 +424,7 @@ def test_graph_registration_mismatch_is_an_error_on_every_rank() -> None:
 
 
 def test_an_input_one_rank_could_not_keep_is_an_error_on_every_rank() -> None:
-    """graphar.graphs reports a call whose input was freed during the capture outside the graph's pool:
+    """graphar.allreduce.graphs reports a call whose input was freed during the capture outside the graph's pool:
     no rank may register the graph (its peers would map reused memory), and every rank says which."""
     x = torch.empty(64)
     call = _graph_call(1, x, x.data_ptr(), False, (256, 2, 1))

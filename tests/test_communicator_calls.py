@@ -1,7 +1,7 @@
 """The communicator against a stand-in for the CUDA library, on the CPU: every call it makes is
 converted by ctypes with the real library's prototypes (graphar._cuda.PROTOTYPES, which
 tests/test_csrc_build.py holds to the built library's exports); its life (open, broken, failed,
-closed); and the seams its collectives reach it through (`CommCalls`, `ExchangeCalls`), complete."""
+closed); and the seams its collectives reach it through (`CommCalls`, `TransportCalls`), complete."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from graphar import _cuda
-from graphar.comm import abi, allreduce, exchange, registry, ulysses_stages
-from graphar.comm.communicator import Communicator, Life
+from graphar import _cuda, abi
+from graphar.allreduce import kernels, registry
+from graphar.allreduce.communicator import Communicator, Life
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
+from graphar.ulysses import transport
 
 MB = 1 << 20
 HANDLE, FLAG, BUFFER = 0x1000, 0x2000, 0x3000
@@ -111,9 +112,9 @@ def test_made_open_with_the_library_s_limits(library: _Library) -> None:
         "graphar_comm_push_limits",
         "graphar_comm_set_kernels",  # the all-reduce's kernel table, before any call can be planned
     ]
-    assert library.calls[0][1][:6] == (0, 2, MB, 36, 1_500_000_000, allreduce.GRAPH_SLOTS)
+    assert library.calls[0][1][:6] == (0, 2, MB, 36, 1_500_000_000, kernels.GRAPH_SLOTS)
     assert comm.handle == HANDLE and comm.life is Life.OPEN and comm.usable
-    assert comm.allreduce.policy.limits == (MB, 2 * MB)  # max_bytes within the two-shot's room
+    assert comm.kernels.policy.limits == (MB, 2 * MB)  # max_bytes within the two-shot's room
 
 
 def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> None:
@@ -123,7 +124,7 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     comm.open_peers([b"a" * 128, b"b" * 128])
     assert comm.probe(0) is None
     assert comm.take_exchange_lease(abi.PATH_EAGER, 5) == 7
-    copy = exchange.StageCopy(abi.PATH_CAPTURED_COPY, 2, ulysses_stages.Placement(3, 4, 5, 6), abi.A2A_LAST, 64)
+    copy = abi.AllToAllCopy(abi.PATH_CAPTURED_COPY, 2, 3, 4, 5, 6, abi.A2A_LAST, 64)
     comm.launch_all_to_all(copy, 1, 7, 8)
     # The copy's fields reach the library in its argument order.
     assert library.calls[-1][1] == (HANDLE, abi.PATH_CAPTURED_COPY, 1, 2, 3, 4, 5, 6, abi.A2A_LAST, 64, 7, 8)
@@ -133,7 +134,7 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
     assert comm.pointer_info(0x5010) == (0x5000, True)
     assert comm.ipc_handle(0x5000) == b"i" * _cuda.IPC_HANDLE_BYTES
     comm.fill_graph_slots(
-        allreduce.GraphSlots([1, 2], b"z" * 256, [0, 16, 32, 48], [False, True, False, False], [0x5000, 0x6000])
+        kernels.GraphSlots([1, 2], b"z" * 256, [0, 16, 32, 48], [False, True, False, False], [0x5000, 0x6000])
     )
     comm.forget_graph_slots([1, 2])
     comm.close_unused_mappings()
@@ -279,7 +280,7 @@ def _asked(module: Any) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("module, protocol", [(allreduce, allreduce.CommCalls), (exchange, exchange.ExchangeCalls)])
+@pytest.mark.parametrize("module, protocol", [(kernels, kernels.CommCalls), (transport, transport.TransportCalls)])
 def test_each_collective_s_protocol_is_what_it_asks(module: Any, protocol: type, library: _Library) -> None:
     assert _asked(module) == _members(protocol)
     comm = _communicator()

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar._launch import end_worker, free_port
 from graphar.config import Config
+from graphar.processes import end_worker, free_port
 from tests._graphs import init_fake_world, post_grad_graphs
 
 WORLD = 2

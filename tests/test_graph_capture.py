@@ -12,7 +12,8 @@ import weakref
 import pytest
 import torch
 
-from graphar import GrapharCommError, GrapharTimeoutError, graphs
+from graphar import GrapharCommError, GrapharTimeoutError
+from graphar.allreduce import graphs
 
 
 class _FakeComm:
@@ -36,7 +37,7 @@ class _FakeComm:
         self.held.append(held)  # what AllReduce keeps until every peer closed its mappings
 
 
-class _Call:  # a graphar.comm.allreduce.GraphCall's fields that graphs reads
+class _Call:  # a graphar.allreduce.kernels.GraphCall's fields that graphs reads
     def __init__(self, tensor: torch.Tensor, slot: int = 1, staged: bool = False) -> None:
         self.tensor = weakref.ref(tensor)
         self.base = tensor.data_ptr()
@@ -55,7 +56,7 @@ class _Pool:
     def __init__(self, monkeypatch) -> None:
         self.segments: list[tuple[int, int]] = []
         self.uses: list[str] = []
-        monkeypatch.setattr(graphs.pool, "segments", lambda pool_id: self.segments if pool_id == (0, 7) else [])
+        monkeypatch.setattr(graphs, "segments", lambda pool_id: self.segments if pool_id == (0, 7) else [])
         pool = self
 
         class _Use:

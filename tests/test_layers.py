@@ -20,18 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What everything reads: the settings (GRAPHAR_* and the pass's options) and the errors.
     ("settings and errors", ("graphar.settings", "graphar.errors", "graphar.config")),
-    # The CUDA library, the op library and the Triton kernels, and the C ABI's constants they share.
-    ("library bindings", ("graphar._cuda", "graphar.native_op", "graphar.comm.abi", "graphar.kernels")),
-    # The runtime: communicators and their collectives, the staging pool, graphar.graph.
-    ("comm (runtime)", ("graphar.comm", "graphar.pool", "graphar.graphs")),
+    # The CUDA library, the C ABI's constants, what the Triton kernels share.
+    ("library bindings", ("graphar._cuda", "graphar.abi", "graphar.triton_common")),
+    # The all-reduce: the group's communicator, its set-up and kernel table, its kernels' calls,
+    # graphar.graph, the fused norm, the op's C++ kernels.
+    ("all-reduce", ("graphar.allreduce",)),
+    # The Ulysses exchange, on the all-reduce's communicator (one way: the all-reduce knows nothing of it).
+    ("ulysses", ("graphar.ulysses",)),
     # The public face of the runtime: the custom ops the passes put into graphs.
     ("ops", ("graphar.ops",)),
     ("passes", ("passes",)),
     # The package's own API: `import graphar` installs the backend and the pass.
     ("api", ("graphar", "graphar.backend")),
-    # Above everything: the command line, the demo (and the Ulysses exchanges its model writes), the doctor.
-    ("tools", ("graphar.__main__", "graphar.demo", "graphar.ulysses_unpacked", "graphar.doctor",
-               "graphar.doctor_probe", "graphar._launch")),
+    # Above everything: the command line, the demo, the doctor, the process launcher.
+    ("tools", ("graphar.__main__", "graphar.demo", "graphar.doctor", "graphar.doctor_probe", "graphar.processes")),
 )  # fmt: skip  # a table: one layer a row
 
 # Edges allowed against the rules above, each with its reason. Each must still exist (else remove it).
@@ -106,7 +108,7 @@ def _layer(module: str) -> int:
 def test_the_graph_reads_lazy_and_type_only_imports() -> None:
     """The reader sees what the rules are about: an import inside a function and one under TYPE_CHECKING."""
     assert "graphar.ops" in GRAPH["passes.norm"]
-    assert "graphar.comm.ulysses_shapes" in GRAPH["passes.attention"]  # inside a function
+    assert "graphar.ulysses.shapes" in GRAPH["passes.attention"]  # inside a function
     assert "passes.manager" in GRAPH["graphar"]  # graphar.passes.manager, as the package names it
 
 

@@ -65,7 +65,7 @@ def read(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, layout: La
 
 
 def seq_to_heads(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Ulysses `[b, S, h, d] -> [b, P*S, h/P, d]` (graphar.ulysses_unpacked.seq_to_heads_unpacked), split at
+    """Ulysses `[b, S, h, d] -> [b, P*S, h/P, d]` (graphar.ulysses.unpacked.seq_to_heads_unpacked), split at
     its all-to-all: what it sends, and the receive side."""
     b, s, h, d = x.shape
     send = x.reshape(b, s, P, h // P, d).transpose(0, 2).contiguous()  # [P, S, b, h/P, d]

@@ -17,14 +17,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WAIT = datetime.timedelta(seconds=60)
 
 
 def _worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRAPHAR_EXCHANGE_TIMEOUT_S="20")
-    from graphar.comm import set_up
+    from graphar.allreduce import set_up
 
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=WAIT)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

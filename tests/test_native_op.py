@@ -1,4 +1,4 @@
-"""The op library (graphar.native_op, csrc/torch_ops/) on the CPU: built by nvcc against the stable ABI
+"""The op library (graphar.allreduce.native_op, csrc/torch_ops/) on the CPU: built by nvcc against the stable ABI
 it links only what libtorch_cpu exports, loads into this CPU build of torch and installs its kernels;
 a call it declines reaches the Python kernel; where it is off or missing the Python kernel serves;
 a group torch destroys has its state withdrawn first."""
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphar import _cuda, native_op, ops
-from graphar._launch import end_worker
-from graphar.comm import abi
+from graphar import _cuda, abi, ops
+from graphar.allreduce import native_op
 from graphar.errors import GrapharCudaError
+from graphar.processes import end_worker
 
 # ---- the library, built ------------------------------------------------------------------------
 

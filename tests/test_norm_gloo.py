@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._inductor.utils import run_and_get_code
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WORLD = 2
 

@@ -2,7 +2,7 @@
 `unfused_add_rms_norm`: the sum exact, the normed output within the GPU tests' bound, its bits
 deterministic and the same for a row whatever shares its launch.
 
-The interpreter is chosen when Triton decorates a kernel, i.e. when graphar.kernels.rms_norm is first
+The interpreter is chosen when Triton decorates a kernel, i.e. when graphar.allreduce.rms_norm is first
 imported, so the cases run in a subprocess with TRITON_INTERPRET=1 set from the start:
 `test_under_interpreter` starts it, and the cases skip themselves in the parent process.
 
@@ -54,7 +54,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @unittest.skipUnless(INTERPRETED, "runs in the TRITON_INTERPRET=1 subprocess of test_under_interpreter")
 class NormKernelTest(unittest.TestCase):
     def setUp(self) -> None:
-        from graphar.kernels import rms_norm
+        from graphar.allreduce import rms_norm
 
         self.kernel = rms_norm
         torch.manual_seed(0)

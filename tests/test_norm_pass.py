@@ -14,7 +14,7 @@ from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
 from graphar import _cuda
-from graphar.comm import policy
+from graphar.allreduce import policy
 from graphar.config import Config
 from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 

@@ -1,4 +1,4 @@
-"""Two gloo processes on the CPU: the pipelined Ulysses attention (graphar.comm.overlap) equals the
+"""Two gloo processes on the CPU: the pipelined Ulysses attention (graphar.ulysses.overlap) equals the
 unchunked path bit for bit (separate all-to-alls as yunchang writes them, attention, the output
 all-to-all), for GQA, causal and not, one to four chunks and the automatic count, batch 1 and 2;
 and a Ulysses block compiled with `attention_chunks` gets the op and matches eager (the
@@ -15,13 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WORLD = 2
 
 
 def _unchunked(q, k, v, is_causal, scale):
-    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     qh, kh, vh = (seq_to_heads_unpacked(x).transpose(1, 2) for x in (q, k, v))
     o = F.scaled_dot_product_attention(
@@ -58,7 +58,7 @@ def _compiled_block(rank: int) -> None:
     assert torch.equal(got, want), "heads at dim 1: the pipelined attention differs from eager"
 
     def hf_gqa(q, k, v):  # K/V repeated as HF's repeat_kv does
-        from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+        from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
         qh, kh, vh = (seq_to_heads_unpacked(t).transpose(1, 2) for t in (q, k, v))
         kh, vh = (t[:, :, None].expand(-1, -1, 2, -1, -1).flatten(1, 2) for t in (kh, vh))
@@ -75,7 +75,7 @@ def _compiled_block(rank: int) -> None:
 
 def _worker(rank: int, port: int) -> None:
     import graphar  # noqa: F401  (registers the ops)
-    from graphar.comm import overlap
+    from graphar.ulysses import overlap
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
@@ -112,7 +112,7 @@ def test_pipelined_attention_equals_the_unchunked_path() -> None:
 def test_flash_pipelines_only_what_it_attends_whole() -> None:
     """A chunk of fewer heads must keep enough query blocks that flash does not split its keys (it
     would round otherwise than the unchunked call): small problems are not chunked."""
-    from graphar.comm.overlap import _flash_chunks
+    from graphar.ulysses.overlap import _flash_chunks
 
     assert _flash_chunks(2, 2, 8, 512) == 1  # 64 query blocks in all
     assert _flash_chunks(2, 1, 12, 4096) == 2  # DiT-like: 192 blocks a chunk
@@ -122,7 +122,7 @@ def test_flash_pipelines_only_what_it_attends_whole() -> None:
 def test_the_automatic_rule_chunks_only_large_problems(monkeypatch) -> None:
     """attention_chunks="auto": the most chunks, up to the limit, that keep each chunk its kernel's
     rows (twice as many when causal); 1 below that, and for a kernel the rule has no threshold for."""
-    from graphar.comm import overlap
+    from graphar.ulysses import overlap
 
     monkeypatch.setattr(overlap, "AUTO_MIN_ROWS", {"flash": 1000, "cudnn": 4000, None: 1000})
     monkeypatch.setattr(overlap, "AUTO_MAX_CHUNKS", 4)
@@ -148,7 +148,7 @@ def test_attention_feeds_gqa_as_the_graph_s_kernel_was_fed() -> None:
     the op repeats them likewise: either way each query head attends its group's K/V head."""
     import torch.nn.functional as F
 
-    from graphar.comm.overlap import _attention, _preferring
+    from graphar.ulysses.overlap import _attention, _preferring
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2))
@@ -162,7 +162,7 @@ def test_the_measured_rule_picks_what_the_h200_table_allows() -> None:
     """The committed constants against bench/results/chunking-h200.md: only Wan-sized attention on the
     efficient kernel chunks, in 2, the one count within 3 % in both runs; flash, cuDNN and SDPA's own pick,
     which missed it in one run or the other, never chunk."""
-    from graphar.comm import overlap
+    from graphar.ulysses import overlap
 
     wan, flux, llama_16k = (1, 20, 32760, False), (1, 12, 4608, False), (1, 16, 16384, True)
     assert [overlap.auto_chunks(*wan[:3], k, wan[3]) for k in ("flash", "efficient", "cudnn", None)] == [1, 2, 1, 1]

@@ -1,6 +1,6 @@
 """The Triton relayout kernels under TRITON_INTERPRET=1, bitwise against permute references.
 
-The interpreter is chosen when Triton decorates a kernel, i.e. when graphar.kernels.pack is first
+The interpreter is chosen when Triton decorates a kernel, i.e. when graphar.ulysses.pack is first
 imported, so the cases run in a subprocess with TRITON_INTERPRET=1 set from the start:
 `test_under_interpreter` starts it, and the cases skip themselves in the parent process.
 """
@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 
-from graphar.comm.ulysses_shapes import packed_heads
+from graphar.ulysses.shapes import packed_heads
 from tests._interpreted import INTERPRETED, run_interpreted
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,7 +40,7 @@ def _heads_reference(xs: list[torch.Tensor], p: int) -> torch.Tensor:
 @unittest.skipUnless(INTERPRETED, "runs in the TRITON_INTERPRET=1 subprocess of test_under_interpreter")
 class PackKernelTest(unittest.TestCase):
     def setUp(self) -> None:
-        from graphar.kernels import pack
+        from graphar.ulysses import pack
 
         self.pack = pack
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The all-reduce's kernel choice (graphar.comm.policy) and the Python path that hands it to the CUDA
+"""The all-reduce's kernel choice (graphar.allreduce.policy) and the Python path that hands it to the CUDA
 library and applies the library's plan, on the CPU.
 
 The path runs against a fake communicator whose "device" is the CPU (-1), so that plain tensors are
@@ -18,9 +18,9 @@ import torch
 
 import allreduce as allreduce_bench
 import winners
-from graphar import graphs, ops, settings
-from graphar.comm import abi, policy, registry, set_up
-from graphar.comm import allreduce as ar
+from graphar import abi, ops, settings
+from graphar.allreduce import graphs, policy, registry, set_up
+from graphar.allreduce import kernels as ar
 
 KB, MB = 1 << 10, 1 << 20
 LIMITS = policy.Limits(max_bytes=8 * MB, push_one_shot=2 * MB)
@@ -213,7 +213,7 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
 
 def test_the_op_copies_misaligned_inputs_and_says_once_why_it_falls_back(cpu_all_reduce, monkeypatch, caplog) -> None:
     allreduce, comm = cpu_all_reduce
-    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", allreduce=allreduce))
+    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", kernels=allreduce))
     monkeypatch.setattr(set_up, "_live", lambda group: True)  # the fake communicator's group is never destroyed
     monkeypatch.setattr(ops, "functional_all_reduce", lambda x, group_name: "collective")
     x = torch.randn(1025)[1:]  # contiguous, 4 bytes past an aligned start

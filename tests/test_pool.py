@@ -13,7 +13,7 @@ import unittest
 
 import torch
 
-from graphar.pool import StagingPool
+from graphar.ulysses.pool import StagingPool
 
 CUDA0 = torch.device("cuda", 0)  # only a key here: the fake runtime allocates on the CPU
 MB = 1 << 20

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import graphar  # noqa: F401  (registers the ops)
-from graphar.ulysses_unpacked import heads_to_seq_unpacked
+from graphar.ulysses.unpacked import heads_to_seq_unpacked
 from tests._graphs import all_post_grad_graphs
 from tests.test_qkv_pass import (
     ONLY_QKV,

@@ -4,7 +4,7 @@ ends with a system-scope fence; both checked with no GPU.
 Triton compiles a kernel per specialisation key: its constexprs and, for each other argument, its
 type and what it is specialised on (an int equal to 1 or divisible by 16, a pointer aligned to 16
 bytes). The key is computed here with Triton's own binder for a CUDA target, for each layout of
-`graphar.kernels.pack` at several sequence lengths (odd ones too) and batches, with real head dims:
+`graphar.ulysses.pack` at several sequence lengths (odd ones too) and batches, with real head dims:
 each layout must have one key, so a new length never compiles (in a CUDA-graph capture, say).
 """
 
@@ -17,8 +17,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from graphar.comm.ulysses_shapes import packed_heads  # noqa: E402
-from graphar.kernels import pack  # noqa: E402
+from graphar.ulysses import pack  # noqa: E402
+from graphar.ulysses.shapes import packed_heads  # noqa: E402
 
 P = 2
 HEADS, KV_HEADS = 8, 4

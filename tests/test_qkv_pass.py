@@ -22,7 +22,7 @@ from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
 from graphar.config import Config
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._graphs import all_post_grad_graphs, init_fake_world, post_grad_graphs
 from tests._ulysses import seq_to_heads_dim1
 

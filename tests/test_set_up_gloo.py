@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WORLD = 2
 
@@ -22,7 +22,7 @@ WORLD = 2
 def _fake_gpus(rank: int) -> contextlib.ExitStack:
     """What `init` asks of a GPU, answered as on a pair of H200s; gloo stands in for NCCL."""
     from graphar import _cuda
-    from graphar.comm import set_up
+    from graphar.allreduce import set_up
     from graphar.errors import GrapharUnavailable
 
     def no_library(**kwargs):
@@ -44,7 +44,7 @@ def _fake_gpus(rank: int) -> contextlib.ExitStack:
 
 def _worker(rank: int, port: int) -> None:
     import graphar
-    from graphar.comm import set_up
+    from graphar.allreduce import set_up
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRAPHAR_EXCHANGE_TIMEOUT_S="60")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from graphar import _cuda
-from graphar.comm import set_up
+from graphar.allreduce import set_up
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -146,13 +146,13 @@ def test_the_soak_selects_cases_by_the_start_of_their_names() -> None:
 def test_the_soak_exchanges_run_in_eight_stages_of_a_megabyte_or_more_per_rank() -> None:
     from unittest import mock
 
-    from graphar.comm import ulysses_stages
+    from graphar.ulysses import stages
 
     soak = _soak()
     nbytes = soak.exchange_bytes(soak.WORLD)
     assert nbytes >= 1 << 20 and all(h % soak.WORLD == 0 for h in soak.exchange_heads(soak.WORLD))
-    with mock.patch.object(ulysses_stages, "_STAGE_BYTES", soak.stage_bytes(soak.WORLD)):  # as the exchange case runs
-        assert len(ulysses_stages._slices(soak.EXCHANGE_S, nbytes)) == soak.STAGES == 8
+    with mock.patch.object(stages, "_STAGE_BYTES", soak.stage_bytes(soak.WORLD)):  # as the exchange case runs
+        assert len(stages._slices(soak.EXCHANGE_S, nbytes)) == soak.STAGES == 8
 
 
 def test_the_soak_patterns_stay_normal_numbers_and_differ_call_to_call() -> None:

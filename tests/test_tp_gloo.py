@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WORLD = 2
 

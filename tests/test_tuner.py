@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from graphar.comm import policy, tuner
-from graphar.comm.tuner import NCCL
+from graphar.allreduce import policy, tuner
+from graphar.allreduce.tuner import NCCL
 
 KB, MB = 1 << 10, 1 << 20
 SHIPPED = dict.fromkeys(policy.MODES, ((512 * KB - 16, "1stage"), (policy.OPEN, "2stage")))
@@ -210,7 +210,7 @@ def test_describe_names_the_pick_and_each_candidate(nbytes: int) -> None:
     assert line.startswith(f"eager {tuner._size(nbytes)}: nccl <- 1stage 4.0, 2stage n/a, nccl 3.0")
 
 
-# ---- at set-up (graphar.comm.set_up._tune), on a stand-in communicator ------------------------------
+# ---- at set-up (graphar.allreduce.set_up._tune), on a stand-in communicator ------------------------------
 
 
 class _AllReduce:
@@ -223,7 +223,7 @@ class _AllReduce:
 class _Comm:
     def __init__(self, rank: int, gather, forced: str | None = None) -> None:
         self.rank, self.device, self.max_bytes, self.group_name = rank, 0, MB, "0"
-        self.allreduce = _AllReduce(forced)
+        self.kernels = _AllReduce(forced)
         self.all_gather = gather
 
 
@@ -231,7 +231,7 @@ class _Comm:
 def stand_in(monkeypatch, tmp_path):
     """What _tune asks of torch and the library, for a machine without GPUs; the tuner's cache in tmp_path."""
     from graphar import _cuda
-    from graphar.comm import set_up
+    from graphar.allreduce import set_up
 
     monkeypatch.setenv("GRAPHAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(set_up.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -257,14 +257,12 @@ def test_set_up_tunes_every_rank_alike_and_reads_the_cache_next_time(stand_in, m
     set_up, timed = stand_in
     monkeypatch.setenv("GRAPHAR_TUNE", "1")
     tuned = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
-    rows = tuned[0].allreduce.tuned.rows
-    assert all(c.allreduce.tuned.source == "tuned" and c.allreduce.policy.tuned_rows == rows for c in tuned)
+    rows = tuned[0].kernels.tuned.rows
+    assert all(c.kernels.tuned.source == "tuned" and c.kernels.policy.tuned_rows == rows for c in tuned)
     assert timed and NCCL not in timed  # gloo: no NCCL candidate (and deterministic by default)
     timed.clear()
     cached = Ranks(2).run(lambda rank, gather: _tuned(set_up, rank, gather))
-    assert not timed and all(
-        c.allreduce.tuned.source == "cache" and c.allreduce.policy.tuned_rows == rows for c in cached
-    )
+    assert not timed and all(c.kernels.tuned.source == "cache" and c.kernels.policy.tuned_rows == rows for c in cached)
 
 
 def _tuned(set_up: Any, rank: int, gather: Any, forced: str | None = None) -> _Comm:
@@ -280,7 +278,7 @@ def test_set_up_keeps_the_shipped_table_when_off_forced_or_a_rank_cannot_say(sta
     (off,) = Ranks(1).run(lambda rank, gather: _tuned(set_up, rank, gather))
     monkeypatch.setenv("GRAPHAR_TUNE", "1")
     (forced,) = Ranks(1).run(lambda rank, gather: _tuned(set_up, rank, gather, forced="2stage"))
-    assert off.allreduce.tuned is None and forced.allreduce.tuned is None and not timed
+    assert off.kernels.tuned is None and forced.kernels.tuned is None and not timed
     # Rank 1 cannot name its GPU: no rank times anything, every rank says why.
     from graphar import _cuda
 
@@ -297,5 +295,5 @@ def test_set_up_keeps_the_shipped_table_when_off_forced_or_a_rank_cannot_say(sta
 
     with caplog.at_level("WARNING", logger="graphar"):
         comms = Ranks(2).run(rank_body)
-    assert all(c.allreduce.tuned is None and c.allreduce.policy.segments(policy.EAGER) == shipped for c in comms)
+    assert all(c.kernels.tuned is None and c.kernels.policy.segments(policy.EAGER) == shipped for c in comms)
     assert not timed and "rank 1: GrapharCudaError: no PCI bus id" in caplog.text

@@ -25,9 +25,8 @@ import torch
 from expecttest import TestCase
 
 from graphar import ulysses
-from graphar.comm import exchange, ulysses_shapes, ulysses_stages
-from graphar.comm import ulysses as bodies
-from graphar.kernels import pack
+from graphar.ulysses import exchanges as bodies
+from graphar.ulysses import pack, shapes, stages, transport
 from tests._interpreted import INTERPRETED, run_interpreted
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,7 +43,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _FakeIpc:
-    """graphar.comm.exchange.IpcExchange for one emulated rank: host buffers, no GPU."""
+    """graphar.ulysses.transport.IpcTransport for one emulated rank: host buffers, no GPU."""
 
     def __init__(
         self,
@@ -59,26 +58,26 @@ class _FakeIpc:
         self.own_placed = 0  # stages whose pack put this rank's own chunk straight into the output
         self.rank = 0  # set by EmulatedWorld for the rank it runs
 
-    def run(self, out: torch.Tensor, plan: ulysses_stages.Plan) -> bool:
-        stages, nbytes = plan.stages, plan.nbytes
-        if not all(exchange.copyable(stage.placement) for stage in stages):
+    def run(self, out: torch.Tensor, plan: stages.Plan) -> bool:
+        steps, nbytes = plan.stages, plan.nbytes
+        if not all(transport.copyable(stage.placement) for stage in steps):
             return False
         rank, world = self.rank, self.world_size
         # Without the kernel (no interpreter here) the pull still runs, its packs torch's copies.
-        kernel = pack.kernel_serves([src for stage in stages for src in stage.sources])
+        kernel = pack.kernel_serves([src for stage in steps for src in stage.sources])
         push = self.push and kernel
         self.pushes += push
         # Pushed: what this rank stores into every rank's buffer (rank j receives row j of every
         # rank's block); pulled: this rank's own buffer, which every rank reads.
         block = torch.full((world if push else 1, nbytes), 0x7F, dtype=torch.uint8)
         addresses = [row.data_ptr() for row in block] if push else ()
-        owns = [exchange.own_chunk(out, stage, rank) if kernel else None for stage in stages]
+        owns = [transport.own_chunk(out, stage, rank) if kernel else None for stage in steps]
         self.own_placed += sum(own is not None for own in owns)
-        for stage, own in zip(stages, owns):
-            exchange.Destination(block[rank if push else 0], stage.src_offset, rank, addresses, own).fill(stage)
+        for stage, own in zip(steps, owns):
+            transport.Destination(block[rank if push else 0], stage.src_offset, rank, addresses, own).fill(stage)
 
         def receive(blocks: list[torch.Tensor]) -> None:
-            for stage, own in zip(stages, owns):
+            for stage, own in zip(steps, owns):
                 skip = rank if own is not None else None
                 if push:
                     _place(lambda i: (blocks[i].view(world, nbytes)[rank], i), world, out, stage, skip)
@@ -132,7 +131,7 @@ class EmulatedWorld:
         fake = _FakeIpc(ipc, world, push=self.transport == "push")
         self.fake = fake
         patches = (
-            mock.patch.object(ulysses_shapes, "world_size", lambda name: world),
+            mock.patch.object(shapes, "world_size", lambda name: world),
             mock.patch.object(torch, "empty", _poisoned_empty),
             mock.patch.object(bodies, "_all_to_all", all_to_all_single),
             mock.patch.object(bodies, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake),
@@ -158,7 +157,7 @@ def _place(
     source: Callable[[int], tuple[torch.Tensor, int]],
     world: int,
     out: torch.Tensor,
-    stage: ulysses_stages.Stage,
+    stage: stages.Stage,
     skip: int | None,
 ) -> None:
     """What the copy kernel does for one stage on this rank: the chunk from rank i becomes rows of
@@ -172,7 +171,7 @@ def _place(
             continue
         buffer, slot = source(i)
         start = stage.src_offset + slot * p.chunk_bytes
-        first = exchange.memory_from(out, stage.out_offset + i * p.dst_chunk_stride, 0)
+        first = transport.memory_from(out, stage.out_offset + i * p.dst_chunk_stride, 0)
         first.as_strided((rows, p.row_bytes), (p.dst_row_stride, 1)).copy_(
             buffer[start : start + p.chunk_bytes].view(rows, p.row_bytes)
         )
@@ -387,7 +386,7 @@ class _Staged:
 
     def setUp(self) -> None:
         super().setUp()
-        patch = mock.patch.object(ulysses_stages, "_STAGE_BYTES", 256)
+        patch = mock.patch.object(stages, "_STAGE_BYTES", 256)
         patch.start()
         self.addCleanup(patch.stop)
 
@@ -415,33 +414,33 @@ class SeqToHeadsStagedKernelTest(_Staged, SeqToHeadsKernelTest):
 class PullBlocksTest(TestCase):
     def test_default_and_bounds(self) -> None:
         with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": ""}):
-            self.assertEqual(exchange.pull_blocks(), 64)
+            self.assertEqual(transport.pull_blocks(), 64)
         with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": "32"}):
-            self.assertEqual(exchange.pull_blocks(), 32)
+            self.assertEqual(transport.pull_blocks(), 32)
         for bad in ("0", "65"):
             with mock.patch.dict(os.environ, {"GRAPHAR_PULL_BLOCKS": bad}), self.assertRaisesRegex(ValueError, "PULL"):
-                exchange.pull_blocks()
+                transport.pull_blocks()
 
 
 class SlicesTest(TestCase):
     def test_slices_cover_the_sequence(self) -> None:
-        self.assertEqual(ulysses_stages._slices(10, 1 << 20), [(0, 10)])
-        self.assertEqual(ulysses_stages._slices(10, 3 * ulysses_stages._STAGE_BYTES), [(0, 3), (3, 6), (6, 10)])
-        self.assertEqual(len(ulysses_stages._slices(1000, 1 << 40)), ulysses_stages._MAX_STAGES)
-        self.assertEqual(ulysses_stages._slices(2, 1 << 40), [(0, 1), (1, 2)])
+        self.assertEqual(stages._slices(10, 1 << 20), [(0, 10)])
+        self.assertEqual(stages._slices(10, 3 * stages._STAGE_BYTES), [(0, 3), (3, 6), (6, 10)])
+        self.assertEqual(len(stages._slices(1000, 1 << 40)), stages._MAX_STAGES)
+        self.assertEqual(stages._slices(2, 1 << 40), [(0, 1), (1, 2)])
 
 
 class PlacementTest(TestCase):
     def test_only_whole_packs(self) -> None:
-        self.assertTrue(exchange.copyable(ulysses_stages.Placement(64, 32, 96, 32)))
-        self.assertFalse(exchange.copyable(ulysses_stages.Placement(48, 24, 48, 24)))  # 24-byte rows
-        self.assertFalse(exchange.copyable(ulysses_stages.Placement(64, 48, 96, 48)))  # rows do not tile the chunk
-        self.assertFalse(exchange.copyable(ulysses_stages.Placement(0, 16, 16, 16)))
+        self.assertTrue(transport.copyable(stages.Placement(64, 32, 96, 32)))
+        self.assertFalse(transport.copyable(stages.Placement(48, 24, 48, 24)))  # 24-byte rows
+        self.assertFalse(transport.copyable(stages.Placement(64, 48, 96, 48)))  # rows do not tile the chunk
+        self.assertFalse(transport.copyable(stages.Placement(0, 16, 16, 16)))
 
 
 class ValidationTest(TestCase):
     def test_clear_errors(self) -> None:
-        with mock.patch.object(ulysses_shapes, "world_size", lambda name: 4):
+        with mock.patch.object(shapes, "world_size", lambda name: 4):
             q = torch.randn(1, 4, 6, 8)
             with self.assertRaisesRegex(ValueError, "6 heads do not split over 4 ranks"):
                 torch.ops.graphar.qkv_all_to_all(q, q, q, "g")
@@ -456,7 +455,7 @@ class ValidationTest(TestCase):
     def test_fake_shapes(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with mock.patch.object(ulysses_shapes, "world_size", lambda name: 2), FakeTensorMode():
+        with mock.patch.object(shapes, "world_size", lambda name: 2), FakeTensorMode():
             q, kv = torch.empty(2, 8, 8, 16), torch.empty(2, 8, 4, 16)
             self.assertEqual(torch.ops.graphar.qkv_all_to_all(q, kv, kv, "g").shape, (2, 16, 8, 16))
             self.assertEqual(torch.ops.graphar.heads_to_seq_all_to_all(q, "g").shape, (2, 4, 16, 16))

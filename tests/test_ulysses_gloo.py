@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar._launch import end_worker, free_port
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.processes import end_worker, free_port
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock, exact_attention, seq_to_heads_dim1
 
 WORLD = 2

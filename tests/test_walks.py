@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 import graphar
-from graphar import _cuda, native_op, ops
-from graphar.comm import abi, exchange, policy, registry, set_up, ulysses_shapes
-from graphar.comm import ulysses as bodies
-from graphar.comm.allreduce import AllReduce
+from graphar import _cuda, abi, ops
+from graphar.allreduce import native_op, policy, registry, set_up
+from graphar.allreduce.kernels import AllReduce
+from graphar.ulysses import exchanges as bodies
+from graphar.ulysses import shapes, transport
 from tests._interpreted import INTERPRETED, run_interpreted
 from tests.test_communicator_calls import _Library
 
@@ -73,7 +74,7 @@ class Walk:
 
 
 def _room(frame: types.FrameType) -> str | None:
-    """The module of graphar a frame runs in, without the package's name (comm.exchange); else None."""
+    """The module of graphar a frame runs in, without the package's name (ulysses.transport); else None."""
     name = frame.f_globals.get("__name__") or ""
     return name.removeprefix("graphar.") if name.split(".")[0] in ("graphar", "passes") else None
 
@@ -185,7 +186,7 @@ def all_reduce_group(monkeypatch) -> _AllReduceCalls:
     monkeypatch.setattr(ops, "functional_all_reduce", lambda x, group_name: x.clone())  # the collective
     calls = _AllReduceCalls()
     allreduce = AllReduce(calls, policy.Policy(9, 2, policy.Limits(MB, MB)))
-    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", allreduce=allreduce))
+    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", kernels=allreduce))
     monkeypatch.setattr(set_up, "_live", lambda group: True)
     return calls
 
@@ -194,7 +195,7 @@ def all_reduce_group(monkeypatch) -> _AllReduceCalls:
 def test_a_tensor_into_all_reduce(all_reduce_group: _AllReduceCalls, dtype: torch.dtype) -> None:
     x = torch.arange(256).to(dtype)
     w = walk(lambda: torch.ops.graphar.all_reduce(x, "g"), [x])
-    _check(w, {"ops": None, "comm.allreduce": "ops", "comm.abi": "comm.allreduce"})
+    _check(w, {"ops": None, "allreduce.kernels": "ops", "abi": "allreduce.kernels"})
     # One visit each: the tensor described once for the library's plan, which decides (a refused call's
     # reason comes from there, and the op's log line reads it without the tensor).
     assert [v.function for v in w.visits] == ["all_reduce", "try_all_reduce", "describe"], w.drawing()
@@ -246,11 +247,11 @@ def test_max_bytes_into_init(monkeypatch) -> None:
     _check(
         w,
         {
-            "comm.set_up": None,
-            "settings": "comm.set_up",
-            "comm.rendezvous": "comm.set_up",
-            "comm.communicator": "comm.set_up",
-            "comm.policy": "comm.communicator",
+            "allreduce.set_up": None,
+            "settings": "allreduce.set_up",
+            "allreduce.rendezvous": "allreduce.set_up",
+            "allreduce.communicator": "allreduce.set_up",
+            "allreduce.policy": "allreduce.communicator",
         },
     )
 
@@ -259,7 +260,7 @@ def test_max_bytes_into_init(monkeypatch) -> None:
 
 
 class _ExchangeCalls:
-    """exchange.ExchangeCalls of rank 0 of two on the host: the copies are recorded, not run."""
+    """transport.TransportCalls of rank 0 of two on the host: the copies are recorded, not run."""
 
     group_name, rank, device = "g", 0, 0
 
@@ -276,30 +277,31 @@ class _ExchangeCalls:
         self.copies.append(args)
 
 
-def _ipc_group(monkeypatch, push: bool) -> tuple[exchange.IpcExchange, _ExchangeCalls]:
+def _ipc_group(monkeypatch, push: bool) -> tuple[transport.IpcTransport, _ExchangeCalls]:
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(exchange.IpcExchange, "serves", lambda self, t: True)  # host tensors stand in for cuda:0
-    monkeypatch.setattr(ulysses_shapes, "world_size", lambda group_name: 2)
+    monkeypatch.setattr(transport.IpcTransport, "serves", lambda self, t: True)  # host tensors stand in for cuda:0
+    monkeypatch.setattr(shapes, "world_size", lambda group_name: 2)
     monkeypatch.setattr(set_up, "_live", lambda group: True)
     calls = _ExchangeCalls()
-    ex = exchange.IpcExchange(calls)
+    ex = transport.IpcTransport(calls)
     buffers = torch.zeros(2, 1 << 16, dtype=torch.uint8)  # grown already: both ranks' buffers, as mapped here
     ex.push, ex._buffer, ex._addresses = push, buffers[0], [b.data_ptr() for b in buffers]
     ex._guard = torch.zeros(1, dtype=torch.int32)
-    monkeypatch.setitem(registry._communicators, "g", types.SimpleNamespace(group_name="g", exchange=ex))
+    monkeypatch.setitem(registry._communicators, "g", calls)
+    monkeypatch.setitem(transport._transports, calls, ex)  # the communicator's transport, made already
     return ex, calls
 
 
 # The op body checks the shapes, makes the whole plan, then hands it to the exchange, which packs.
 EXCHANGE = {
     "ops": None,
-    "comm.ulysses": "ops",
-    "comm.ulysses_shapes": "comm.ulysses",
-    "comm.ulysses_stages": "comm.ulysses",
-    "comm.exchange": "comm.ulysses",
-    "kernels.pack": "comm.exchange",
+    "ulysses.exchanges": "ops",
+    "ulysses.shapes": "ulysses.exchanges",
+    "ulysses.stages": "ulysses.exchanges",
+    "ulysses.transport": "ulysses.exchanges",
+    "ulysses.pack": "ulysses.transport",
 }
 
 
@@ -325,13 +327,19 @@ def test_the_output_into_the_exchange(monkeypatch) -> None:
 
 def test_qkv_over_nccl(monkeypatch) -> None:
     """A group without a communicator: the body packs into staging and runs the collective itself."""
-    monkeypatch.setattr(ulysses_shapes, "world_size", lambda group_name: 2)
+    monkeypatch.setattr(shapes, "world_size", lambda group_name: 2)
     monkeypatch.setattr(set_up, "_live", lambda group: True)  # settled, with no communicator
     monkeypatch.setattr(bodies, "_all_to_all", lambda recv, send, group_name, op: recv.copy_(send))
     q, k, v = (torch.randn(2, 4, h, 8) for h in (4, 2, 2))
     w = walk(lambda: torch.ops.graphar.qkv_all_to_all(q, k, v, "g"), [q, k, v])
     _check(
-        w, {"ops": None, "comm.ulysses": "ops", "comm.ulysses_shapes": "comm.ulysses", "kernels.pack": "comm.ulysses"}
+        w,
+        {
+            "ops": None,
+            "ulysses.exchanges": "ops",
+            "ulysses.shapes": "ulysses.exchanges",
+            "ulysses.pack": "ulysses.exchanges",
+        },
     )
 
 

@@ -46,7 +46,7 @@ def test_a_wheel_holds_the_library_and_a_machine_without_compilers_loads_it(tmp_
     # The op library loads into this CPU build of torch and installs its kernels (for CUDA tensors,
     # which it never sees here).
     probe = (
-        "import ctypes, shutil, graphar, graphar._cuda as c, graphar.native_op as n\n"
+        "import ctypes, shutil, graphar, graphar._cuda as c, graphar.allreduce.native_op as n\n"
         "assert shutil.which('nvcc') is None and shutil.which('c++') is None and shutil.which('gcc') is None\n"
         "lib = c.locate(); assert lib.parent == c.PACKAGE_DIR and 'site-packages' in str(lib), lib\n"
         "ops = n.locate(); assert ops.parent == c.PACKAGE_DIR, ops\n"

@@ -31,7 +31,7 @@ OP_STEP = "torch.ops.graphar.all_reduce (the op as compiled graphs call it; its 
 WITHDRAWN_STEP = "torch.ops.graphar.all_reduce, C++ kernel withdrawn (through it to the Python kernel)"
 UNFUSED_NORM_STEP = "torch.ops.graphar.all_reduce_add_rms_norm (unfused: the all-reduce, then "
 # That step queues up to 9 launches a call (the all-reduce, its ordering event, and the norm: one Triton
-# kernel, graphar.kernels.rms_norm, or 7 torch ops where it cannot take the row): at 200 calls a loop
+# kernel, graphar.allreduce.rms_norm, or 7 torch ops where it cannot take the row): at 200 calls a loop
 # the launch queue (about a thousand entries) would fill and the loop time the device, which on one
 # shared GPU waits a time slice at every pull kernel's barrier (1644 us a call was read so with --algo
 # 1stage and torch's 7 ops).
@@ -52,14 +52,13 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object]]:
     import graphar.ops
-    from graphar import _cuda, graphs
-    from graphar.comm import abi, policy
-    from graphar.kernels import rms_norm
+    from graphar import _cuda, abi
+    from graphar.allreduce import graphs, policy, rms_norm
 
     x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     norm = "one Triton norm kernel" if rms_norm.serves(x, None, None, (x.dtype, x.dtype)) else "7 norm kernels"
     out = torch.empty_like(x)
-    ar = comm.allreduce
+    ar = comm.kernels
     kernel = ar.policy.pick(nbytes, policy.EAGER, algo)
     stream = torch._C._cuda_getCurrentRawStream(comm.device)
     args = abi.ALL_REDUCE_ARGS.pack(
@@ -109,7 +108,7 @@ def _steps(comm, nbytes: int, algo: str | None) -> dict[str, Callable[[], object
 
 
 def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
-    from graphar import native_op
+    from graphar.allreduce import native_op
 
     steps = _steps(comm, nbytes, algo)
     for name, fn in [*steps.items(), (WITHDRAWN_STEP, steps[OP_STEP])]:
@@ -139,19 +138,19 @@ def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> 
     else:
         comm = graphar.init()
     if algo is not None:
-        comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
+        comm.kernels.policy = comm.kernels.policy.forcing(algo)
     try:
         _time_steps(comm, nbytes, algo, rank)
         torch.cuda.synchronize()
     finally:
         comm.close()
-    from graphar._launch import end_worker
+    from graphar.processes import end_worker
 
     end_worker()
 
 
 def main() -> int:
-    from graphar._launch import free_port
+    from graphar.processes import free_port
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=int, default=16 * 1024)

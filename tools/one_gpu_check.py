@@ -43,7 +43,7 @@ from one_gpu_compiled import (
 
 
 def _init_relaxed():
-    from graphar.comm import set_up
+    from graphar.allreduce import set_up
 
     relax_set_up()  # gloo groups set up at their first call too, here
     comm = set_up.init(max_bytes=8 * MB, timeout_s=30)
@@ -52,12 +52,12 @@ def _init_relaxed():
 
 
 def check_all_reduce(comm, rank: int) -> None:
-    from graphar.comm import policy
+    from graphar.allreduce import policy
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for nbytes in (16, 48, 64 * KB + 16, MB, 8 * MB):
             for algo in ALGOS:
-                if comm.allreduce.policy.pick(nbytes, policy.EAGER, algo) is None:
+                if comm.kernels.policy.pick(nbytes, policy.EAGER, algo) is None:
                     continue  # over this kernel's limit at this world size (the push one-shot's shrinks with it)
                 x = integers(nbytes // dtype.itemsize, dtype, seed=rank * 1000 + nbytes)
                 y = comm.all_reduce(x, algo=algo)
@@ -68,7 +68,7 @@ def check_all_reduce(comm, rank: int) -> None:
         sums = {
             algo: comm.all_reduce(x, algo=algo)
             for algo in ALGOS
-            if comm.allreduce.policy.pick(nbytes, policy.EAGER, algo)
+            if comm.kernels.policy.pick(nbytes, policy.EAGER, algo)
         }
         first, *others = sums
         for algo in others:
@@ -80,12 +80,12 @@ def check_native_op(comm, rank: int) -> None:
     """graphar::all_reduce's C++ kernel serves eager calls exactly; strided inputs and captures go to
     the Python kernel; the eager choice follows a changed policy."""
     import graphar
-    from graphar import native_op
+    from graphar.allreduce import native_op
 
     assert native_op.library() is not None, "the op library was not built (see the log)"
     op, name = torch.ops.graphar.all_reduce, dist.group.WORLD.group_name
     for algo in (None, *ALGOS):
-        comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
+        comm.kernels.policy = comm.kernels.policy.forcing(algo)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for nbytes in (16, 64 * KB + 16, MB):
                 x = integers(nbytes // dtype.itemsize, dtype, seed=rank * 7 + nbytes)
@@ -93,9 +93,9 @@ def check_native_op(comm, rank: int) -> None:
                 y = op(x, name)
                 assert comm.native_calls() == before + 1, f"C++ kernel skipped {dtype} {nbytes} B {algo}"
                 assert torch.equal(y, reference_sum(x)), f"C++ kernel {dtype} {nbytes} B {algo}"
-    comm.allreduce.policy = comm.allreduce.policy.forcing(None)
+    comm.kernels.policy = comm.kernels.policy.forcing(None)
     x = integers(64 * 64, torch.bfloat16, seed=rank).view(64, 64)
-    before, calls = comm.native_calls(), comm.allreduce.calls
+    before, calls = comm.native_calls(), comm.kernels.calls
     assert torch.equal(op(x.t(), name), reference_sum(x.t().contiguous())), "strided input"
     misaligned = integers(64 * 64 + 1, torch.bfloat16, seed=rank)[1:]  # contiguous, 2 bytes off
     assert torch.equal(op(misaligned, name), reference_sum(misaligned)), "misaligned input"
@@ -107,12 +107,12 @@ def check_native_op(comm, rank: int) -> None:
         y.fill_(float("nan"))
         graph.replay()
         assert torch.equal(y, reference_sum(x)), f"{capture.__name__} replay"
-    assert comm.native_calls() == before and comm.allreduce.calls == calls + 4, "the Python kernel's calls"
+    assert comm.native_calls() == before and comm.kernels.calls == calls + 4, "the Python kernel's calls"
     # The fused norm's C++ kernel: the same kernel as the Python one's, in and out of a capture; a
     # strided input goes to Python, which copies it and fuses too.
     x = integers(8 * 4096, torch.bfloat16, seed=rank).view(8, 4096)
     residual, weight = integers(8 * 4096, torch.bfloat16, seed=3).view(8, 4096), torch.full_like(x[0], 1.5)
-    want = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
+    want = comm.kernels.try_all_reduce_norm(x, residual, weight, 1e-6, False)
     norm_op = torch.ops.graphar.all_reduce_add_rms_norm
     before = comm.native_calls()
     got = norm_op(x, residual, weight, 1e-6, name)
@@ -162,7 +162,7 @@ def check_fused_norm(comm, rank: int) -> None:
         residual = integers(rows * hidden, dtype, seed=77).view(rows, hidden)
         weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(5)) + 0.5).to(dtype).cuda()
         for weight_first in (False, True):
-            fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, weight_first)
+            fused = comm.kernels.try_all_reduce_norm(x, residual, weight, 1e-6, weight_first)
             assert fused is not None, f"fused norm refused {dtype} {rows}x{hidden}"
             want_normed, want_summed = unfused_add_rms_norm(reference_sum(x), residual, weight, 1e-6, weight_first)
             assert torch.equal(fused[1], want_summed), f"fused norm: sum + residual {dtype}"
@@ -180,6 +180,7 @@ def check_overlap(comm, rank: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from graphar import ulysses
+    from graphar.ulysses import transport
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
@@ -201,7 +202,7 @@ def check_overlap(comm, rank: int) -> None:
     for b in (1, 2):  # b > 1: the output exchange's rows span batch rows of the chunk's run of heads
         q, k, v = (torch.randn(b, 64, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
         for push in (False, True):  # both ranks alike, as GRAPHAR_ALLTOALL_ALGO would set it
-            comm.exchange.push = push
+            transport.of(comm).push = push
             for chunks, kernel in itertools.product((1, 2), (None, "flash", "efficient")):
                 got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, chunks, kernel)
                 assert torch.equal(got, unchunked(q, k, v, kernel)), f"b={b} push={push} chunks={chunks} {kernel}"
@@ -216,7 +217,7 @@ def check_overlap(comm, rank: int) -> None:
     q, k, v = (torch.randn(1, 8192, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in heads)
     got = torch.ops.graphar.ulysses_attention(q, k, v, name, True, None, 2, "flash")
     assert torch.equal(got, unchunked(q, k, v, "flash")), "flash, chunked"
-    comm.exchange.push = False
+    transport.of(comm).push = False
 
 
 def check_graphs(comm, rank: int) -> None:
@@ -235,14 +236,14 @@ def _check_graph(comm, rank: int, capture, algo: str | None) -> None:
 
     x = integers(32 * KB, torch.bfloat16, seed=rank)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    before = comm.allreduce.graph_calls
+    before = comm.kernels.graph_calls
     with capture(graph):
         y = comm.all_reduce(x, algo=algo)
         x.mul_(-1)
         z = comm.all_reduce(x, algo="push-twoshot" if algo else None)
     graph.instantiate()
-    assert comm.allreduce.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
-    held = comm.allreduce.slots_in_use
+    assert comm.kernels.graph_calls - before == (2 if capture is graphar.graph and algo is None else 0)
+    held = comm.kernels.slots_in_use
     if algo is not None:
         total, programmatic = graphar._cuda.graph_edges(graph)
         assert programmatic >= 1, f"no programmatic edge among {total}"
@@ -255,7 +256,7 @@ def _check_graph(comm, rank: int, capture, algo: str | None) -> None:
         assert torch.equal(z, reference_sum(-values)), f"{capture.__name__} replay {i}: second"
     del graph
     gc.collect()  # a freed graph hands its slots back; the next capture takes them
-    assert comm.allreduce.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
+    assert comm.kernels.slots_in_use == held - (2 if capture is graphar.graph and algo is None else 0)
 
 
 def check_ulysses(comm, rank: int) -> None:
@@ -264,14 +265,14 @@ def check_ulysses(comm, rank: int) -> None:
     from unittest import mock
 
     from graphar import ulysses
-    from graphar.comm import ulysses_stages
-    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.ulysses import stages, transport
+    from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     group, world = dist.group.WORLD, world_size()
-    default = ulysses_stages._STAGE_BYTES
+    default = stages._STAGE_BYTES
     for push, stage_bytes in ((False, default), (True, default), (True, 4 * KB)):
-        comm.exchange.push = push  # both ranks alike, as the setting would be
-        with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes):
+        transport.of(comm).push = push  # both ranks alike, as the setting would be
+        with mock.patch.object(stages, "_STAGE_BYTES", stage_bytes):
             for b, s, h, hkv, d in ((1, 64, 2 * world, world, 64), (2, 48, 2 * world, 2 * world, 32)):
                 q, k, v = (
                     integers(b * s * n * d, torch.bfloat16, seed=10 * rank + i).view(b, s, n, d)
@@ -292,8 +293,8 @@ def check_ulysses(comm, rank: int) -> None:
                 o = integers(math.prod(shape), torch.bfloat16, seed=rank).view(shape)
                 got = ulysses.heads_to_seq(o, group.group_name)
                 assert torch.equal(got, heads_to_seq_unpacked(o.cpu(), group).cuda()), f"output exchange {what}"
-    comm.exchange.push = False
-    assert comm.exchange.capacity > 0, "the exchanges did not take the IPC transport"
+    transport.of(comm).push = False
+    assert transport.of(comm).capacity > 0, "the exchanges did not take the IPC transport"
 
 
 def check_pairs(comm, rank: int) -> None:
@@ -302,8 +303,9 @@ def check_pairs(comm, rank: int) -> None:
     first Q/K/V exchange) sets its communicator up; each sums its own ranks, interleaved with the
     world's calls."""
     from graphar import ulysses
-    from graphar.comm import registry
-    from graphar.ulysses_unpacked import seq_to_heads_unpacked
+    from graphar.allreduce import registry
+    from graphar.ulysses import transport
+    from graphar.ulysses.unpacked import seq_to_heads_unpacked
 
     pair, other = new_pair(), new_pair()
     op = torch.ops.graphar.all_reduce
@@ -321,7 +323,7 @@ def check_pairs(comm, rank: int) -> None:
         got = ulysses.seq_to_heads(q, k, v, other.group_name)
         want = [seq_to_heads_unpacked(t.cpu(), other).cuda() for t in (q, k, v)]
         assert all(map(torch.equal, got, want)), "the pair's first Q/K/V exchange"
-        assert registry.communicator(other.group_name).exchange.capacity > 0, "that exchange did not go over IPC"
+        assert transport.of(registry.communicator(other.group_name)).capacity > 0, "that exchange did not go over IPC"
     finally:
         for group in (pair, other):
             if registry.communicator(group.group_name) is not None:
@@ -361,7 +363,7 @@ def _worker(rank: int, port: int, world: int) -> None:
 
 
 def main() -> int:
-    from graphar._launch import free_port
+    from graphar.processes import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, choices=(2, 4, 6, 8), help="processes (ranks) on the GPU")

@@ -77,7 +77,7 @@ def check_compiled_attention(comm, rank: int) -> None:
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
 
-    from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+    from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (seq_to_heads_unpacked(t) for t in (q, k, v))
@@ -103,7 +103,7 @@ def check_compiled_attention(comm, rank: int) -> None:
 def check_compiled_on_fresh_pairs(comm, rank: int) -> None:
     """mode="reduce-overhead" on groups that never had graphar.init: the warm-up call (eager) sets
     each pair up, and the recorded graph's all-reduce is graphar's."""
-    from graphar.comm import registry
+    from graphar.allreduce import registry
 
     pair = new_pair()
     w = integers(256 * 256, torch.float32, seed=rank).view(256, 256)
@@ -123,7 +123,7 @@ def check_compiled_on_fresh_pairs(comm, rank: int) -> None:
             dist.all_reduce(ref, group=pair)
             assert torch.equal(compiled(x), ref.cuda() + 1), f"compiled on a fresh pair, call {i}"
             served = registry.communicator(pair.group_name)
-            calls.append(served.allreduce.calls if served is not None else 0)
+            calls.append(served.kernels.calls if served is not None else 0)
         assert calls[0] >= 1 and calls[1] > calls[0], f"the recorded graph's all-reduce is not graphar's: {calls}"
     finally:
         torch._dynamo.reset()

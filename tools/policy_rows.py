@@ -1,4 +1,4 @@
-"""Print graphar.comm.policy's rows for a committed all-reduce report: what to paste into TABLE.
+"""Print graphar.allreduce.policy's rows for a committed all-reduce report: what to paste into TABLE.
 
     PYTHONPATH=. python tools/policy_rows.py bench/results/allreduce-h200-ws2.md 9 2
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from graphar.comm import policy
+from graphar.allreduce import policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is not a package: by path
 from winners import policy_rows, winners_from_report

@@ -74,10 +74,11 @@ from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, ref
 
 import graphar
 from graphar import _cuda, settings
-from graphar._launch import end_worker, free_port
-from graphar.comm import policy, ulysses_stages
-from graphar.comm.communicator import Communicator
-from graphar.ulysses_unpacked import seq_to_heads_unpacked
+from graphar.allreduce import policy
+from graphar.allreduce.communicator import Communicator
+from graphar.processes import end_worker, free_port
+from graphar.ulysses import stages, transport
+from graphar.ulysses.unpacked import seq_to_heads_unpacked
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is not a package: by path
 import common
@@ -343,7 +344,7 @@ def exchange_bytes(world: int) -> int:
 
 
 def stage_bytes(world: int) -> int:
-    """graphar.comm.ulysses_stages._STAGE_BYTES that cuts one exchange into STAGES stages (8, its most)."""
+    """graphar.ulysses.stages._STAGE_BYTES that cuts one exchange into STAGES stages (8, its most)."""
     return exchange_bytes(world) // STAGES
 
 
@@ -426,7 +427,7 @@ class _Replays:
         if triton is None:
             raise RuntimeError("the replay cases need Triton (the spin kernel)")
         self.comm, self.algo, self.per_round = comm, algo, s.replays_per_round
-        sizes = [n for n in SIZES if comm.allreduce.policy.pick(n, policy.GRAPH, algo) is not None]
+        sizes = [n for n in SIZES if comm.kernels.policy.pick(n, policy.GRAPH, algo) is not None]
         n = s.calls_per_graph
         self.sizes = [sizes[i % len(sizes)] for i in range(n)]
         self.groups = {size: [i for i in range(n) if self.sizes[i] == size] for size in sizes}
@@ -518,10 +519,10 @@ class _Exchanges:
         self.expected = torch.empty_like(self.expected_base)
         self.counts = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.calls = 0
-        if len(ulysses_stages._slices(seq, exchange_bytes(WORLD))) != STAGES:
-            raise RuntimeError(f"the exchanges do not run in {STAGES} stages: has ulysses_stages._slices changed?")
+        if len(stages._slices(seq, exchange_bytes(WORLD))) != STAGES:
+            raise RuntimeError(f"the exchanges do not run in {STAGES} stages: has stages._slices changed?")
         self._call()  # grows the exchange buffers (collective)
-        if comm.exchange.capacity == 0:
+        if transport.of(comm).capacity == 0:
             raise RuntimeError("the exchanges did not take the IPC transport")
 
     def _call(self) -> None:
@@ -585,7 +586,7 @@ def run_replay(case: Case, s: Sizing, rank: int) -> Result:
 
 def run_exchange(case: Case, s: Sizing, rank: int) -> Result:
     os.environ[settings.ALLTOALL_ALGO.name] = case.kernel  # read as the communicator is made; equal on every rank
-    with mock.patch.object(ulysses_stages, "_STAGE_BYTES", stage_bytes(WORLD)):
+    with mock.patch.object(stages, "_STAGE_BYTES", stage_bytes(WORLD)):
         return _clean_case(case, lambda comm: _Exchanges(comm, s, rank), MB)
 
 
@@ -611,7 +612,7 @@ def _subject(comm: Communicator, kernel: str) -> _Subject:
         weight = torch.ones(x.shape[1], device="cuda", dtype=DTYPE)
 
         def norm() -> torch.Tensor:
-            fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
+            fused = comm.kernels.try_all_reduce_norm(x, residual, weight, 1e-6, False)
             if fused is None:
                 raise RuntimeError("the fused norm refused its shapes")
             return fused[1]  # the residual stream, sum + residual: the normed rows of a constant hide the sum

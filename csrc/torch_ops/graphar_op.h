@@ -38,7 +38,7 @@ int graphar_op_install(void);
 // Serves a group by name through its communicator from now on (once, at its set-up), replacing the
 // previous one; group NULL withdraws it. Every call of the group goes to the Python kernel while none
 // is served. Python withdraws it when the communicator closes or torch unregisters the name
-// (graphar/native_op.py).
+// (graphar/allreduce/native_op.py).
 int graphar_op_serve(const char* group_name, const graphar_op_group* group);
 // How many calls the C++ kernel has served on the group since the process started.
 uint64_t graphar_op_calls(const char* group_name);

@@ -15,7 +15,7 @@
 //
 // What the stable ABI lacks, and what stands in for it:
 // - c10d, which told whether a name still names the group a state was served for (torch gives a
-//   destroyed group's name to the next group it makes): graphar.native_op withdraws a group's state
+//   destroyed group's name to the next group it makes): graphar.allreduce.native_op withdraws a group's state
 //   when torch unregisters its name.
 // - calling an op's kernel for one dispatch key: torch_call_dispatcher dispatches anew, which would
 //   bring a CUDA call back here. A declined call goes to graphar::_all_reduce_python or
@@ -189,7 +189,7 @@ std::optional<Tensor> try_all_reduce(const graphar_op_group& g, const Tensor& x,
 using NormOutputs = std::pair<Tensor, Tensor>;
 
 // (normed, sum + residual) by the fused kernel, or nothing when the call is the Python kernel's
-// (graphar.comm.allreduce.AllReduce.try_all_reduce_norm takes the same shapes).
+// (graphar.allreduce.kernels.AllReduce.try_all_reduce_norm takes the same shapes).
 std::optional<NormOutputs> try_all_reduce_norm(const graphar_op_group& g, const Tensor& x,
                                                const std::optional<Tensor>& residual,
                                                const std::optional<Tensor>& weight, double eps, bool weight_first,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar._launch import end_worker, free_port
+from graphar.processes import end_worker, free_port
 
 WORLD = 2
 # fp32 on the CPU. Inductor fuses and reorders the fp32 arithmetic of norms, softmax and matmul

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphar._launch import free_port
+from graphar.processes import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from one_gpu_common import mps_running, relax_set_up  # tools/ is not a package: by path
@@ -231,7 +231,7 @@ def registered_buffer(comm: Any, nbytes: int) -> torch.Tensor:
     import ctypes
 
     from graphar import _cuda
-    from graphar.comm.exchange import _DeviceMemory
+    from graphar.ulysses.transport import _DeviceMemory
 
     ptr = ctypes.c_uint64()
     _cuda.check(_cuda.library().graphar_comm_registered_buffer(comm.handle, ctypes.byref(ptr)), "registered buffer")

@@ -22,7 +22,7 @@ from _dist import (
 
 import graphar
 from graphar import GrapharCommError
-from graphar.comm.registry import communicator
+from graphar.allreduce.registry import communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +43,7 @@ def _exact_against_nccl(rank: int, world_size: int) -> None:
                 for algo in ALGOS:
                     x = integer_valued(nbytes // dtype.itemsize, dtype)
                     assert comm.eligible(x)
-                    if comm.allreduce.policy.pick(nbytes, "eager", algo) is None:  # past the one-shot's room
+                    if comm.kernels.policy.pick(nbytes, "eager", algo) is None:  # past the one-shot's room
                         with pytest.raises(ValueError, match="forced kernel"):
                             comm.all_reduce(x, algo=algo)
                         continue
@@ -157,7 +157,7 @@ def _ineligible_inputs_fall_back(rank: int, world_size: int) -> None:
             assert not comm.eligible(x), reason
             with pytest.raises(ValueError, match=name):
                 comm.all_reduce(x)
-            assert reason in comm.allreduce.refusal, (reason, comm.allreduce.refusal)
+            assert reason in comm.kernels.refusal, (reason, comm.kernels.refusal)
             if x.is_cuda:  # the op sums them all the same: NCCL, or the kernels from a copy (strided, misaligned)
                 assert torch.equal(torch.ops.graphar.all_reduce(x, name), nccl_sum(x.contiguous())), reason
         with pytest.raises(ValueError, match="push-oneshot"):
@@ -177,30 +177,30 @@ def test_ineligible_inputs(world_size: int) -> None:
 def _native_op_serves_eager_calls(rank: int, world_size: int) -> None:
     """graphar::all_reduce's C++ kernel serves eager calls, bit for bit as the Python kernel, and
     hands captures and strided inputs to it; a changed policy reaches it."""
-    from graphar import native_op
+    from graphar.allreduce import native_op
 
     comm = graphar.init(max_bytes=MAX_BYTES)
     try:
         assert native_op.library() is not None, "the op library was not built (see the log)"
         op, name = torch.ops.graphar.all_reduce, comm.group_name
         for algo in ALGOS:
-            comm.allreduce.policy = comm.allreduce.policy.forcing(algo)
+            comm.kernels.policy = comm.kernels.policy.forcing(algo)
             for dtype in DTYPES:
                 for nbytes in (16, 16 * 1001, 256 * KB + 48, MAX_BYTES):
                     x = integer_valued(nbytes // dtype.itemsize, dtype)
                     before = comm.native_calls()
                     y = op(x, name)
                     served = comm.native_calls() - before
-                    assert served == (comm.allreduce.policy.pick(nbytes, "eager") is not None), (algo, dtype, nbytes)
+                    assert served == (comm.kernels.policy.pick(nbytes, "eager") is not None), (algo, dtype, nbytes)
                     assert torch.equal(y, nccl_sum(x)), (algo, dtype, nbytes)
-        comm.allreduce.policy = comm.allreduce.policy.forcing(None)
+        comm.kernels.policy = comm.kernels.policy.forcing(None)
         x = integer_valued(64 * 64, torch.bfloat16).view(64, 64)
-        before, calls = comm.native_calls(), comm.allreduce.calls
+        before, calls = comm.native_calls(), comm.kernels.calls
         assert torch.equal(op(x.t(), name), nccl_sum(x.t().contiguous()))  # strided: the Python kernel's
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = op(x, name)  # captured: the Python kernel's too
-        assert comm.native_calls() == before and comm.allreduce.calls == calls + 2
+        assert comm.native_calls() == before and comm.kernels.calls == calls + 2
         x.copy_(integer_valued(64 * 64, torch.bfloat16).view(64, 64))
         y.fill_(float("nan"))
         graph.replay()
@@ -220,8 +220,8 @@ def _destroyed_without_shutdown(rank: int, world_size: int) -> None:
     """A group destroyed with no graphar.shutdown(): torch gives its name to the next group it makes,
     here rank 0 alone. Neither kernel of graphar::all_reduce may serve that name with the old
     communicator (which would sum over every rank, or wait for them until its timeout)."""
-    from graphar import native_op
-    from graphar._launch import free_port
+    from graphar.allreduce import native_op
+    from graphar.processes import free_port
 
     comm = graphar.init(dist.new_group(list(range(world_size))), timeout_s=20)
     name, x = comm.group_name, integer_valued(4 * KB, torch.bfloat16)
@@ -253,7 +253,7 @@ def _ranks_that_differ_in_a_setting(rank: int, world_size: int) -> None:
     peers', whose spare blocks would wait for it until the timeout), then GRAPHAR_PULL_BLOCKS: the set-up
     raises on every rank naming the variable and each rank's value, by graphar.init and at a group's
     first collective alike; set alike, the group sets up."""
-    from graphar.comm.allreduce import block_limit
+    from graphar.allreduce.kernels import block_limit
 
     last = world_size - 1
     default = block_limit(torch.cuda.get_device_capability()[0])

@@ -9,7 +9,7 @@ from _dist import WORLD_SIZES, integer_valued, run_workers
 from torch._dynamo.utils import counters
 
 import graphar
-from graphar.comm.registry import communicator
+from graphar.allreduce.registry import communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def _reduce_overhead(rank: int, world_size: int, explicit_init: bool) -> None:
             out = compiled(x).clone()
             assert torch.equal(out, block(x)), f"step {step}"
             comm = communicator(dist.group.WORLD.group_name)
-            calls.append(comm.allreduce.calls if comm is not None else 0)
+            calls.append(comm.kernels.calls if comm is not None else 0)
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
         assert calls[1] > calls[0] >= 1, f"the recorded graph's all-reduce is not graphar's: {calls}"
     finally:
@@ -75,9 +75,9 @@ def _dynamic_and_strided(rank: int, world_size: int) -> None:
         return y if fn is einsum else y + 1
 
     def served(fn, *args) -> tuple[torch.Tensor, int]:  # fn's result, and the calls the custom kernels served
-        before = comm.allreduce.calls
+        before = comm.kernels.calls
         out = fn(*args)
-        return out, comm.allreduce.calls - before
+        return out, comm.kernels.calls - before
 
     try:
         torch._dynamo.reset()

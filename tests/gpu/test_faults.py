@@ -32,7 +32,7 @@ import torch.distributed as dist
 from _dist import WORLD_SIZES, registered_buffer, run_workers
 
 import graphar
-from graphar.comm.communicator import Communicator
+from graphar.allreduce.communicator import Communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def _fused_norm(comm: Communicator, small: bool) -> Case:
     weight = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
 
     def run() -> torch.Tensor:
-        fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, 1e-6, False)
+        fused = comm.kernels.try_all_reduce_norm(x, residual, weight, 1e-6, False)
         assert fused is not None, "the fused kernel refused its shapes"
         return fused[1]
 

@@ -31,10 +31,10 @@ def _capture_then_replay(rank: int, world_size: int) -> None:
             for dtype, nbytes in ((torch.bfloat16, 16), (torch.float32, 64 * KB + 16), (torch.float16, MB + 48)):
                 x = integer_valued(nbytes // dtype.itemsize, dtype)
                 graph = torch.cuda.CUDAGraph()
-                slots_before = comm.allreduce.graph_calls
+                slots_before = comm.kernels.graph_calls
                 with graphar.graph(graph):
                     y = comm.all_reduce(x, algo=algo)
-                assert comm.allreduce.graph_calls == slots_before + 1, "the call did not take the zero-copy path"
+                assert comm.kernels.graph_calls == slots_before + 1, "the call did not take the zero-copy path"
                 for _ in range(3):
                     values = _refill(x)
                     y.fill_(float("nan"))
@@ -54,7 +54,7 @@ def test_capture_then_replay(world_size: int) -> None:
 def _slots_come_back(rank: int, world_size: int) -> None:
     comm = graphar.init()
     try:
-        ar = comm.allreduce
+        ar = comm.kernels
         keep = torch.cuda.CUDAGraph()  # a live graph whose slots must stay valid throughout
         kept_x = integer_valued(4 * KB, torch.float32)
         with graphar.graph(keep):
@@ -92,13 +92,13 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
         for algo in ("1stage", "2stage"):
             x = integer_valued(2 * MB, torch.bfloat16)
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            slots_before = comm.allreduce.graph_calls
+            slots_before = comm.kernels.graph_calls
             with capture(graph):
                 y = comm.all_reduce(x, algo=algo)
                 x.mul_(-1)  # overwrites the input while slow peers might still read it
                 z = comm.all_reduce(x, algo=algo)
                 x.add_(3)
-            assert comm.allreduce.graph_calls - slots_before == (2 if graphar_capture else 0)
+            assert comm.kernels.graph_calls - slots_before == (2 if graphar_capture else 0)
             graph.instantiate()
             total, programmatic = _cuda.graph_edges(graph)  # the mul_ -> all-reduce edge: PDL kept
             assert programmatic >= 1, f"{algo}: PDL edge lost in capture ({total} edges)"

@@ -19,7 +19,7 @@ from _dist import SHARED_GPU, integer_valued, nccl_sum, run_workers
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 
 import graphar
-from graphar.comm.communicator import Communicator
+from graphar.allreduce.communicator import Communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +73,7 @@ def _state(comm: Communicator) -> tuple[float, int, int]:
     torch.cuda.empty_cache()
     dist.barrier()
     free, total = torch.cuda.mem_get_info()
-    return (total - free) / MB, sum(comm.graph_mappings()), comm.allreduce.slots_in_use
+    return (total - free) / MB, sum(comm.graph_mappings()), comm.kernels.slots_in_use
 
 
 def _cycles(rank: int, world_size: int, mode: str) -> None:

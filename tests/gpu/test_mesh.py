@@ -28,7 +28,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphar
-from graphar.comm.registry import communicator
+from graphar.allreduce.registry import communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -72,11 +72,11 @@ def _mesh(rank: int, world_size: int) -> None:
             assert_equal_across_ranks(y, f"TP group {index}, eager", tp)
             comm = communicator(name)
             assert comm is not None and (comm.rank, comm.world_size) == (tp_ranks.index(rank), 2)
-            assert comm.allreduce.calls == 10, "graphar's kernels did not serve the TP all-reduces"
+            assert comm.kernels.calls == 10, "graphar's kernels did not serve the TP all-reduces"
             store.set(f"test_mesh/turn{turn}/{rank}", b"done")
 
         # Both TP groups at once, DP all-reduces between their calls.
-        before = comm.allreduce.calls
+        before = comm.kernels.calls
         for _ in range(5):
             step += 1
             y = op(_input(step, rank).cuda(), name)
@@ -84,14 +84,14 @@ def _mesh(rank: int, world_size: int) -> None:
             dist.all_reduce(z, group=dp)
             assert torch.equal(y, _sum(step, tp_ranks)), f"TP group {index} beside DP, step {step}"
             assert torch.equal(z, _sum(step, dp_ranks).float()), f"DP all-reduce, step {step}"
-        assert comm.allreduce.calls == before + 5, "graphar's kernels did not serve the TP all-reduces"
+        assert comm.kernels.calls == before + 5, "graphar's kernels did not serve the TP all-reduces"
 
         x = _input(step, rank).cuda()
         torch.cuda.synchronize()
-        graph, before = torch.cuda.CUDAGraph(), comm.allreduce.calls
+        graph, before = torch.cuda.CUDAGraph(), comm.kernels.calls
         with torch.cuda.graph(graph):
             y = op(x, name)
-        assert comm.allreduce.calls == before + 1, "the captured all-reduce is not graphar's"
+        assert comm.kernels.calls == before + 1, "the captured all-reduce is not graphar's"
         for _ in range(3):
             step += 1
             x.copy_(_input(step, rank))
@@ -103,9 +103,9 @@ def _mesh(rank: int, world_size: int) -> None:
         compiled = torch.compile(lambda x: funcol.all_reduce(x, "sum", tp) + 1, backend="graphar", fullgraph=True)
         for _ in range(2):
             step += 1
-            before = comm.allreduce.calls
+            before = comm.kernels.calls
             y = compiled(_input(step, rank).cuda())
-            assert comm.allreduce.calls == before + 1, "the compiled all-reduce is not graphar's"
+            assert comm.kernels.calls == before + 1, "the compiled all-reduce is not graphar's"
             assert torch.equal(y, _sum(step, tp_ranks) + 1), f"TP group {index}, compiled, step {step}"
         assert_equal_across_ranks(y, f"TP group {index}, compiled", tp)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, nccl_sum, run_workers
 
 import graphar
-from graphar.kernels import rms_norm
+from graphar.allreduce import rms_norm
 from graphar.ops import add_rms_norm_dtypes, unfused_add_rms_norm
 from tests._norm import assert_close_to
 
@@ -42,7 +42,7 @@ def _fused_against_unfused(rank: int, world_size: int) -> None:
             (True, False),
         )
         for dtype, hidden, rows, with_residual, with_weight, weight_first in cases:
-            if hidden * dtype.itemsize * rows > comm.allreduce.policy.fused_norm_max:
+            if hidden * dtype.itemsize * rows > comm.kernels.policy.fused_norm_max:
                 continue
             x = integer_valued(rows * hidden, dtype, -3, 3).view(rows, hidden)
             residual = integer_valued(rows * hidden, dtype).view(rows, hidden) if with_residual else None
@@ -52,7 +52,7 @@ def _fused_against_unfused(rank: int, world_size: int) -> None:
                     dist.broadcast(replicated, 0)
             what = f"{dtype} {rows}x{hidden} residual={with_residual} weight={with_weight} first={weight_first}"
             torch.full((2 * x.numel(),), float("nan"), device="cuda", dtype=dtype)  # poison what the outputs get
-            fused = comm.allreduce.try_all_reduce_norm(x, residual, weight, EPS, weight_first)
+            fused = comm.kernels.try_all_reduce_norm(x, residual, weight, EPS, weight_first)
             assert fused is not None, f"{what}: the fused kernel refused"
             normed, summed = fused
             want_normed, want_summed = _reference(x, residual, weight, weight_first)
@@ -67,7 +67,7 @@ def _fused_against_unfused(rank: int, world_size: int) -> None:
             print(f"fused norm: worst relative error against unfused {worst:.3g}")
         # Shapes the kernel cannot take fall back to the all-reduce and the norm apart through the op.
         x = integer_valued(3 * 12, torch.bfloat16).view(3, 12)  # 24-byte rows
-        assert comm.allreduce.try_all_reduce_norm(x, None, None, EPS, False) is None
+        assert comm.kernels.try_all_reduce_norm(x, None, None, EPS, False) is None
         got = torch.ops.graphar.all_reduce_add_rms_norm(x, None, None, EPS, comm.group_name)
         want = _reference(x, None, None, False)
         assert torch.equal(got[1], want[1]), "fallback: the sum differs"
@@ -83,10 +83,10 @@ def test_fused_norm_against_unfused(world_size: int) -> None:
 
 def _fallback_against_unfused(rank: int, world_size: int) -> None:
     """GRAPHAR_ALLREDUCE_ALGO=1stage forces a kernel with no fused form: the op runs graphar's all-reduce,
-    then the fallback's Triton norm (graphar.kernels.rms_norm), eagerly and inside a CUDA graph."""
+    then the fallback's Triton norm (graphar.allreduce.rms_norm), eagerly and inside a CUDA graph."""
     comm = graphar.init()
     try:
-        assert comm.allreduce.policy.fused_norm_max == 0, "1stage forced: no fused norm"
+        assert comm.kernels.policy.fused_norm_max == 0, "1stage forced: no fused norm"
         cases = [
             *itertools.product(
                 (torch.float32, torch.float16, torch.bfloat16), (4104,), (1, 37), (True, False), (None, False, True)
@@ -102,9 +102,9 @@ def _fallback_against_unfused(rank: int, world_size: int) -> None:
                     dist.broadcast(replicated, 0)
             first = bool(weight_first)
             what = f"{dtype} {rows}x{hidden} residual={with_residual} weight={weight is not None} first={first}"
-            calls = comm.allreduce.calls
+            calls = comm.kernels.calls
             normed, summed = torch.ops.graphar.all_reduce_add_rms_norm(x, residual, weight, EPS, comm.group_name, first)
-            assert comm.allreduce.calls == calls + 1, f"{what}: graphar's all-reduce did not serve the fallback"
+            assert comm.kernels.calls == calls + 1, f"{what}: graphar's all-reduce did not serve the fallback"
             want_normed, want_summed = _reference(x, residual, weight, first)
             assert torch.equal(summed, want_summed), f"{what}: sum + residual differs"
             assert_close_to(normed, want_normed, what)
@@ -183,7 +183,7 @@ def _capture_modes(rank: int, world_size: int) -> None:
         block = _HfBlock(rank, 1024).cuda()
         # torch.compile takes mode= or options=, not both: graphar reads the mode from its options.
         compiled = torch.compile(block, backend="graphar", options={"mode": "reduce-overhead", "fuse_norm": True})
-        calls = comm.allreduce.calls
+        calls = comm.kernels.calls
         with torch.no_grad():
             for _ in range(4):
                 inp = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
@@ -194,7 +194,7 @@ def _capture_modes(rank: int, world_size: int) -> None:
                 for g, w in zip(got, want):
                     torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
                 assert_equal_across_ranks(got[0], "reduce-overhead fused block")
-        assert comm.allreduce.calls > calls
+        assert comm.kernels.calls > calls
         assert torch._dynamo.utils.counters["graphar"]["all_reduce_add_rms_norm"] >= 1, "no fusion in the graph"
     finally:
         comm.close()

@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphar
 from graphar import ulysses
-from graphar.comm.ulysses_shapes import world_size
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar.ulysses.shapes import world_size
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 pytestmark = pytest.mark.gpu
 

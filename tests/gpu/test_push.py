@@ -123,11 +123,11 @@ def _three_capture_modes(rank: int, world_size: int) -> None:
         for capture in (torch.cuda.graph, graphar.graph):
             x = integer_valued(64 * KB, torch.float32)
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            before = comm.allreduce.graph_calls
+            before = comm.kernels.graph_calls
             with capture(graph):
                 y, z = body(x)
             graph.instantiate()
-            assert comm.allreduce.graph_calls == before, f"{capture.__name__}: a push call took a graph slot"
+            assert comm.kernels.graph_calls == before, f"{capture.__name__}: a push call took a graph slot"
             total, programmatic = _cuda.graph_edges(graph)
             assert programmatic >= 1, f"{capture.__name__}: PDL edge lost in capture ({total} edges)"
             for _ in range(3):
@@ -145,7 +145,7 @@ def _three_capture_modes(rank: int, world_size: int) -> None:
 
 def _reduce_overhead(comm) -> None:
     name = comm.group_name
-    calls = comm.allreduce.calls
+    calls = comm.kernels.calls
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x * 2, "sum", name)) + 1
@@ -154,7 +154,7 @@ def _reduce_overhead(comm) -> None:
     for _ in range(4):
         x = integer_valued(8 * KB, torch.bfloat16)
         assert torch.equal(compiled(x), nccl_sum(x * 2) + 1)
-    assert comm.allreduce.calls > calls, "the compiled step never reached graphar's kernels"
+    assert comm.kernels.calls > calls, "the compiled step never reached graphar's kernels"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES[:1])
@@ -211,7 +211,7 @@ def _poison_after_a_timeout(rank: int, world_size: int) -> None:
         algos = ("1stage", "2stage", *PUSH)
 
         def body() -> list[torch.Tensor]:
-            fused = comm.allreduce.try_all_reduce_norm(rows, residual, weight, 1e-6, False)
+            fused = comm.kernels.try_all_reduce_norm(rows, residual, weight, 1e-6, False)
             assert fused is not None, "the fused norm refused its shapes"
             return [comm.all_reduce(x, algo=algo) for algo in algos] + list(fused)
 

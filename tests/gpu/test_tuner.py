@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import WORLD_SIZES, assert_equal_across_ranks, check_exact, integer_valued, run_workers
 
 import graphar
-from graphar.comm import tuner
+from graphar.allreduce import tuner
 
 pytestmark = pytest.mark.gpu
 
@@ -22,11 +22,11 @@ def _tunes_agrees_and_caches(rank: int, world_size: int) -> None:
     started = time.monotonic()
     comm = graphar.init(max_bytes=4 * MB)
     first = time.monotonic() - started
-    table = comm.allreduce.tuned
+    table = comm.kernels.tuned
     assert table is not None and table.source == "tuned"
     tables = comm.all_gather(table.rows, "tuned rows")
     assert all(t == tables[0] for t in tables), tables
-    assert comm.allreduce.policy.tuned_rows == table.rows
+    assert comm.kernels.policy.tuned_rows == table.rows
     for nbytes in (1 * KB, 48 * KB, 256 * KB + 16, 4 * MB):  # whatever the table picked serves them exactly
         check_exact(comm, integer_valued(nbytes // 2, torch.bfloat16), None)
     graphar.shutdown()
@@ -34,7 +34,7 @@ def _tunes_agrees_and_caches(rank: int, world_size: int) -> None:
     started = time.monotonic()
     again = graphar.init(max_bytes=4 * MB)
     second = time.monotonic() - started
-    assert again.allreduce.tuned.source == "cache" and again.allreduce.tuned.rows == table.rows
+    assert again.kernels.tuned.source == "cache" and again.kernels.tuned.rows == table.rows
     if rank == 0:
         print(f"\nws {world_size}: set-up with tuning {first:.2f} s, from the cache {second:.2f} s")
         print("\n".join(table.describe()))
@@ -54,7 +54,7 @@ def _a_row_s_bits(rank: int, world_size: int) -> None:
     for algo in tuner.GRAPHAR_CANDIDATES:
         for rows in (1, 3, 16):  # the row's sum must not depend on the batch it came in
             out = comm.all_reduce(batch[:rows].contiguous(), algo=algo)
-            if comm.allreduce.policy.pick(out.nbytes, "eager", algo) is None:
+            if comm.kernels.policy.pick(out.nbytes, "eager", algo) is None:
                 continue
             alone.setdefault(0, out[0].clone())
             assert torch.equal(out[0].view(torch.int16), alone[0].view(torch.int16)), (algo, rows)

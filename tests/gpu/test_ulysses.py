@@ -20,10 +20,10 @@ from _dist import WORLD_SIZES, assert_timed_out_for_good, integer_valued, run_wo
 from torch._dynamo.utils import counters
 
 import graphar
-from graphar import pool, ulysses
-from graphar.comm import exchange
-from graphar.comm.ulysses_shapes import packed_heads
-from graphar.ulysses_unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
+from graphar import ulysses
+from graphar.ulysses import pool, transport
+from graphar.ulysses.shapes import packed_heads
+from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock
 
 pytestmark = pytest.mark.gpu
@@ -39,16 +39,16 @@ def _here() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _set_transport(transport: str) -> exchange.IpcExchange | None:
-    """For "ipc" and "ipc-push", set up the world's graphar communicator, whose IPC exchange the ops
-    then take (pulled, or pushed: GRAPHAR_ALLTOALL_ALGO is read when the communicator is made)."""
-    if transport == "nccl":
+def _set_transport(kind: str) -> transport.IpcTransport | None:
+    """For "ipc" and "ipc-push", set up the world's graphar communicator, whose IPC transport the ops
+    then take (pulled, or pushed: GRAPHAR_ALLTOALL_ALGO is read when the transport is made)."""
+    if kind == "nccl":
         return None
-    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if transport == "ipc-push" else "pull"
+    os.environ["GRAPHAR_ALLTOALL_ALGO"] = "push" if kind == "ipc-push" else "pull"
     comm = graphar.init()
     assert comm is not None, "no graphar communicator on this machine"
-    assert comm.exchange.push == (transport == "ipc-push")
-    return comm.exchange
+    assert transport.of(comm).push == (kind == "ipc-push")
+    return transport.of(comm)
 
 
 def _full(seed: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -305,7 +305,7 @@ def _peer_stops_exchanging(rank: int, world_size: int) -> None:
     """A rank alone in an IPC exchange gets an error naming the barrier and the peer, not a hang."""
     comm = graphar.init(timeout_s=0.5)
     try:
-        ex = comm.exchange
+        ex = transport.of(comm)
         static = _Static(world_size, 1, 64, 2 * world_size, 64, torch.bfloat16)
         expected = static.refill(seed=5)
         assert all(torch.equal(x, e) for x, e in zip(static.step(), expected))  # sizes the buffer on every rank
@@ -376,9 +376,10 @@ def _compiled_variants(kernel: object) -> int | None:
 
 
 def test_pack_kernel_64bit_offsets_and_no_recompile_per_sequence_length() -> None:
-    from graphar.kernels import pack
+    from graphar.triton_common import triton_available
+    from graphar.ulysses import pack
 
-    if not torch.cuda.is_available() or not pack.triton_available():
+    if not torch.cuda.is_available() or not triton_available():
         pytest.skip("needs a CUDA GPU and Triton")
     p, heads, d = 2, 16, 128
     xs = [torch.randn(1, 8, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

@@ -8,22 +8,22 @@
 - `packed_exchange`: N equal-split `all_to_all_single`s on one group as one exchange, packed per
   destination rank.
 
-Each returns new memory, never staging memory, of the shape graphar.comm.ulysses_shapes gives (it
+Each returns new memory, never staging memory, of the shape graphar.ulysses.shapes gives (it
 checks the inputs, for the ops and their fakes alike).
 
 A heads-at-dim-1 layout `[b, h, S, d]` goes through the same ops as a permuted view
-(`graphar.ulysses.seq_to_heads`). Packing and unpacking are copies of bits (`graphar.kernels.pack`),
+(`graphar.ulysses.seq_to_heads`). Packing and unpacking are copies of bits (`graphar.ulysses.pack`),
 so every path gives the results of separate `all_to_all_single`s bit for bit. The decision to pack
 depends only on shapes, dtypes and the world size, equal on every rank.
 
 Transport: a group with a graphar communicator (`graphar.init(group)`, or set up at the group's first
 eager exchange: `set_up.communicator_or_set_up`) exchanges over CUDA IPC: the body makes the exchange's whole plan
-(graphar.comm.ulysses_stages) and hands it to the exchange (`graphar.comm.exchange`), which calls
+(graphar.ulysses.stages) and hands it to the exchange (`graphar.ulysses.transport`), which calls
 nothing back. The pack writes into the rank's registered exchange buffer and each rank pulls its
 chunks from the peers straight into the result, the receive relayout folded into the copy; or
 (`GRAPHAR_ALLTOALL_ALGO=push`) the pack stores each chunk straight into its rank's buffer. Other
 groups, and captures whose exchange buffer is too small, use NCCL's `all_to_all_single` through
-staging buffers from `graphar.pool`.
+staging buffers from `graphar.ulysses.pool`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from graphar import pool
-from graphar.comm import exchange, ulysses_shapes, ulysses_stages
-from graphar.comm.set_up import communicator_or_set_up
-from graphar.kernels import pack
+from graphar.allreduce.set_up import communicator_or_set_up
+from graphar.ulysses import pack, pool, stages, transport
+from graphar.ulysses import shapes as ulysses_shapes  # `shapes` names the inputs' shapes here
 
 _QKV_SEND, _QKV_RECV = "ulysses.qkv.send", "ulysses.qkv.recv"
 _OUT_SEND, _OUT_RECV = "ulysses.out.send", "ulysses.out.recv"
@@ -53,19 +52,19 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str
         raise RuntimeError(f"graphar::{op} on group {group_name!r}: all_to_all_single failed: {e}") from e
 
 
-def _ipc(group_name: str, out: torch.Tensor, plan: Callable[[], ulysses_stages.Plan]) -> bool:
+def _ipc(group_name: str, out: torch.Tensor, plan: Callable[[], stages.Plan]) -> bool:
     """Run the exchange `plan()` plans over the group's IPC exchange into `out`; False (nothing done)
     for NCCL. The whole plan is made before the exchange runs, which calls nothing back."""
     ex = _ipc_exchange(group_name, out.device)
     return ex is not None and ex.run(out, plan())
 
 
-def _ipc_exchange(group_name: str, device: torch.device) -> exchange.IpcExchange | None:
+def _ipc_exchange(group_name: str, device: torch.device) -> transport.IpcTransport | None:
     """The IPC exchange of a group that has a graphar communicator (`graphar.init`, or set up here at
     the group's first eager exchange: `set_up.communicator_or_set_up`), else None. The Ulysses room's one call into
     set-up: it owns which groups get a communicator and when; this room only asks for the exchange."""
     comm = communicator_or_set_up(group_name, device)
-    return None if comm is None else comm.exchange
+    return None if comm is None else transport.of(comm)
 
 
 def qkv_exchange(xs: Sequence[torch.Tensor], group_name: str) -> torch.Tensor:
@@ -76,7 +75,7 @@ def qkv_exchange(xs: Sequence[torch.Tensor], group_name: str) -> torch.Tensor:
     s_local = s_global // p
     shape = (p, b, s_local, heads, d)
     out = torch.empty((b, s_global, heads, d), dtype=q.dtype, device=q.device)
-    if _ipc(group_name, out, lambda: ulysses_stages.qkv_plan(xs, p, heads)):
+    if _ipc(group_name, out, lambda: stages.qkv_plan(xs, p, heads)):
         return out
     send = pool.staging(_QKV_SEND, shape, q.dtype, q.device)
     pack.pack_heads(xs, p, send)
@@ -111,7 +110,7 @@ def output_exchange(o: torch.Tensor, group_name: str, out: torch.Tensor | None =
             f"16-byte aligned {o.dtype} on {o.device}, as o is"
         )
     token_bytes = out.stride(1) * out.element_size()
-    if _ipc(group_name, out, lambda: ulysses_stages.output_plan(o, p, token_bytes)):
+    if _ipc(group_name, out, lambda: stages.output_plan(o, p, token_bytes)):
         return out
     if b == 1 and o.is_contiguous():  # already destination-major: sequence block j is chunk j
         send = o
@@ -128,7 +127,7 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     """`[all_to_all_single(x) for x in xs]` (equal splits) as one exchange: chunk j of every x goes to
     rank j side by side, so the packed exchange moves each x's chunks exactly where its own would."""
     p = ulysses_shapes.world_size(group_name)
-    shapes = ulysses_shapes.packed_shapes(xs, p, group_name)
+    out_shapes = ulysses_shapes.packed_shapes(xs, p, group_name)
     widths = [x.numel() // p for x in xs]
     total = sum(widths)
     dtype, device = xs[0].dtype, xs[0].device
@@ -136,11 +135,11 @@ def packed_exchange(xs: Sequence[torch.Tensor], group_name: str) -> list[torch.T
     torch.cat([x.reshape(p, w) for x, w in zip(xs, widths)], dim=1, out=send)
     recv = pool.staging(_A2A_RECV, (p, total), dtype, device)
     row = total * dtype.itemsize
-    if not _ipc(group_name, recv, lambda: ulysses_stages.packed_plan(send, row)):
+    if not _ipc(group_name, recv, lambda: stages.packed_plan(send, row)):
         _all_to_all(recv, send, group_name, "packed_all_to_all_single")
     outs = []
     offset = 0
-    for shape, w in zip(shapes, widths):
+    for shape, w in zip(out_shapes, widths):
         out = torch.empty(shape, dtype=dtype, device=device)
         out.view(p, w).copy_(recv[:, offset : offset + w])
         outs.append(out)

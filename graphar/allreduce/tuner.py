@@ -1,6 +1,6 @@
 """The all-reduce kernel for each size, measured on the group's own GPUs at set-up.
 
-The shipped table (graphar.comm.policy) was measured once, on one machine; every other GPU, world
+The shipped table (graphar.allreduce.policy) was measured once, on one machine; every other GPU, world
 size and link gets a guess. The tuner times every candidate for each size class and capture mode on
 this group and keeps the fastest, NCCL included: where NCCL measured faster, the size stays on NCCL.
 
@@ -36,9 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphar import graphs
-from graphar.comm import policy
-from graphar.comm.abi import ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE
+from graphar.abi import ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE
+from graphar.allreduce import graphs, policy
 
 logger = logging.getLogger("graphar")
 
@@ -158,7 +157,7 @@ class GpuTimer:
     best of `replays`. Microseconds per call."""
 
     def __init__(self, allreduce: Any, group: dist.ProcessGroup, calls: int = 8, replays: int = 3) -> None:
-        self.allreduce = allreduce
+        self.kernels = allreduce
         self.group = group
         self.calls = calls
         self.replays = replays
@@ -171,9 +170,9 @@ class GpuTimer:
                 return None
             op = lambda x: dist.all_reduce(x, group=self.group)  # noqa: E731  (in place: NCCL's own form)
         else:
-            if self.allreduce.policy.pick(nbytes, mode, candidate) is None:
+            if self.kernels.policy.pick(nbytes, mode, candidate) is None:
                 return None  # past this kernel's room
-            op = lambda x: self.allreduce.all_reduce(x, algo=candidate)  # noqa: E731
+            op = lambda x: self.kernels.all_reduce(x, algo=candidate)  # noqa: E731
         x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")  # NCCL sums in place: stays finite
         op(x)  # warm: module load, first-call set-up
         if mode == policy.EAGER:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from graphar.kernels import interpreting, on_device
+from graphar.triton_common import interpreting, on_device
 
 try:
     import triton

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from graphar.errors import GrapharCommError, GrapharCudaError
 
 
-class StoreExchange:
+class Rendezvous:
     """All-gathers of small Python objects over a store, each with a bounded wait."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
@@ -53,7 +53,7 @@ def first_reason(reasons: Sequence[str | None]) -> str | None:
     return None
 
 
-def agree(exchange: StoreExchange, what: str, step: Callable[[], str | None]) -> str | None:
+def agree(exchange: Rendezvous, what: str, step: Callable[[], str | None]) -> str | None:
     """Run a local step (its result: a reason to give up, or None), then share every rank's result."""
     try:
         local = step()

@@ -9,6 +9,15 @@ import os
 import torch
 
 
+def triton_available() -> bool:
+    """Whether Triton imports here (ranks must agree: their Ulysses packs differ without it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def interpreting() -> bool:
     """Whether Triton runs its kernels through the interpreter (TRITON_INTERPRET=1: CPU tensors, tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

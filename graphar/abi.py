@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ ONE_STAGE, TWO_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT = "1stage", "2stage", "push-o
 ALGO_CODES = {ONE_STAGE: 1, TWO_STAGE: 2, PUSH_ONE_SHOT: 3, PUSH_TWO_SHOT: 4}
 PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Input paths of a launch (GRAPHAR_EAGER ...), PATH_ here so that they are not taken for the policy's
-# capture modes (graphar.comm.policy.EAGER ...): copy-in, where the library asks the stream whether it
+# capture modes (graphar.allreduce.policy.EAGER ...): copy-in, where the library asks the stream whether it
 # is capturing; copy-in inside a foreign capture; zero copy through a graph slot; copy into the
 # registered buffer then a graph slot. The all-to-all's copy takes the first two.
 PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED = 0, 1, 2, 3
@@ -89,16 +90,31 @@ def describe(x: torch.Tensor | None) -> bytes:
     return TENSOR.pack(x.data_ptr(), x.nbytes, DTYPE_CODES.get(x.dtype, -1), x.get_device(), x.is_contiguous(), 0)
 
 
+class AllToAllCopy(NamedTuple):
+    """One stage's copy as graphar_comm_all_to_all takes it, but for the handle, output, lease and
+    stream: from byte `src_offset` of the exchange buffers, rank i's chunk as `chunk_bytes / row_bytes`
+    rows of `row_bytes`, row k at `i * dst_chunk_stride + k * dst_row_stride` of the output."""
+
+    mode: int  # PATH_EAGER or PATH_CAPTURED_COPY
+    src_offset: int
+    chunk_bytes: int
+    row_bytes: int
+    dst_row_stride: int
+    dst_chunk_stride: int
+    flags: int  # A2A_*
+    blocks: int
+
+
 # A kernel table's rows per capture mode (GRAPHAR_MAX_ROWS): the tuner's size classes and the one-shot's
 # split fit with room to spare.
 MAX_ROWS = 32
-# Rows as graphar.comm.policy makes them: (largest bytes, kernel or None: no kernel takes those sizes),
+# Rows as graphar.allreduce.policy makes them: (largest bytes, kernel or None: no kernel takes those sizes),
 # ascending.
 Segments = tuple[tuple[int, str | None], ...]
 
 
 class Kernels(ctypes.Structure):
-    """struct graphar_kernels: the communicator's kernel choice per capture mode (graphar.comm.policy's
+    """struct graphar_kernels: the communicator's kernel choice per capture mode (graphar.allreduce.policy's
     EAGER, GRAPH and GRAPHAR_GRAPH, in that order) and its launch settings."""
 
     _fields_ = [

@@ -1,7 +1,7 @@
 """All-to-all over CUDA IPC: the Ulysses exchanges of a group that has a graphar communicator.
 
-`run(out, plan)` runs a plan the op body made whole beforehand (graphar.comm.ulysses_stages: data, no
-call goes back to it), packing with graphar's kernel (graphar.kernels.pack). It moves one chunk per
+`run(out, plan)` runs a plan the op body made whole beforehand (graphar.ulysses.stages: data, no
+call goes back to it), packing with graphar's kernel (graphar.ulysses.pack). It moves one chunk per
 destination rank in one of two ways (`GRAPHAR_ALLTOALL_ALGO`, equal on every rank):
 - pull: the pack writes the chunks destination-major into this rank's exchange buffer, then every
   rank reads chunk `rank` of every rank's buffer over the link straight into its output;
@@ -25,25 +25,27 @@ the communicator's failed flag before it stores: an exchange that meets another 
 communicator writes nothing shared, its result and the other's are NaN, and the next call raises
 (csrc/all_to_all.cuh, exchange_lease). A stage the kernel cannot pack uses NCCL.
 
-The exchange reaches its communicator (graphar.comm.communicator) only through `ExchangeCalls`.
+The exchange reaches its communicator (graphar.allreduce.communicator) only through `TransportCalls`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from graphar import pool, settings
-from graphar.comm.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, PATH_CAPTURED_COPY, PATH_EAGER
-from graphar.comm.rendezvous import first_reason
-from graphar.comm.ulysses_stages import Placement, Plan, Stage
+from graphar import settings
+from graphar.abi import A2A_LAST, A2A_OWN_PLACED, A2A_PUSHED, PATH_CAPTURED_COPY, PATH_EAGER, AllToAllCopy
+from graphar.allreduce.rendezvous import first_reason
 from graphar.errors import GrapharCommError, GrapharCudaError
-from graphar.kernels import pack
+from graphar.ulysses import pack, pool
+from graphar.ulysses.stages import Placement, Plan, Stage
 
 logger = logging.getLogger("graphar")
 
@@ -77,7 +79,7 @@ class Destination:
     rank: int
     addresses: Sequence[int] = ()
     own: torch.Tensor | None = None
-    guard: torch.Tensor | None = None  # the pack kernel's (graphar.kernels.pack.relayout): the failed flag
+    guard: torch.Tensor | None = None  # the pack kernel's (graphar.ulysses.pack.relayout): the failed flag
 
     def fill(self, stage: Stage) -> None:
         """Pack `stage`'s sources into their chunks here (graphar's kernel wherever `chunks` is shifted)."""
@@ -137,18 +139,7 @@ class _DeviceMemory:
         }
 
 
-class StageCopy(NamedTuple):
-    """How one stage's copy moves its chunks into the output (csrc graphar_comm_all_to_all): from byte
-    `src_offset` of the exchange buffers, placed by `placement`, on `blocks` blocks."""
-
-    mode: int  # abi.PATH_EAGER or abi.PATH_CAPTURED_COPY
-    src_offset: int
-    placement: Placement
-    flags: int  # abi.A2A_*
-    blocks: int
-
-
-class ExchangeCalls(Protocol):
+class TransportCalls(Protocol):
     """What the exchange needs of its communicator, all of it (tests/test_communicator_calls.py holds it so)."""
 
     group_name: str
@@ -159,16 +150,30 @@ class ExchangeCalls(Protocol):
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def take_exchange_lease(self, mode: int, stream: int) -> int: ...  # eager: after the previous op
-    def launch_all_to_all(self, copy: StageCopy, output: int, lease: int, stream: int) -> None: ...
+    def launch_all_to_all(self, copy: AllToAllCopy, output: int, lease: int, stream: int) -> None: ...
     def failed_flag(self) -> int: ...  # device address of the flag the group's kernels set when one gives up
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]: ...  # collective
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]: ...  # collective
 
 
-class IpcExchange:
-    """The exchange buffers of one communicator (its `exchange`)."""
+_transports: weakref.WeakKeyDictionary[Any, IpcTransport] = weakref.WeakKeyDictionary()
+_transports_lock = threading.Lock()
 
-    def __init__(self, comm: ExchangeCalls) -> None:
+
+def of(comm: TransportCalls) -> IpcTransport:
+    """The IPC transport of a communicator, made at its first exchange: the Ulysses room attaches it, so
+    the all-reduce's communicator knows nothing of it (one-way calls)."""
+    with _transports_lock:
+        found = _transports.get(comm)
+        if found is None:
+            found = _transports[comm] = IpcTransport(comm)
+        return found
+
+
+class IpcTransport:
+    """The exchange buffers of one communicator (`of(comm)`)."""
+
+    def __init__(self, comm: TransportCalls) -> None:
         self.comm = comm
         # Push or pull: GRAPHAR_ALLTOALL_ALGO, agreed at set-up. A benchmark or test that flips it must
         # flip it on every rank between the same two calls.
@@ -250,7 +255,17 @@ class IpcExchange:
         Destination(self._buffer, stage.src_offset, self.comm.rank, addresses, own, self._guard).fill(stage)
         flags = (A2A_PUSHED if self.push else 0) | (A2A_OWN_PLACED if own is not None else 0)
         flags |= A2A_LAST if last else 0
-        copy = StageCopy(mode, stage.src_offset, stage.placement, flags, self._blocks)
+        p = stage.placement
+        copy = AllToAllCopy(
+            mode,
+            stage.src_offset,
+            p.chunk_bytes,
+            p.row_bytes,
+            p.dst_row_stride,
+            p.dst_chunk_stride,
+            flags,
+            self._blocks,
+        )
         output = out.data_ptr() + stage.out_offset
         if side is None:
             self.comm.launch_all_to_all(copy, output, lease, _stream(self.comm.device))

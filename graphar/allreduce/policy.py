@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from graphar.comm.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE, Segments
+from graphar.abi import ALGO_CODES, ONE_STAGE, PUSH_ONE_SHOT, PUSH_TWO_SHOT, TWO_STAGE, Segments
 
 EAGER, GRAPH, GRAPHAR_GRAPH = "eager", "graph", "graphar.graph"
 MODES = (EAGER, GRAPH, GRAPHAR_GRAPH)
 KB = 1 << 10
 OPEN = 1 << 62  # the last row's bound: every larger size
 
-Rows = tuple[tuple[int, str | None], ...]  # as Segments (graphar.comm.abi); None (tuned rows only): NCCL
+Rows = tuple[tuple[int, str | None], ...]  # as Segments (graphar.abi); None (tuned rows only): NCCL
 
 # Measured on 2 x H200 (bench/results/allreduce-h200-ws2.md): 1stage is the fastest graphar kernel at
 # every size to 64 MB in every mode. The push kernels enter a row once that benchmark has measured
@@ -80,7 +80,7 @@ def table(capability_major: int, world_size: int) -> tuple[dict[str, Rows], int]
 
 class Policy:
     """The kernel per (size, capture mode) for one communicator, as rows the CUDA library picks every
-    call's kernel from (graphar.comm.allreduce.kernel_table). Immutable: `forcing(algo)` makes the
+    call's kernel from (graphar.allreduce.kernels.kernel_table). Immutable: `forcing(algo)` makes the
     policy with another forced kernel."""
 
     def __init__(
@@ -96,7 +96,7 @@ class Policy:
         self.limits = limits
         self._forced = forced
         self._rows, measured = table(capability_major, world_size)
-        # Measured on this group (graphar.comm.tuner): its rows may name no kernel (None): NCCL serves.
+        # Measured on this group (graphar.allreduce.tuner): its rows may name no kernel (None): NCCL serves.
         self.tuned_rows = tuned
         if tuned is not None:
             self._rows = tuned

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
+from graphar.allreduce.graphs import segments
+
 _GRANULE = 2 << 20  # round capacities like the caching allocator's large segments
 _GROWTH = 1.25  # a growing role over-allocates a little so that slowly growing shapes settle
 
@@ -88,15 +90,6 @@ class CudaRuntime:
     def transient(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Memory for one call, from wherever the allocator routes it now (a capture's own pool)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def segments(pool_id: tuple[int, int]) -> list[tuple[int, int]]:
-    """(start, bytes) of every segment the caching allocator holds for the memory pool `pool_id`."""
-    try:
-        found = torch.cuda.memory_snapshot(pool_id, include_traces=False)  # fast where torch has the option
-    except TypeError:
-        found = torch.cuda.memory_snapshot(pool_id)
-    return [(s["address"], s["total_size"]) for s in found if tuple(s.get("segment_pool_id", pool_id)) == pool_id]
 
 
 def _lies_in(t: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
@@ -204,14 +197,14 @@ class StagingPool:
         if device.type != "cuda":
             return
         if self.runtime.capturing(device):
-            raise RuntimeError(f"graphar.pool.reserve({role!r}) called during a CUDA-graph capture")
+            raise RuntimeError(f"graphar.ulysses.pool.reserve({role!r}) called during a CUDA-graph capture")
         with self._lock:
             spares = self._spares.setdefault((device, role), [])
             missing = count - sum(t.numel() >= nbytes for t in spares)
             for _ in range(missing):
                 t = self._allocate(nbytes, device, None)
                 if t is None:
-                    raise RuntimeError(f"graphar.pool.reserve({role!r}): memory did not land in graphar's pool")
+                    raise RuntimeError(f"graphar.ulysses.pool.reserve({role!r}): memory did not land in graphar's pool")
                 spares.append(t)
 
     def stats(self) -> dict[str, int]:

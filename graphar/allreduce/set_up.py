@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from graphar import _cuda, settings
-from graphar.comm import policy, registry, tuner
-from graphar.comm.allreduce import block_limit
-from graphar.comm.communicator import Communicator
-from graphar.comm.rendezvous import StoreExchange, agree, first_reason
+from graphar.allreduce import policy, registry, tuner
+from graphar.allreduce.communicator import Communicator
+from graphar.allreduce.kernels import block_limit
+from graphar.allreduce.rendezvous import Rendezvous, agree, first_reason
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharUnavailable
-from graphar.kernels import pack
+from graphar.triton_common import triton_available
 
 logger = logging.getLogger("graphar")
 
@@ -50,7 +50,7 @@ def _live(group: dist.ProcessGroup | None) -> bool:
 def _close_destroyed(comm: Communicator) -> None:
     """Close a registered communicator set up for a group torch has destroyed since: torch gives the
     name to the next group it makes, whose ranks may differ (the C++ kernel stopped serving the name
-    when torch unregistered it, graphar.native_op)."""
+    when torch unregistered it, graphar.allreduce.native_op)."""
     logger.warning(
         "graphar: closing the communicator of a destroyed group named %r: torch reuses group names "
         "(call graphar.shutdown() before destroy_process_group)",
@@ -184,10 +184,10 @@ def init(
 
 
 def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
-    """The kernel table measured on this group (graphar.comm.tuner), from the cache where a job before
+    """The kernel table measured on this group (graphar.allreduce.tuner), from the cache where a job before
     measured it; nothing when GRAPHAR_TUNE=0 or a kernel is forced. Collective: where a rank cannot
     say what the table depends on, every rank keeps the shipped table, and a warning says why."""
-    kernels = comm.allreduce.policy
+    kernels = comm.kernels.policy
     if not settings.TUNE.get() or kernels.forced is not None:
         return
     start, shipped = time.monotonic(), kernels.shipped()
@@ -215,13 +215,13 @@ def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
         "gpus": [f["bus"] for f, _ in gathered],
         "torch": torch.__version__,
         "shipped": shipped,
-        "pdl": comm.allreduce.pdl,
+        "pdl": comm.kernels.pdl,
         "blocks": block_limit(torch.cuda.get_device_capability(comm.device)[0]),
     }
     table = tuner.tuned_table(
         comm.rank,
         comm.all_gather,
-        tuner.GpuTimer(comm.allreduce, group),
+        tuner.GpuTimer(comm.kernels, group),
         facts,
         names,
         shipped,
@@ -229,8 +229,8 @@ def _tune(comm: Communicator, group: dist.ProcessGroup) -> None:
         settings.TUNE_BUDGET_S.get(),
         _cuda._cache_root() / "tuned",
     )
-    comm.allreduce.policy = kernels.tuning(table.rows)
-    comm.allreduce.tuned = table
+    comm.kernels.policy = kernels.tuning(table.rows)
+    comm.kernels.tuned = table
     logger.info(
         "graphar: all-reduce kernels of group %r %s in %.2f s (GRAPHAR_TUNE=0: the shipped table): %s\n%s",
         comm.group_name,
@@ -263,7 +263,7 @@ def _uniform_reason(group: dist.ProcessGroup) -> str | None:
 ARCH = "the GPU architecture (compute capability major)"
 BUILD = "the CUDA library's build id"
 TRITON = "whether Triton is installed"
-TABLE = "the all-reduce kernel table (graphar.comm.policy)"
+TABLE = "the all-reduce kernel table (graphar.allreduce.policy)"
 BLOCKS = "the block limit (GRAPHAR_BLOCK_LIMIT, else by GPU architecture)"
 MAX_BYTES = "graphar.init(max_bytes=)"
 
@@ -341,7 +341,7 @@ def _launch_settings(max_bytes: int, capability_major: int, world_size: int) -> 
     the communicator is made with these values, so it runs what the ranks compared."""
     return {
         ARCH: capability_major,
-        TRITON: pack.triton_available(),
+        TRITON: triton_available(),
         TABLE: policy.table(capability_major, world_size),
         settings.MAX_ALLREDUCE_BYTES.name: settings.MAX_ALLREDUCE_BYTES.get(),
         MAX_BYTES: max_bytes,
@@ -454,7 +454,7 @@ def _set_up(
     return comm, None
 
 
-def _exchange(group: dist.ProcessGroup) -> StoreExchange:
+def _exchange(group: dist.ProcessGroup) -> Rendezvous:
     """The set-up's all-gathers: over the group's own store alone (torch prefixes it with the group's
     name, which no other live group has), never the world's, so a group sets up while other groups'
     ranks are busy elsewhere. The keys hold the group's ranks and a count of set-ups per name and
@@ -467,4 +467,4 @@ def _exchange(group: dist.ProcessGroup) -> StoreExchange:
     _generations[(name, ranks)] = generation + 1
     store = dist.distributed_c10d._world.pg_map[group][1]
     prefix = f"graphar/allreduce/{name}/{'-'.join(map(str, ranks))}/{generation}"
-    return StoreExchange(store, prefix, dist.get_rank(group), len(ranks), settings.EXCHANGE_TIMEOUT_S.get())
+    return Rendezvous(store, prefix, dist.get_rank(group), len(ranks), settings.EXCHANGE_TIMEOUT_S.get())

@@ -1,8 +1,8 @@
 """The registry: the one communicator that serves each process group, by the group's name.
 
-`graphar.comm.set_up` registers a group's communicator once its set-up succeeded; a communicator's
+`graphar.allreduce.set_up` registers a group's communicator once its set-up succeeded; a communicator's
 `close` takes it out. A lookup is one dict read: every eager collective makes one (`set_up.communicator_or_set_up`).
-It keeps what `Member` says of a communicator and imports none (graphar.comm.communicator imports it).
+It keeps what `Member` says of a communicator and imports none (graphar.allreduce.communicator imports it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Protocol
 
 
 class Member(Protocol):
-    """What the registry needs of a communicator (graphar.comm.communicator.Communicator)."""
+    """What the registry needs of a communicator (graphar.allreduce.communicator.Communicator)."""
 
     group_name: str
 
@@ -22,7 +22,7 @@ _communicators: dict[str, Member] = {}
 
 
 def communicator(group_name: str) -> Member | None:
-    """The communicator that serves the group (a graphar.comm.communicator.Communicator), if one is set up."""
+    """The communicator that serves the group (a graphar.allreduce.communicator.Communicator), if one is set up."""
     return _communicators.get(group_name)
 
 
@@ -45,7 +45,7 @@ def discard(comm: Member) -> None:
 def shutdown() -> None:
     """Close every communicator (each waits for its device first). Call it before
     `dist.destroy_process_group()`: otherwise a destroyed group's communicator holds its buffers until
-    the group that torch next gives its name first collects (graphar.comm.set_up closes it there)."""
+    the group that torch next gives its name first collects (graphar.allreduce.set_up closes it there)."""
     errors = []
     for comm in list(_communicators.values()):
         try:

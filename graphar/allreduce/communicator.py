@@ -1,11 +1,11 @@
 """A group's IPC communicator.
 
-`graphar.comm.set_up` makes them (`init`, or at a group's first collective) where the custom paths are
-safe, and registers each (graphar.comm.registry, one per group). The communicator owns what every
-collective of the group shares: the CUDA library's handle, the barrier flags and registered buffers
-mapped on every peer, the error record its kernels write, and its collectives: `allreduce`
-(graphar.comm.allreduce) and `exchange`, the all-to-all's IPC exchange buffers (graphar.comm.exchange).
-Each raises GrapharCommError when the communicator cannot go on, and GrapharTimeoutError after a peer
+`graphar.allreduce.set_up` makes them (`init`, or at a group's first collective) where the custom
+paths are safe, and registers each (graphar.allreduce.registry, one per group). The communicator owns
+what every collective of the group shares: the CUDA library's handle, the barrier flags and
+registered buffers mapped on every peer, the error record its kernels write, and the all-reduce's
+calls (`kernels`, graphar.allreduce.kernels). The Ulysses room attaches its IPC transport to it
+(graphar.ulysses.transport.of), which this module knows nothing of. Each raises GrapharCommError when the communicator cannot go on, and GrapharTimeoutError after a peer
 failed to arrive. Its life is one state (`Life`): open, broken, failed or closed.
 """
 
@@ -20,11 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from graphar import _cuda, native_op
-from graphar.comm import abi, policy, registry
-from graphar.comm.allreduce import GRAPH_SLOTS, AllReduce, GraphSlots
-from graphar.comm.exchange import IpcExchange, StageCopy
-from graphar.comm.rendezvous import StoreExchange
+from graphar import _cuda, abi
+from graphar.allreduce import native_op, policy, registry
+from graphar.allreduce.kernels import GRAPH_SLOTS, AllReduce, GraphSlots
+from graphar.allreduce.rendezvous import Rendezvous
 from graphar.errors import GrapharCommError, GrapharCudaError, GrapharTimeoutError
 
 logger = logging.getLogger("graphar")
@@ -61,7 +60,7 @@ class Communicator:
         blocks: int,
         forced_algo: str | None,
         capability_major: int,
-        store: StoreExchange,
+        store: Rendezvous,
     ) -> None:
         self.group_name = group_name
         self.rank = rank
@@ -100,18 +99,17 @@ class Communicator:
             raise
         self._record = abi.ErrorRecord.from_address(record.value)
         limits = policy.Limits(max_bytes=min(max_bytes, two_shot.value), push_one_shot=one_shot.value)
-        self.allreduce = AllReduce(self, policy.Policy(capability_major, world_size, limits, forced_algo))
-        self.exchange = IpcExchange(self)
+        self.kernels = AllReduce(self, policy.Policy(capability_major, world_size, limits, forced_algo))
 
     # ---- the collectives, as users call them ------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor (see `AllReduce.all_reduce`)."""
-        return self.allreduce.all_reduce(x, algo)
+        return self.kernels.all_reduce(x, algo)
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce(x)` runs on the custom kernels; otherwise use NCCL."""
-        return self.allreduce.eligible(x)
+        return self.kernels.eligible(x)
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -207,7 +205,7 @@ class Communicator:
         self._ok("set_kernels", self._lib.graphar_comm_set_kernels(self._handle, ctypes.byref(kernels)))
 
     def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
-        """The kernel of an all-reduce of `x` (graphar.comm.abi.describe) on `stream`, and None; or 0 and
+        """The kernel of an all-reduce of `x` (graphar.abi.describe) on `stream`, and None; or 0 and
         why no kernel takes it (csrc graphar_comm_plan: the one place a call's kernel is chosen)."""
         chosen = ctypes.c_int32()
         rc = self._plan(self._handle, x, stream, how, algo, ctypes.byref(chosen))
@@ -217,7 +215,7 @@ class Communicator:
         return chosen.value, None
 
     def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None:
-        """Why the fused norm cannot take these tensors (graphar.comm.abi.describe), or None when it can."""
+        """Why the fused norm cannot take these tensors (graphar.abi.describe), or None when it can."""
         rc = self._plan_norm(self._handle, x, residual, weight, row_bytes)
         if rc == abi.DECLINED:
             return _cuda.last_error()
@@ -225,18 +223,18 @@ class Communicator:
         return None
 
     def launch_all_reduce(self, args: bytes) -> None:
-        """Launch one all-reduce; `args` is graphar.comm.abi.ALL_REDUCE_ARGS, packed."""
+        """Launch one all-reduce; `args` is graphar.abi.ALL_REDUCE_ARGS, packed."""
         if self._launch(self._handle, args) != 0:
             self._raise("all_reduce")
 
     def launch_all_reduce_norm(self, args: bytes) -> None:
-        """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.comm.abi.NORM_ARGS, packed."""
+        """Launch the fused all-reduce + residual add + RMSNorm; `args` is graphar.abi.NORM_ARGS, packed."""
         if self._launch_norm(self._handle, args) != 0:
             self._raise("all_reduce_add_rms_norm")
 
     def serve_native(self) -> None:
         """From now on the ops' C++ kernels serve the group's eager calls through this communicator
-        (graphar.native_op, loaded on first use; where it cannot be, the Python kernels serve every
+        (graphar.allreduce.native_op, loaded on first use; where it cannot be, the Python kernels serve every
         call). Only the group's registered, healthy communicator serves: a closed or broken one is
         withdrawn."""
         if not (self.usable and registry.serves(self)) or native_op.library() is None:
@@ -254,7 +252,7 @@ class Communicator:
             native_op.serve(self.group_name, None)
 
     def native_calls(self) -> int:
-        """Calls of this group the C++ kernel served (graphar.native_op)."""
+        """Calls of this group the C++ kernel served (graphar.allreduce.native_op)."""
         return native_op.calls(self.group_name)
 
     def take_exchange_lease(self, mode: int, stream: int) -> int:
@@ -264,10 +262,9 @@ class Communicator:
         self._ok("all_to_all", self._lib.graphar_comm_exchange_lease(self._handle, mode, stream, ctypes.byref(lease)))
         return lease.value
 
-    def launch_all_to_all(self, copy: StageCopy, output: int, lease: int, stream: int) -> None:
+    def launch_all_to_all(self, copy: abi.AllToAllCopy, output: int, lease: int, stream: int) -> None:
         """Copy a stage's chunks into the output, which starts at device address `output` (csrc
         graphar_comm_all_to_all)."""
-        p = copy.placement
         self._ok(
             "all_to_all",
             self._lib.graphar_comm_all_to_all(
@@ -275,10 +272,10 @@ class Communicator:
                 copy.mode,
                 output,
                 copy.src_offset,
-                p.chunk_bytes,
-                p.row_bytes,
-                p.dst_row_stride,
-                p.dst_chunk_stride,
+                copy.chunk_bytes,
+                copy.row_bytes,
+                copy.dst_row_stride,
+                copy.dst_chunk_stride,
                 copy.flags,
                 copy.blocks,
                 lease,
@@ -372,7 +369,7 @@ class Communicator:
     def _raise(self, op: str) -> None:
         raise GrapharCudaError(f"graphar {op} on group {self.group_name!r} (rank {self.rank}): {_cuda.last_error()}")
 
-    # ---- set-up steps, driven by graphar.comm.set_up ------------------------------------------------
+    # ---- set-up steps, driven by graphar.allreduce.set_up ------------------------------------------------
 
     def ipc_handles(self) -> bytes:
         """This rank's IPC handles of its buffers, for its peers to open."""

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from graphar import _cuda, settings
-from graphar.comm import abi
+from graphar import _cuda, abi, settings
 from graphar.errors import GrapharCudaError, GrapharUnavailable
 
 logger = logging.getLogger("graphar")
@@ -59,7 +58,7 @@ _served: set[str] = set()  # groups the C++ kernels serve
 def library() -> ctypes.CDLL | None:
     """The op library, located (built if need be), loaded and installed on the first call; None when it
     is off or cannot be had (logged once). Only a CUDA communicator's set-up calls it
-    (graphar.comm.communicator)."""
+    (graphar.allreduce.communicator)."""
     global _library, _tried
     with _lock:
         if not _tried:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from graphar.comm import ulysses_shapes
-from graphar.comm.ulysses import reserve
-from graphar.comm.ulysses_shapes import split_heads
+from graphar.ulysses import shapes
+from graphar.ulysses.exchanges import reserve
+from graphar.ulysses.shapes import split_heads
 
 __all__ = ["heads_to_seq", "reserve", "seq_to_heads", "split_heads"]
 
@@ -36,7 +36,7 @@ def seq_to_heads(
     `[b, h, S, d] -> [b, h/P, P*S, d]` (heads_dim=1). Returns views of one new tensor."""
     _check_heads_dim(heads_dim)
     xs = (q, k, v) if heads_dim == 2 else tuple(x.transpose(1, 2) for x in (q, k, v))
-    p = ulysses_shapes.world_size(group_name)
+    p = shapes.world_size(group_name)
     packed = torch.ops.graphar.qkv_all_to_all(*xs, group_name)
     out = split_heads(packed, [x.shape[2] // p for x in xs])
     return out if heads_dim == 2 else tuple(x.transpose(1, 2) for x in out)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from graphar.comm import ulysses, ulysses_shapes
+from graphar.ulysses import exchanges, shapes
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -115,7 +115,7 @@ def ulysses_attention(
     at most this many chunks of heads (AUTO_CHUNKS: as many as the measured rule picks; see
     `planned_chunks`). `kernel` ("flash", "efficient", "cudnn", "math"): the SDPA backend to attend
     with where it takes the chunk's inputs (the one the replaced graph ran); SDPA's own pick otherwise."""
-    p = ulysses_shapes.world_size(group_name)
+    p = shapes.world_size(group_name)
     hq, hk = q.shape[2], k.shape[2]
     n = planned_chunks(q.shape[0], hq, hk, q.shape[1] * p, p, chunks, kernel, is_causal, q.is_cuda)
     counts = [hq // (p * n), hk // (p * n), hk // (p * n)]  # a chunk's Q, K, V heads on each rank
@@ -127,16 +127,16 @@ def ulysses_attention(
         arrived = []
         for c in range(n):
             with side():
-                inputs.append(ulysses.qkv_exchange([_chunk(x, c, n) for x in (q, k, v)], group_name))
+                inputs.append(exchanges.qkv_exchange([_chunk(x, c, n) for x in (q, k, v)], group_name))
                 arrived.append(mark())
         for c in range(n):
             arrived[c].wait()
-            qh, kh, vh = (x.transpose(1, 2) for x in ulysses_shapes.split_heads(inputs[c], counts))
+            qh, kh, vh = (x.transpose(1, 2) for x in shapes.split_heads(inputs[c], counts))
             outputs.append(_attention(qh, kh, vh, is_causal, scale, kernel, backends))
             attended = mark()
             with side():
                 attended.wait()
-                ulysses.output_exchange(outputs[c].transpose(1, 2), group_name, out=_chunk(out, c, n))
+                exchanges.output_exchange(outputs[c].transpose(1, 2), group_name, out=_chunk(out, c, n))
     return out
 
 

@@ -1,4 +1,4 @@
-"""The Ulysses ops' input checks and output shapes: what the ops (graphar.comm.ulysses) and their
+"""The Ulysses ops' input checks and output shapes: what the ops (graphar.ulysses.exchanges) and their
 fakes (graphar.ops) share, so that a fake gives exactly the real op's sizes.
 
 Everything an all-to-all's output shape depends on lives here: the group's size and the rules below.

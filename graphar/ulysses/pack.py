@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphar.kernels import interpreting, on_device
+from graphar.triton_common import interpreting, on_device
 
 try:
     import triton
@@ -38,7 +38,7 @@ except ImportError:  # graphar works without Triton; the copies then run through
 _TILE_ELEMENTS = 4096
 _INT32_MAX = 2**31 - 1
 # The kernel's dtypes; others move through torch (same bits, slower). int32: the packed exchange's
-# 16-byte words (graphar.comm.ulysses_stages).
+# 16-byte words (graphar.ulysses.stages).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 
 _MAX_PEERS = 8  # the chunk shifts the kernel takes
@@ -115,7 +115,7 @@ if triton is not None:
         j = tl.program_id(1)
         block = tl.program_id(2)
         live = 1  # 0: no row is copied
-        if GUARDED:  # the communicator's failed flag (graphar.comm.exchange): once set, store nothing
+        if GUARDED:  # the communicator's failed flag (graphar.ulysses.transport): once set, store nothing
             live = (tl.load(guard, volatile=True) == 0).to(tl.int32)
         shift = 0
         if SHIFTED:  # shift_j without indexing the arguments by a runtime j
@@ -144,10 +144,6 @@ if triton is not None:
             tl.inline_asm_elementwise(
                 "fence.sc.sys; mov.u32 $0, $1;", "=r,r", [row_block], dtype=tl.int32, is_pure=False, pack=1
             )
-
-
-def triton_available() -> bool:
-    return triton is not None
 
 
 def _base(dst: Dst) -> torch.Tensor:
@@ -202,7 +198,7 @@ def relayout(pairs: Sequence[Pair], guard: torch.Tensor | None = None) -> bool:
     Returns True when the Triton kernel did the copy, False when torch did. A `Shifted` destination
     needs the kernel (`kernel_serves`): ValueError otherwise. `guard` (one int32, kernel only): the
     kernel stores nothing once it is nonzero, read when the kernel runs (an exchange passes its
-    communicator's failed flag: graphar.comm.exchange).
+    communicator's failed flag: graphar.ulysses.transport).
     """
     _check_pairs(pairs)
     if not _use_triton(pairs):
@@ -269,7 +265,7 @@ def _heads(out: Dst, start: int, stop: int) -> Dst:
 
 def pack_chunks(srcs: Sequence[torch.Tensor], out: Dst, guard: torch.Tensor | None = None) -> bool:
     """Copy `[P, b, S, h_c, d]` sources side by side along the heads into `out` `[P, b, S, sum(h_c), d]`
-    (`guard`: relayout's): what every stage of an IPC exchange packs (graphar.comm.exchange)."""
+    (`guard`: relayout's): what every stage of an IPC exchange packs (graphar.ulysses.transport)."""
     offset = 0
     pairs: list[Pair] = []
     for src in srcs:

@@ -1,6 +1,6 @@
 """The custom all-reduce of a group's communicator: eligibility, kernel choice, launch, graph registration.
 
-Kernels (graphar.comm.policy picks one per call from a measured table):
+Kernels (graphar.allreduce.policy picks one per call from a measured table):
 - the v1 pull kernels, 1stage and 2stage, behind a spin barrier. Eager, or inside a capture graphar
   does not own, the kernel copies the input into the rank's registered buffer itself, then reduces
   (the buffers never move, so a captured call stays valid). Inside `graphar.graph` they read the
@@ -10,7 +10,7 @@ Kernels (graphar.comm.policy picks one per call from a measured table):
   mode, so no registration either.
 All paths are bitwise equal across ranks.
 
-The all-reduce reaches its communicator (graphar.comm.communicator) only through `CommCalls`, the
+The all-reduce reaches its communicator (graphar.allreduce.communicator) only through `CommCalls`, the
 seam tests fake.
 """
 
@@ -26,9 +26,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from graphar import _cuda, graphs, settings
-from graphar.comm import policy
-from graphar.comm.abi import (
+from graphar import _cuda, settings
+from graphar.abi import (
     ALGO_CODES,
     ALL_REDUCE_ARGS,
     DTYPE_CODES,
@@ -43,6 +42,7 @@ from graphar.comm.abi import (
     Kernels,
     describe,
 )
+from graphar.allreduce import graphs, policy
 from graphar.errors import GrapharCommError
 
 logger = logging.getLogger("graphar")
@@ -101,8 +101,8 @@ class CommCalls(Protocol):
     def set_kernels(self, kernels: Kernels) -> None: ...
     def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]: ...
     def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None: ...
-    def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.comm.abi.ALL_REDUCE_ARGS, packed
-    def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.comm.abi.NORM_ARGS, packed
+    def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.abi.ALL_REDUCE_ARGS, packed
+    def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.abi.NORM_ARGS, packed
     def native_calls(self) -> int: ...
     def pointer_info(self, ptr: int) -> tuple[int, bool]: ...
     def ipc_handle(self, base: int) -> bytes: ...
@@ -113,7 +113,7 @@ class CommCalls(Protocol):
 
 @dataclass
 class GraphCall:
-    """One all-reduce recorded during a graphar.graph capture (graphar.graphs keeps its input allocated
+    """One all-reduce recorded during a graphar.graph capture (graphar.allreduce.graphs keeps its input allocated
     for the peers: the capture's memory pool, or the tensor itself)."""
 
     slot: int
@@ -137,7 +137,7 @@ class AllReduce:
     """The custom all-reduce of one communicator; `calls` counts the calls its kernels served.
 
     Eager calls through the ops are served by their C++ kernels where they are built
-    (graphar.native_op); every other call comes here. Both ask the CUDA library which kernel serves a
+    (graphar.allreduce.native_op); every other call comes here. Both ask the CUDA library which kernel serves a
     call, from the table this object hands it (`policy` and `pdl`: setting either hands it anew).
     """
 
@@ -163,7 +163,7 @@ class AllReduce:
         self.refusal: str | None = None
         self._fallbacks_seen: set[str] = set()
         self._fallbacks_said: set[str] = set()
-        self.tuned: Any = None  # the tuner's table (graphar.comm.tuner.Table) where it chose the kernels
+        self.tuned: Any = None  # the tuner's table (graphar.allreduce.tuner.Table) where it chose the kernels
 
     @property
     def policy(self) -> policy.Policy:
@@ -235,7 +235,7 @@ class AllReduce:
         return comm.plan(describe(x), torch._C._cuda_getCurrentRawStream(comm.device), PLAN_STREAM, 0)[0] != 0
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
-        """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.comm.abi.ALGO_CODES)."""
+        """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.abi.ALGO_CODES)."""
         out = self.try_all_reduce(x, algo)
         if out is None:
             raise ValueError(f"graphar all_reduce on group {self.group_name!r}: input not eligible: {self.refusal}")
@@ -331,7 +331,7 @@ class AllReduce:
         self._calls += 1
         return normed, summed
 
-    # ---- CUDA-graph capture (graphar.graphs) --------------------------------------------------
+    # ---- CUDA-graph capture (graphar.allreduce.graphs) --------------------------------------------------
 
     def _record_graph_call(
         self, capture: graphs.Capture, x: torch.Tensor, signature: tuple[int, int, int]
@@ -354,7 +354,7 @@ class AllReduce:
     def register_graph(self, calls: Sequence[GraphCall], lost: Sequence[int] = ()) -> int:
         """Collective after a capture: share the recorded inputs and fill their slots; returns the
         registration's number (equal on every rank), which `release_graph` takes when the graph dies.
-        `lost`: the calls whose input this rank could not keep (graphar.graphs): every rank raises."""
+        `lost`: the calls whose input this rank could not keep (graphar.allreduce.graphs): every rank raises."""
         self.comm.check()
         try:
             self._register_graph(calls, lost)

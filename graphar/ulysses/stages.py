@@ -1,7 +1,7 @@
 """The plans of the Ulysses exchanges over CUDA IPC: what each stage packs and where its chunks land.
 
-An op body (graphar.comm.ulysses) makes its exchange's whole `Plan` here and hands it to the IPC
-exchange (graphar.comm.exchange), which packs each stage's sources with graphar's kernel and copies
+An op body (graphar.ulysses.exchanges) makes its exchange's whole `Plan` here and hands it to the IPC
+exchange (graphar.ulysses.transport), which packs each stage's sources with graphar's kernel and copies
 each stage's chunks into the output by its `Placement`. A plan is data: nothing here is called while
 the exchange runs. Large exchanges are cut into slices of the local sequence, each slice's copy
 pipelined behind the next one's pack. The plans depend only on shapes, dtypes and the world size,
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 # Stages of an IPC exchange: slices of the local sequence of about this much send data, at most this
-# many; each pipelines its pull behind the next one's pack (graphar.comm.exchange).
+# many; each pipelines its pull behind the next one's pack (graphar.ulysses.transport).
 _STAGE_BYTES = 16 << 20
 _MAX_STAGES = 8
 

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from graphar import pool
+
+def segments(pool_id: tuple[int, int]) -> list[tuple[int, int]]:
+    """(start, bytes) of every segment the caching allocator holds for the memory pool `pool_id`."""
+    try:
+        found = torch.cuda.memory_snapshot(pool_id, include_traces=False)  # fast where torch has the option
+    except TypeError:
+        found = torch.cuda.memory_snapshot(pool_id)
+    return [(s["address"], s["total_size"]) for s in found if tuple(s.get("segment_pool_id", pool_id)) == pool_id]
 
 
 class _State(threading.local):
@@ -31,13 +38,13 @@ _state = _State()
 
 class Capture:
     """The all-reduces recorded during one `graph(...)` capture, per communicator's all-reduce (a
-    graphar.comm.allreduce.AllReduce, which registers its calls when the capture ends)."""
+    graphar.allreduce.kernels.AllReduce, which registers its calls when the capture ends)."""
 
     def __init__(self) -> None:
         self.calls: dict[Any, list[Any]] = {}
 
     def record(self, allreduce: Any, call: Any) -> None:
-        """One call (a graphar.comm.allreduce.GraphCall) that `allreduce` captured zero-copy."""
+        """One call (a graphar.allreduce.kernels.GraphCall) that `allreduce` captured zero-copy."""
         self.calls.setdefault(allreduce, []).append(call)
 
 
@@ -80,7 +87,7 @@ def finish(cuda_graph: torch.cuda.CUDAGraph, capture: Capture) -> None:
     """Register every recorded call (collective), and tie the tensors the graph reads in place to
     the graph's lifetime: freed and reused, their memory would feed other data to every replay.
     When the graph dies, its slots and the peers' mappings it alone read go, and its inputs stay
-    until every peer has closed its mapping of them (graphar.comm.allreduce.AllReduce.release_graph)."""
+    until every peer has closed its mapping of them (graphar.allreduce.kernels.AllReduce.release_graph)."""
     # torch captures into a CUDAGraph again only after reset() dropped its earlier graph: that graph's
     # slots and inputs go now, not when the object dies.
     earlier = getattr(cuda_graph, "_graphar_release", None)
@@ -116,7 +123,7 @@ class _Keep:
 
     def __init__(self, cuda_graph: torch.cuda.CUDAGraph) -> None:
         self._pool_id = cuda_graph.pool()
-        self._segments = pool.segments(self._pool_id)
+        self._segments = segments(self._pool_id)
         self._use: Any = None
 
     def hold(self, calls: Sequence[Any]) -> tuple[tuple[Any, ...], list[int]]:

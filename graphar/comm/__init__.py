@@ -1,1 +1,0 @@
-"""graphar's collectives: the IPC custom all-reduce (allreduce) and the packed Ulysses exchanges."""
