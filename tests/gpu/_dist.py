@@ -16,6 +16,7 @@ the GPU time-slices the ranks (each spin-wait ends at a context switch), two ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -78,6 +79,10 @@ def _entry(
             dist.barrier(device_ids=[torch.cuda.current_device()])
     except BaseException:  # noqa: BLE001  (whatever ends a rank, its peers and the test must hear of it)
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        # Its queued kernels end first: under MPS a client that exits with GPU work outstanding can
+        # bring the server down for every process on the GPU (graphar's waits are bounded).
+        with contextlib.suppress(BaseException):
+            torch.cuda.synchronize()
         os._exit(1)  # skip teardown that could wait on peers that are gone
     # No destroy_process_group(): on torch 2.11 it hangs once Inductor's cudagraph trees have
     # captured NCCL work (seen in test_ulysses's reduce-overhead test); every check is done here.

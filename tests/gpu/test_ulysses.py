@@ -108,7 +108,7 @@ def _eager(rank: int, world_size: int, transport: str) -> None:
             for heads in ((2 * world_size, 2 * world_size), (4 * world_size, world_size)):  # MHA, GQA
                 seed += 10
                 _check_seq_to_heads(rank, world_size, dtype, b, s, heads, 64, seed)
-            _check_heads_to_seq(rank, world_size, dtype, b, s, 2, 128, seed + 5)
+            _check_heads_to_seq(rank, world_size, dtype, b, s, 2 * world_size, 128, seed + 5)  # 2 heads a rank
     xs = [torch.randn(world_size * n, 3, device="cuda") for n in (1, 4, 7)]
     packed = torch.ops.graphar.packed_all_to_all_single(xs, dist.group.WORLD.group_name)
     for x, out in zip(xs, packed):
