@@ -121,8 +121,8 @@ def add_graphar(c: Contenders, max_bytes: int) -> None:
         return
 
     def use(kernel: Kernel) -> None:
-        # The column's kernel and PDL, set only when they change (each change republishes them to
-        # the C++ kernel, a library call that must not be timed); every graphar column sets both.
+        # The column's kernel and PDL, set only when they change (each change hands the CUDA library a
+        # new kernel table, a call that must not be timed); every graphar column sets both.
         ar = comm.kernels
         if ar.pdl != kernel.pdl:
             ar.pdl = kernel.pdl
