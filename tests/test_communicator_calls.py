@@ -65,6 +65,7 @@ class _Library:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.failing: set[str] = set()
         self.answers: dict[str, int] = {}  # a return code other than 0 or 1
+        self.during: dict[str, Any] = {}  # what to look at while a function runs
         self.record = abi.ErrorRecord()
         self.bad_peer = -1
         for name, (restype, argtypes) in _cuda.PROTOTYPES.items():
@@ -73,6 +74,8 @@ class _Library:
 
     def _answer(self, name: str, *args: Any) -> int:
         self.calls.append((name, args))
+        if name in self.during:
+            self.during[name]()
         if name in _OUTPUTS:
             _OUTPUTS[name](self, *args)
         return self.answers.get(name, 1 if name in self.failing else 0)
@@ -173,6 +176,23 @@ def test_a_plan_gives_the_kernel_or_why_none_takes_the_call(library: _Library) -
     assert comm.plan_norm(x, abi.NO_TENSOR, abi.NO_TENSOR, 64) is None
     with pytest.raises(GrapharCudaError, match=r"graphar all_reduce on group 'g' \(rank 0\): the stand-in says no"):
         comm.plan(x, 5, abi.PLAN_STREAM, 0)  # an error (a group that timed out): raised
+
+
+def test_what_touches_the_graph_mappings_holds_the_graph_lock(library: _Library) -> None:
+    """A graph's finalizer may forget its slots from another thread while the library closes the
+    mappings no slot reads: at a registration, and at an exchange buffer's growth too."""
+    comm = _communicator()
+    held: list[str] = []
+    for name in ("graphar_comm_exchange_alloc", "graphar_comm_register_graph", "graphar_comm_close_unused_mappings"):
+        library.during[name] = lambda name=name: comm._graph_lock._is_owned() and held.append(name)
+    comm.alloc_exchange(4 * MB, False, "grow")
+    comm.fill_graph_slots(_one_slot())
+    comm.close_unused_mappings()
+    assert held == list(library.during)
+
+
+def _one_slot() -> kernels.GraphSlots:
+    return kernels.GraphSlots([1], b"z" * 128, [0, 16], [False, False], [0x5000])
 
 
 def test_the_communicator_calls_only_what_the_library_exports() -> None:

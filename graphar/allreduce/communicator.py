@@ -74,8 +74,8 @@ class Communicator:
         self._plan_norm = self._lib.graphar_comm_plan_norm
         self._launch = self._lib.graphar_comm_all_reduce
         self._launch_norm = self._lib.graphar_comm_all_reduce_norm
-        # The library's graph mappings are touched at registration and from graphs' finalizers, which
-        # run in whichever thread collects them; ctypes calls drop the GIL.
+        # The library's graph mappings are touched at registration, at an exchange buffer's growth and
+        # from graphs' finalizers, which run in whichever thread collects them; ctypes calls drop the GIL.
         self._graph_lock = threading.RLock()
         handle = ctypes.c_void_p()
         self._ok(
@@ -292,9 +292,9 @@ class Communicator:
     def alloc_exchange(self, nbytes: int, keep_old: bool, what: str) -> tuple[int, bytes]:
         """Collective: this rank's new exchange buffer (device pointer, IPC handle)."""
         ptr, handle = ctypes.c_uint64(), ctypes.create_string_buffer(_cuda.IPC_HANDLE_BYTES)
-        self._ok(
-            what, self._lib.graphar_comm_exchange_alloc(self._handle, nbytes, int(keep_old), ctypes.byref(ptr), handle)
-        )
+        with self._graph_lock:  # it closes the graph mappings no slot reads, as a registration does
+            rc = self._lib.graphar_comm_exchange_alloc(self._handle, nbytes, int(keep_old), ctypes.byref(ptr), handle)
+        self._ok(what, rc)
         return ptr.value, handle.raw
 
     def open_exchange(self, nbytes: int, handles: Sequence[bytes], what: str) -> list[int]:
