@@ -1,29 +1,10 @@
-// The CUDA kernels in C++ of graphar::all_reduce and graphar::all_reduce_add_rms_norm: the eager
-// fast path. Host code alone, built by nvcc beside the CUDA library (graphar/_cuda.py) against torch's
-// stable ABI as of 2.11 (TORCH_TARGET_VERSION): one build loads under every torch from 2.11 on.
-//
-// An eager call that goes through the dispatcher into Python spends most of its host time outside
-// the CUDA library: boxing the arguments, the Python kernel's checks, the outputs allocated from
-// Python. These kernels serve the common call themselves: the CUDA library's plan (graphar_comm_plan,
-// the one place a call's kernel is chosen) takes it, and for the all-reduce the stream is not
-// capturing. Every other call goes unchanged to the op's Python kernel: captures of the all-reduce
-// (graphar.graph records its calls), a group no communicator serves here, calls the library declines
-// (the collective runs them, or the norm apart, and Python logs why). A communicator that timed out
-// raises here. Both kernels ask the same plan, so whichever serves a call, every rank runs the same
-// CUDA kernel. The fused kernel is a push kernel, which needs no registration in any capture, so its
-// C++ kernel serves captures as well.
-//
-// What the stable ABI lacks, and what stands in for it:
-// - c10d, which told whether a name still names the group a state was served for (torch gives a
-//   destroyed group's name to the next group it makes): graphar.allreduce.native_op withdraws a group's state
-//   when torch unregisters its name.
-// - calling an op's kernel for one dispatch key: torch_call_dispatcher dispatches anew, which would
-//   bring a CUDA call back here. A declined call goes to graphar::_all_reduce_python or
-//   graphar::_all_reduce_add_rms_norm_python (graphar/ops.py), the op with its Python kernel alone.
-//   An error that kernel raises reaches the caller as a RuntimeError with its message (torch >= 2.13;
-//   2.11 prints the message to stderr): the shim keeps no exception type.
-// - the CUDA stream: libtorch_cuda's aoti_torch_get_current_cuda_stream, looked up at the first call,
-//   not linked, so that the library also loads into a CPU build of torch (which never calls it).
+// The CUDA kernels in C++ of graphar::all_reduce and graphar::all_reduce_add_rms_norm: the eager fast
+// path, host code on torch's stable ABI as of 2.11, so one build loads under every torch from 2.11 on.
+// They serve a call the CUDA library's plan takes (graphar_comm_plan: the one place a call's kernel is
+// chosen) and hand every other one to the op's Python kernel: all-reduce captures, a group no
+// communicator serves here, calls the library declines. A group that timed out raises here. What the
+// stable ABI lacks and what stands in for it (c10d's name check, calling one dispatch key's kernel,
+// the current stream): docs/design.md, decision 1a, and each stand-in's own comment below.
 
 #include <dlfcn.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -59,7 +40,9 @@ using AllReduceFn = int (*)(void*, const graphar_all_reduce_args*);
 using AllReduceNormFn = int (*)(void*, const graphar_all_reduce_norm_args*);
 using LastErrorFn = const char* (*)();
 
-// A group as served (null once withdrawn) and its call count, which outlives serving anew.
+// A group as served (null once withdrawn) and its call count, which outlives serving anew. The stable
+// ABI cannot ask c10d what a name names: graphar.allreduce.native_op withdraws a group when torch
+// unregisters its name (torch gives it to the next group it makes).
 struct Entry {
   std::shared_ptr<const graphar_op_group> group;
   std::atomic<uint64_t> calls{0};
@@ -124,6 +107,9 @@ graphar_tensor describe(const Tensor& t) {
   return d;
 }
 
+// The current CUDA stream, through libtorch_cuda's shim function, looked up (torch_symbol), not linked:
+// linked, the library failed to load into torch 2.11 ("undefined symbol"), and it must load into a CPU
+// torch too.
 uint64_t current_stream(const graphar_op_group& g) {
   static const auto get = reinterpret_cast<decltype(&aoti_torch_get_current_cuda_stream)>(
       torch_symbol("libtorch_cuda.so", "aoti_torch_get_current_cuda_stream"));
@@ -243,7 +229,9 @@ StableIValue name_bytes(const std::string& name) {
 }
 
 // Runs the Python kernel (graphar/ops.py) on a declined call, whose arguments are back on `stack`;
-// leaves the results there.
+// leaves the results there. The private op holds that kernel alone: torch_call_dispatcher dispatches
+// anew, and the public op would bring a CUDA call back here. An error it raises arrives as a
+// RuntimeError with its message (2.13; 2.11 prints it), its type lost.
 void call_python(const char* op, StableIValue* stack) {
   check_torch(torch_call_dispatcher(op, "", stack, TORCH_ABI_VERSION), op);
 }
