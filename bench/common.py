@@ -55,10 +55,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import plot
-from graphar.processes import free_port, init_nccl_worker
+from graphar import processes
+from graphar.settings import SHARE_GPU
 from ranks import Cell, alone, attempt, max_over_ranks, rank
 
 U = TypeVar("U")
@@ -119,13 +119,10 @@ def _raise_recompile_limit() -> None:
             setattr(torch._dynamo.config, name, DYNAMO_RECOMPILE_LIMIT)
 
 
-def _entry(
-    rank: int, worker: Callable[..., None], world_size: int, port: int, timeout_s: float, start: float, args: tuple
-) -> None:
+def _entry(rank: int, world_size: int, worker: Callable[..., None], start: float, args: tuple) -> None:
     global _progress
     _progress = _Progress(start, rank == 0)
     _raise_recompile_limit()
-    init_nccl_worker(rank, world_size, port, timeout_s, bind_device=True)
     try:
         dist.barrier()
         worker(rank, world_size, *args)
@@ -135,20 +132,31 @@ def _entry(
 
 
 def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: float = 300.0) -> None:
-    """Run worker(rank, world_size, *args) in world_size spawned processes, one per GPU.
+    """Run worker(rank, world_size, *args) in world_size processes, one per GPU over NCCL; with
+    GRAPHAR_SHARE_GPU set (tools/one_gpu_bench.py), every rank on cuda:0 over gloo.
 
     `worker` must be a module-level function (it is pickled). A failing rank ends the others;
-    a hung collective ends after `timeout_s` through NCCL's watchdog.
+    a hung collective ends after `timeout_s` through the group's watchdog.
     """
+    shared = SHARE_GPU.get()
     available = torch.cuda.device_count()
-    if world_size > available:
+    if not shared and world_size > available:
         raise SystemExit(f"needs {world_size} GPUs, {available} visible")
     for name, value in {**MULTICAST_OFF, "GRAPHAR_EXCHANGE_TIMEOUT_S": EXCHANGE_TIMEOUT_S}.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault(COMMIT_ENV, git_commit())  # read once, before the ranks start: what runs
-    progress(f"starting {world_size} processes, one per GPU...")
-    args = (worker, world_size, free_port(), timeout_s, _progress.start, args)
-    mp.spawn(_entry, args=args, nprocs=world_size, join=True)
+    progress(f"starting {world_size} processes, {'on one GPU' if shared else 'one per GPU'}...")
+    processes.run(
+        _entry,
+        world_size,
+        worker,
+        _progress.start,
+        args,
+        backend="gloo" if shared else "nccl",
+        device=0 if shared else "rank",
+        bind_device=not shared,
+        collective_timeout_s=timeout_s,
+    )
 
 
 def run(benchmark: ModuleType, argv: list[str] | None = None) -> int:

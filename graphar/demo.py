@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_graph_lowering
 from torch.utils._pytree import tree_leaves
 
 import graphar
-from graphar import _cuda
+from graphar import _cuda, processes
 from graphar.allreduce.registry import communicator
-from graphar.processes import end_worker, free_port
 from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
@@ -167,13 +164,9 @@ def _run(out: _Printer, rank: int, world_size: int, device: torch.device, backen
         _compile_and_check(out, "the Ulysses attention block", UlyssesAttention(device), x, backend)
 
 
-def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, use_gpu: bool, start: float) -> None:
     device = torch.device("cuda", rank) if use_gpu else torch.device("cpu")
     backend = "nccl" if use_gpu else "gloo"
-    if use_gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass we want to show
     if rank == 0:
         logging.getLogger("graphar.allreduce.graphs").addHandler(_GraphPrinter())
@@ -183,7 +176,6 @@ def _worker(rank: int, world_size: int, port: int, use_gpu: bool, start: float) 
     finally:
         graphar.shutdown()
         dist.destroy_process_group()
-    end_worker()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +197,9 @@ def main(world_size: int = 2) -> int:
         out.progress("loading graphar's CUDA library (nvcc builds it on first use: a minute or two)...")
     out(cuda_library_status())
     out.progress(f"starting {world_size} processes...")
-    mp.spawn(_worker, args=(world_size, free_port(), use_gpu, start), nprocs=world_size, join=True)
+    processes.run(
+        _worker, world_size, use_gpu, start, backend="nccl" if use_gpu else "gloo", device="rank" if use_gpu else None
+    )
     out(f"graphar demo: OK, compiled outputs match the uncompiled models ({time.time() - start:.0f} s)")
     return 0
 

@@ -7,18 +7,17 @@ import itertools
 import json
 import logging
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import graphar
+from graphar import processes
 from graphar.allreduce import native_op, policy
 from graphar.allreduce.registry import communicator
-from graphar.processes import end_worker, free_port, init_nccl_worker
+from graphar.errors import RanksFailed
 from graphar.ulysses import transport
 
 KB, MB = 1 << 10, 1 << 20
@@ -63,8 +62,7 @@ def _probe_pairs(rank: int, world_size: int, log: _Warnings) -> dict[str, str]:
     return verdicts
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float) -> None:
-    init_nccl_worker(rank, world_size, port, timeout_s, bind_device=False)
+def _worker(rank: int, world_size: int, out_dir: str) -> None:
     log = _Warnings()
     logging.getLogger("graphar").addHandler(log)
     try:
@@ -89,20 +87,23 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, timeout_s: floa
     finally:
         graphar.shutdown()
         dist.destroy_process_group()
-    end_worker()
 
 
 def probe(world_size: int, timeout_s: float) -> tuple[list[dict[str, Any]], str | None]:
     """Every rank's facts, or why the probe failed."""
     with tempfile.TemporaryDirectory(prefix="graphar-doctor-") as tmp:
-        context = mp.spawn(_worker, args=(world_size, free_port(), tmp, timeout_s), nprocs=world_size, join=False)
-        deadline = time.monotonic() + timeout_s
         try:
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.terminate()
-                    return [], f"the probe did not finish within {timeout_s:.0f} s (--timeout)"
-        except Exception as e:  # noqa: BLE001  (a rank raised: its last line says what)
-            return [], f"a probe process failed: {str(e).strip().splitlines()[-1]}"
+            processes.run(
+                _worker,
+                world_size,
+                tmp,
+                backend="nccl",
+                device="rank",
+                collective_timeout_s=timeout_s,
+                deadline_s=timeout_s,
+            )
+        except RanksFailed as e:
+            if e.hung:  # the ranks outlived the probe's bound
+                return [], f"the probe did not finish within {timeout_s:.0f} s (--timeout)"
+            return [], f"a probe process failed: {str(e).strip().splitlines()[-1]}"  # its last line says what
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)], None

@@ -40,3 +40,15 @@ class GrapharTimeoutError(GrapharCommError):
 
 class GrapharCudaError(GrapharCommError):
     """A call into the CUDA library failed; the message names the group and the op."""
+
+
+class RanksFailed(GrapharError, RuntimeError):
+    """Ranks of a launch (graphar.processes) raised or died (`failed`: rank -> its traceback);
+    `killed`: the ranks still running when it ended, past its deadline (`hung`) or after another
+    rank failed."""
+
+    def __init__(self, failed: dict[int, str], killed: list[int], hung: bool, deadline_s: float | None) -> None:
+        why = f"still running after {deadline_s:.0f} s" if hung else "still running when another rank failed"
+        head = f"ranks {killed} {why}, killed\n" if killed else ""
+        super().__init__(head + "\n".join(failed.values()))
+        self.failed, self.killed, self.hung = failed, killed, hung and bool(killed)

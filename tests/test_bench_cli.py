@@ -11,7 +11,6 @@ own pipelined attention, the pack benchmark's swept launches under the Triton in
 """
 
 import dataclasses
-import datetime
 import importlib.util
 import os
 import re
@@ -24,14 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import allreduce
 import common
 import plot
 import ranks
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
@@ -259,9 +257,7 @@ class _Units:
     units: list[int]
 
 
-def _agreement_worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+def _agreement_worker(rank: int, world_size: int) -> None:
     ranks.all_ranks = _all_ranks_on_cpu  # gloo: the flag on the CPU
     try:
         reasons: dict[str, str] = {}
@@ -300,11 +296,10 @@ def _agreement_worker(rank: int, port: int) -> None:
         assert calls == [({(1, "t"): 2.0}, _Units([1]), 2, reasons, common.gpu_name(), path, False)]
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_the_ranks_agree_on_what_to_measure() -> None:
-    mp.spawn(_agreement_worker, args=(free_port(),), nprocs=2, join=True)
+    processes.run(_agreement_worker, 2, collective_timeout_s=60)
 
 
 def test_alone_the_helpers_serve_a_world_of_one(tmp_path: Path) -> None:

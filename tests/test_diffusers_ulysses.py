@@ -19,20 +19,17 @@ The whole runs inside a torch.autograd.Function, as diffusers' does.
 
 from __future__ import annotations
 
-import datetime
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from expecttest import TestCase
 
 import graphar  # noqa: F401  (registers the ops)
+from graphar import processes
 from graphar.config import Config
-from graphar.processes import end_worker, free_port
 from tests._graphs import init_fake_world, post_grad_graphs
 
 WORLD = 2
@@ -159,11 +156,9 @@ class <lambda>(torch.nn.Module):
         self.assertIn("alone, an exchange scattering dim 2 gains nothing", "\n".join(logs.output))
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, world_size: int) -> None:
     from torch._dynamo.utils import counters
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass under test
     try:
         qkv = _qkv(b=2, seed=rank)
@@ -179,8 +174,7 @@ def _worker(rank: int, port: int) -> None:
                 torch.testing.assert_close(got, fn(*qkv), rtol=1e-5, atol=1e-5, msg=f"rank {rank} {fn.__name__}")
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_compiled_equals_eager_on_gloo() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_worker, WORLD, collective_timeout_s=120)

@@ -32,7 +32,7 @@ def test_every_exception_class_is_defined_in_errors() -> None:
 
 def test_every_error_is_a_graphar_error() -> None:
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
-    assert len(classes) == 6 and all(issubclass(c, errors.GrapharError) for c in classes)
+    assert len(classes) == 7 and all(issubclass(c, errors.GrapharError) for c in classes)
     # What callers caught before there was a base still catches them.
     assert issubclass(errors.SettingError, ValueError) and issubclass(errors.GrapharUnavailable, RuntimeError)
     assert issubclass(errors.GrapharCudaError, errors.GrapharCommError)  # a failed library call: a comm error

@@ -11,22 +11,18 @@ set-up, on GPUs, is tests/gpu/test_mesh.py's.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WAIT = datetime.timedelta(seconds=60)
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRAPHAR_EXCHANGE_TIMEOUT_S="20")
+def _worker(rank: int, world_size: int) -> None:
     from graphar.allreduce import set_up
 
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=WAIT)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp, index = mesh.get_group("tp"), mesh.get_coordinate()[0]  # TP group 0: ranks 0 and 1; 1: 2 and 3
     ranks = dist.get_process_group_ranks(tp)
@@ -45,11 +41,7 @@ def _worker(rank: int, port: int) -> None:
     for step in range(3):
         assert exchange.all_gather((rank, step), "both") == [(r, step) for r in ranks], (rank, step)
     dist.destroy_process_group()
-    end_worker()
 
 
 def test_a_tensor_parallel_group_sets_up_over_its_own_ranks_alone() -> None:
-    # Forked from one process that imported torch and graphar: four imports of their own take a minute here.
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "graphar"])
-    mp.start_processes(_worker, args=(free_port(),), nprocs=4, join=True, start_method="forkserver")
+    processes.run(_worker, 4, env={"GRAPHAR_EXCHANGE_TIMEOUT_S": "20"}, collective_timeout_s=WAIT.total_seconds())

@@ -7,15 +7,11 @@ eager by rounding only, so outputs are compared with rtol=atol=1e-5.
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._inductor.utils import run_and_get_code
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WORLD = 2
 
@@ -39,11 +35,9 @@ class Block(torch.nn.Module):
         return self.weight * v.to(h.dtype), h
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, world_size: int) -> None:
     import graphar  # noqa: F401  (registers the backend and the ops)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     torch._inductor.config.fx_graph_cache = False  # the pass must run to be seen in the code
     try:
         block = Block(rank)
@@ -59,8 +53,7 @@ def _worker(rank: int, port: int) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_fused_norm_matches_eager() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_worker, WORLD, collective_timeout_s=120)

@@ -6,16 +6,13 @@ projections' rounding aside)."""
 
 from __future__ import annotations
 
-import datetime
 import itertools
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WORLD = 2
 
@@ -73,12 +70,10 @@ def _compiled_block(rank: int) -> None:
     assert torch.equal(got, want), "GQA repeated as HF does: the pipelined attention differs from eager"
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, world_size: int) -> None:
     import graphar  # noqa: F401  (registers the ops)
     from graphar.ulysses import overlap
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
         name = dist.group.WORLD.group_name
         for b, (hq, hk), is_causal, chunks in itertools.product(
@@ -102,11 +97,10 @@ def _worker(rank: int, port: int) -> None:
         _compiled_block(rank)
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_pipelined_attention_equals_the_unchunked_path() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_worker, WORLD, collective_timeout_s=120)
 
 
 def test_flash_pipelines_only_what_it_attends_whole() -> None:

@@ -5,16 +5,13 @@ rank's value; set alike, the same group sets up (here: falls back, as there is n
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WORLD = 2
 
@@ -42,12 +39,10 @@ def _fake_gpus(rank: int) -> contextlib.ExitStack:
     return stack
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, world_size: int) -> None:
     import graphar
     from graphar.allreduce import set_up
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRAPHAR_EXCHANGE_TIMEOUT_S="60")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     with _fake_gpus(rank):
         if rank == 1:
             os.environ["GRAPHAR_PULL_BLOCKS"] = "32"
@@ -58,10 +53,9 @@ def _worker(rank: int, port: int) -> None:
         with mock.patch.object(set_up, "_disabled") as disabled:
             assert graphar.init() is None
         assert "no CUDA library on the CPU" in disabled.call_args.args[2]  # agreed: it went on to the library
-    end_worker()
 
 
 def test_ranks_that_differ_in_a_setting_both_raise_naming_it(monkeypatch) -> None:
     for name in [n for n in os.environ if n.startswith("GRAPHAR_")]:
         monkeypatch.delenv(name)
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_worker, WORLD, env={"GRAPHAR_EXCHANGE_TIMEOUT_S": "60"}, collective_timeout_s=120)

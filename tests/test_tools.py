@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphar import _cuda
+from graphar import _cuda, processes
 from graphar.allreduce import set_up
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -275,7 +275,7 @@ def test_the_soak_needs_a_gpu_or_two() -> None:
     assert (out.returncode, out.stdout.strip()) == (2, "no GPU"), out.stderr
 
 
-def _stand_in_rank(rank: int, port: int, shared: bool, quick: bool, cases: list, folder: str) -> None:
+def _stand_in_rank(rank: int, world_size: int, shared: bool, quick: bool, cases: list, folder: str) -> None:
     """A rank for the soak's launcher: a case named ...-crash kills rank 1, one named ...-hang hangs."""
     soak = _soak()
     for case in cases:
@@ -300,6 +300,7 @@ def test_the_soak_launcher_ends_a_hang_and_a_crash_and_goes_on(monkeypatch: pyte
         quick=True,
         record=lambda case, result: got.setdefault(case.name, result),
         body=_stand_in_rank,
+        group=processes.Group(),  # gloo on the CPU: the stand-in touches no GPU
     )
     assert list(got) == ["a-ok", "b-hang", "c-crash"], got
     assert got["a-ok"] == soak.Result("a-ok", calls=11, seconds=0.1)  # calls: the most of any rank

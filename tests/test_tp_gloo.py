@@ -11,17 +11,15 @@ Values are small integers, so every sum is exact in any order and outputs are co
 
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WORLD = 2
 
@@ -108,11 +106,9 @@ def _shared_cache(rank: int, cache_dir: str) -> None:
         raise AssertionError(f"rank {rank}: reported {reports} with {hits} cache hits")
 
 
-def _worker(rank: int, port: int, cache_dir: str) -> None:
+def _worker(rank: int, world_size: int, cache_dir: str) -> None:
     import graphar  # noqa: F401  (registers the backend and the ops)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     torch._inductor.config.fx_graph_cache = False  # counting rewrites needs the pass to run
     try:
         with torch.no_grad():
@@ -127,9 +123,8 @@ def _worker(rank: int, port: int, cache_dir: str) -> None:
             _shared_cache(rank, cache_dir)
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_tensor_parallel_compiles_as_users_run_it() -> None:
     with tempfile.TemporaryDirectory() as cache_dir:
-        mp.spawn(_worker, args=(free_port(), cache_dir), nprocs=WORLD, join=True)
+        processes.run(_worker, WORLD, cache_dir, collective_timeout_s=120)

@@ -13,17 +13,14 @@ third shape without another compile.
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 from tests._ulysses import UlyssesBlock, exact_attention, seq_to_heads_dim1
 
@@ -86,8 +83,8 @@ def _check(rank: int, name: str, expected: torch.Tensor, actual: torch.Tensor, c
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
 
 
-def _worker(rank: int, port: int) -> None:
-    _init(rank, port)
+def _worker(rank: int, world_size: int) -> None:
+    _init()
     try:
         with torch.no_grad():
             for name, dtype, b, heads, kv_heads, exact in (
@@ -120,19 +117,16 @@ def _worker(rank: int, port: int) -> None:
                 )
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
-def _init(rank: int, port: int) -> None:
+def _init() -> None:
     import graphar  # noqa: F401  (registers the backend and the ops)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass under test
 
 
 def test_compiled_ulysses_equals_eager_on_gloo() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_worker, WORLD, collective_timeout_s=120)
 
 
 def separate_qkv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -158,8 +152,8 @@ def _rewrites_per_call(
     return counts
 
 
-def _dynamic_worker(rank: int, port: int) -> None:
-    _init(rank, port)
+def _dynamic_worker(rank: int, world_size: int) -> None:
+    _init()
 
     def hidden(b: int, s: int) -> tuple[torch.Tensor]:
         return (_integers(b, s, 32, dtype=torch.float32, seed=rank),)
@@ -187,8 +181,7 @@ def _dynamic_worker(rank: int, port: int) -> None:
                     raise AssertionError(f"rank {rank} {name}: graphar ops per call {counts}, expected {expected}")
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def test_dynamic_shapes_keep_the_rewrites_on_gloo() -> None:
-    mp.spawn(_dynamic_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    processes.run(_dynamic_worker, WORLD, collective_timeout_s=120)

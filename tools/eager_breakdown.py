@@ -10,7 +10,6 @@ kernel), in microseconds per call.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -19,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,13 +121,10 @@ def _time_steps(comm, nbytes: int, algo: str | None, rank: int) -> None:
             print(f"{us:8.2f} us  {name}", flush=True)
 
 
-def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    one_gpu = torch.cuda.device_count() < world
-    torch.cuda.set_device(0 if one_gpu else rank)
-    backend = "gloo" if one_gpu else "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+def _worker(rank: int, world: int, nbytes: int, algo: str | None) -> None:
     import graphar
+
+    one_gpu = torch.cuda.device_count() < world
 
     if one_gpu:
         from one_gpu_check import _init_relaxed
@@ -144,13 +139,10 @@ def _worker(rank: int, world: int, port: int, nbytes: int, algo: str | None) -> 
         torch.cuda.synchronize()
     finally:
         comm.close()
-    from graphar.processes import end_worker
-
-    end_worker()
 
 
 def main() -> int:
-    from graphar.processes import free_port
+    from graphar import processes
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=int, default=16 * 1024)
@@ -160,7 +152,16 @@ def main() -> int:
         f"eager all-reduce host time, {args.bytes} bytes bf16, kernel {args.algo or 'by policy'}; "
         f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
     )
-    mp.spawn(_worker, args=(2, free_port(), args.bytes, args.algo), nprocs=2, join=True)
+    one_gpu = torch.cuda.device_count() < 2  # then both ranks share it, over gloo
+    processes.run(
+        _worker,
+        2,
+        args.bytes,
+        args.algo,
+        backend="gloo" if one_gpu else "nccl",
+        device=0 if one_gpu else "rank",
+        collective_timeout_s=600,
+    )
     return 0
 
 

@@ -13,16 +13,13 @@ speed. Usage, from the checkout: PYTHONPATH=. python tools/one_gpu_check.py [--w
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from one_gpu_common import (
     ALGOS,
     KB,
@@ -330,10 +327,7 @@ def check_pairs(comm, rank: int) -> None:
                 registry.communicator(group.group_name).close()
 
 
-def _worker(rank: int, port: int, world: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+def _worker(rank: int, world: int) -> None:
     import graphar  # noqa: F401
 
     comm = _init_relaxed()
@@ -363,7 +357,7 @@ def _worker(rank: int, port: int, world: int) -> None:
 
 
 def main() -> int:
-    from graphar.processes import free_port
+    from graphar import processes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, choices=(2, 4, 6, 8), help="processes (ranks) on the GPU")
@@ -371,7 +365,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
-    mp.spawn(_worker, args=(free_port(), world), nprocs=world, join=True)
+    processes.run(_worker, world, device=0, collective_timeout_s=300)  # every rank on the one GPU, over gloo
     print(f"one-GPU check, world size {world}: every check passed")
     return 0
 

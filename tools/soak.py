@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -69,14 +68,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, reference_sum, relax_set_up
+from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, reference_sum
 
 import graphar
-from graphar import _cuda, settings
+from graphar import _cuda, processes, settings
 from graphar.allreduce import policy
 from graphar.allreduce.communicator import Communicator
-from graphar.processes import end_worker, free_port
 from graphar.ulysses import stages, transport
 from graphar.ulysses.unpacked import seq_to_heads_unpacked
 
@@ -750,20 +747,10 @@ def _put(folder: str, rank: int, result: Result) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def _rank(rank: int, port: int, shared: bool, quick: bool, cases: list[Case], folder: str) -> None:
-    """One rank's process: `cases` in order, each result left in `folder` as it ends. A case that
-    raises ends the process (its peer may wait in a collective: the launcher ends it)."""
-    if shared:
-        relax_set_up()
-    torch.cuda.set_device(0 if shared else rank)
-    dist.init_process_group(
-        "gloo" if shared else "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300),
-        device_id=None if shared else torch.device("cuda", rank),
-    )
+def _rank(rank: int, world_size: int, shared: bool, quick: bool, cases: list[Case], folder: str) -> None:
+    """One rank's process (its group made by `_group`): `cases` in order, each result left in `folder`
+    as it ends. A case that raises ends the process (its peer may wait in a collective: the launcher
+    ends it)."""
     for case in cases:
         dist.barrier()
         start = time.monotonic()
@@ -788,7 +775,6 @@ def _rank(rank: int, port: int, shared: bool, quick: bool, cases: list[Case], fo
         _put(folder, rank, result)
         gc.collect()  # the case's graphs and tensors, before the next case allocates
         torch.cuda.empty_cache()
-    end_worker()
 
 
 # ---- the launcher ----------------------------------------------------------------------------------
@@ -800,16 +786,26 @@ GRACE_S = 60.0  # past a case's limit: a kernel's timeout, a close; beyond it th
 RankBody = Callable[[int, int, bool, bool, list[Case], str], None]  # as _rank: what a rank's process runs
 
 
+def _group(shared: bool) -> processes.Group:
+    """The ranks' default group: NCCL, a GPU each; or, shared, gloo with every rank on cuda:0."""
+    return processes.Group(
+        backend="gloo" if shared else "nccl",
+        device=0 if shared else "rank",
+        bind_device=not shared,
+        env={settings.SHARE_GPU.name: "1"} if shared else {},
+        collective_timeout_s=300,
+    )
+
+
 class _Ranks:
     """One launch of the rank processes, which run `cases` in order."""
 
-    def __init__(self, cases: Sequence[Case], shared: bool, quick: bool, body: RankBody) -> None:
+    def __init__(
+        self, cases: Sequence[Case], shared: bool, quick: bool, body: RankBody, group: processes.Group
+    ) -> None:
         self.folder = tempfile.mkdtemp(prefix="graphar-soak-")
-        context = mp.get_context("spawn")
-        args = (free_port(), shared, quick, list(cases), self.folder)
-        self.procs = [context.Process(target=body, args=(rank, *args)) for rank in range(WORLD)]
-        for p in self.procs:
-            p.start()
+        self._ranks = processes.start(body, WORLD, shared, quick, list(cases), self.folder, group=group)
+        self.procs = self._ranks.procs
 
     def result(self, case: Case, deadline: float) -> tuple[Result, bool]:
         """`case`'s result over the ranks, and whether they can go on: not if a rank raised or died, or
@@ -836,22 +832,24 @@ class _Ranks:
 
     def stop(self, wait_s: float) -> None:
         """End the processes: those still running after `wait_s` are killed."""
-        for p in self.procs:
-            p.join(timeout=wait_s)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=30)
+        self._ranks.stop(wait_s)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def soak(
-    cases: Sequence[Case], shared: bool, quick: bool, record: Callable[[Case, Result], None], body: RankBody = _rank
+    cases: Sequence[Case],
+    shared: bool,
+    quick: bool,
+    record: Callable[[Case, Result], None],
+    body: RankBody = _rank,
+    group: processes.Group | None = None,
 ) -> None:
     """Run `cases`, `record`ing each one's result as it ends; after a case that hung or failed a rank,
-    the rest run on a fresh launch. `body` is what each rank's process runs (tests pass a stand-in)."""
+    the rest run on a fresh launch. `body` is what each rank's process runs, in `group` (default
+    `_group(shared)`; tests pass stand-ins)."""
     todo = list(cases)
     while todo:
-        ranks = _Ranks(todo, shared, quick, body)
+        ranks = _Ranks(todo, shared, quick, body, group or _group(shared))
         healthy = False
         try:
             extra = START_S

@@ -8,7 +8,6 @@ returns on the CPU in fp32; the tool prints it for bf16 on one GPU.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import re
@@ -20,10 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
-from graphar.processes import end_worker, free_port
+from graphar import processes
 
 WORLD = 2
 # fp32 on the CPU. Inductor fuses and reorders the fp32 arithmetic of norms, softmax and matmul
@@ -139,16 +137,10 @@ def check(run: Run, expected: dict[str, int], left: dict[str, int], inductor: Ru
         assert not extra, f"{run.name}: graph breaks backend='inductor' does not have: {extra}"
 
 
-def _entry(rank: int, port: int, setup: Callable[[int], None] | None, fn: Callable[..., None], args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+def _entry(
+    rank: int, world_size: int, setup: Callable[[int], None] | None, fn: Callable[..., None], args: tuple
+) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     import graphar  # noqa: F401  (registers the backend and the ops)
 
     torch._inductor.config.fx_graph_cache = False  # a cache hit would not log why anything was left alone
@@ -159,10 +151,9 @@ def _entry(rank: int, port: int, setup: Callable[[int], None] | None, fn: Callab
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
-    end_worker()
 
 
 def run_ranks(fn: Callable[..., None], *args: Any, setup: Callable[[int], None] | None = None) -> None:
     """fn(rank, *args) in WORLD processes with a gloo default group (and the torchrun environment the
     clients read), after `setup(rank)`; both must be module-level functions."""
-    mp.spawn(_entry, args=(free_port(), setup, fn, args), nprocs=WORLD, join=True)
+    processes.run(_entry, WORLD, setup, fn, args, collective_timeout_s=300)

@@ -1,4 +1,5 @@
-"""Run a test body in one spawned process per GPU with an NCCL default group; fail loudly, never hang.
+"""Run a test body in one process per GPU with an NCCL default group (graphar.processes); fail loudly,
+never hang.
 
     run_workers(fn, world_size, *args)   # fn(rank, world_size, *args) in every process
 
@@ -6,8 +7,8 @@
 visible. A worker that raises makes the test fail with its traceback; a worker still running at
 the deadline is killed and the test fails naming it.
 
-GRAPHAR_TEST_SHARE_GPU=1 runs every rank on cuda:0 over a gloo default group, graphar's set-up
-relaxed as tools/one_gpu_check.py relaxes it, for where only one GPU is lent (cases that capture an
+GRAPHAR_TEST_SHARE_GPU=1 runs every rank on cuda:0 over a gloo default group, with graphar's
+testing-only switch GRAPHAR_SHARE_GPU, for where only one GPU is lent (cases that capture an
 NCCL collective skip there, as gloo cannot be captured). Two forms (docs/design.md, evidence levels):
 under CUDA's Multi-Process Service (tools/gpu_session.sh stage `mps`) the ranks' kernels run at once,
 so orderings and per-call costs are real without the link, and world sizes 2 and 4 run; without it
@@ -16,13 +17,9 @@ the GPU time-slices the ranks (each spin-wait ends at a context switch), two ran
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,12 +27,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from graphar.processes import free_port
+from graphar import processes, settings
+from graphar.errors import RanksFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from one_gpu_common import mps_running, relax_set_up  # tools/ is not a package: by path
+from one_gpu_common import mps_running  # tools/ is not a package: by path
 
 SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
 
@@ -47,46 +44,6 @@ WORLD_SIZES = (2, 4) if MPS else (2,) if SHARED_GPU else (2, 4, 6, 8)
 # A test body takes at most about 25 s there: a hang must not eat the dry run's whole time limit
 # (GRAPHAR_TEST_SHARED_DEADLINE_S lifts it for a long run made on purpose, e.g. 200 compiles).
 SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"))
-
-
-def _share_one_gpu() -> None:
-    """graphar's set-up takes ranks on one GPU over gloo (GRAPHAR_SHARE_GPU, tools/one_gpu_common.py),
-    the automatic set-up included (GRAPHAR_AUTO_INIT still decides it)."""
-    relax_set_up()
-
-
-def _entry(
-    fn: Callable[..., None],
-    rank: int,
-    world_size: int,
-    port: int,
-    args: tuple[Any, ...],
-    env: dict[str, str],
-    error_dir: str,
-    meet_at_end: bool,
-) -> None:
-    # Tests set their communicators up with graphar.init; a group without one is their NCCL case. The
-    # shipped kernel table, so that no pick depends on this machine's timings (test_tuner tunes).
-    os.environ.update({"GRAPHAR_AUTO_INIT": "0", "GRAPHAR_TUNE": "0", **env})
-    try:
-        if SHARED_GPU:
-            _share_one_gpu()
-        torch.cuda.set_device(0 if SHARED_GPU else rank)
-        init_world(rank, world_size, port)
-        fn(rank, world_size, *args)
-        torch.cuda.synchronize()
-        if meet_at_end:
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-    except BaseException:  # noqa: BLE001  (whatever ends a rank, its peers and the test must hear of it)
-        Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
-        # Its queued kernels end first: under MPS a client that exits with GPU work outstanding can
-        # bring the server down for every process on the GPU (graphar's waits are bounded).
-        with contextlib.suppress(BaseException):
-            torch.cuda.synchronize()
-        os._exit(1)  # skip teardown that could wait on peers that are gone
-    # No destroy_process_group(): on torch 2.11 it hangs once Inductor's cudagraph trees have
-    # captured NCCL work (seen in test_ulysses's reduce-overhead test); every check is done here.
-    os._exit(0)
 
 
 def init_world(rank: int, world_size: int, port: int) -> None:
@@ -114,56 +71,34 @@ def run_workers(
     env: dict[str, str] | None = None,
     meet_at_end: bool = True,
 ) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL). The ranks meet once
-    more after fn (`meet_at_end`), so none exits while a peer's kernel may still use its memory; a test
-    in which a rank dies on purpose skips that meeting."""
+    """Run fn(rank, world_size, *args) on `world_size` GPUs, one process each (NCCL; shared: every rank
+    on cuda:0 over gloo). The ranks meet once more after fn (`meet_at_end`), so none exits while a
+    peer's kernel may still use its memory; a test in which a rank dies on purpose skips that meeting.
+    A failing rank's peers are not killed: they end at graphar's bounded waits (under MPS, a process
+    killed mid-kernel can take the server down), or at the deadline."""
     if torch.cuda.device_count() < (1 if SHARED_GPU else world_size):
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
-    context = _context()
-    with tempfile.TemporaryDirectory(prefix="graphar-workers-") as error_dir:
-        port = free_port()
-        procs = [
-            context.Process(target=_entry, args=(fn, rank, world_size, port, args, env or {}, error_dir, meet_at_end))
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        WORKERS[:] = [p.pid for p in procs]
-        timeout_s = min(timeout_s, SHARED_DEADLINE_S) if SHARED_GPU else timeout_s
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(30)
-        failures = [
-            f"rank {rank} (exit code {p.exitcode}):\n{_read(Path(error_dir, f'rank{rank}.txt'))}"
-            for rank, p in enumerate(procs)
-            if rank not in hung and p.exitcode != 0
-        ]
-    if hung or failures:
-        head = f"ranks {hung} still running after {timeout_s:.0f} s, killed\n" if hung else ""
-        sys.stderr.write(head + "\n".join(failures) + "\n")  # now, for a run that is cut before pytest's summary
-        pytest.fail(head + "\n".join(failures), pytrace=False)
+    # Tests set their communicators up with graphar.init; a group without one is their NCCL case. The
+    # shipped kernel table, so that no pick depends on this machine's timings (test_tuner tunes).
+    shared = {settings.SHARE_GPU.name: "1"} if SHARED_GPU else {}
+    group = processes.Group(
+        backend="gloo" if SHARED_GPU else "nccl",
+        device=0 if SHARED_GPU else "rank",
+        bind_device=not SHARED_GPU,
+        env={"GRAPHAR_AUTO_INIT": "0", "GRAPHAR_TUNE": "0", **shared, **(env or {})},
+        meet_at_end=meet_at_end,
+    )
+    ranks = processes.start(fn, world_size, *args, group=group)
+    WORKERS[:] = [p.pid for p in ranks.procs]
+    try:
+        ranks.wait(min(timeout_s, SHARED_DEADLINE_S) if SHARED_GPU else timeout_s, fail_fast=False)
+    except RanksFailed as e:
+        sys.stderr.write(f"{e}\n")  # now, for a run that is cut before pytest's summary
+        pytest.fail(str(e), pytrace=False)
 
 
 # The process ids of the last run_workers' ranks, in rank order (conftest.py names them beside a fault).
 WORKERS: list[int] = []
-
-
-def _context() -> Any:
-    """Fresh processes (CUDA cannot be forked) started by a forkserver that imported torch once: a
-    worker then starts in a fraction of a second instead of importing torch itself (seconds per
-    process, every test). graphar is not preloaded: tests set GRAPHAR_* variables per run."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])
-    return context
-
-
-def _read(path: Path) -> str:
-    return path.read_text() if path.exists() else "(no traceback: the process died without raising)"
 
 
 def repetitions(n: int) -> int:
