@@ -89,27 +89,32 @@ class Ranks:
             # A sentinel is ready once its process has ended, also where it ended since is_alive.
             multiprocessing.connection.wait([p.sentinel for p in alive], left)
         killed = [rank for rank, p in enumerate(self.procs) if p.is_alive()]
-        self.stop(0)
+        self._end(0)
         failed = {
             rank: f"rank {rank} (exit code {p.exitcode}):\n{self.traceback(rank)}"
             for rank, p in enumerate(self.procs)
             if rank not in killed and p.exitcode != 0
         }
+        self._errors.cleanup()  # after the tracebacks are read
         if killed or failed:
             raise RanksFailed(failed, killed, hung, deadline_s)
 
     def traceback(self, rank: int) -> str:
+        """What the rank raised, as it wrote it before it exited."""
         path = Path(self._errors.name, f"rank{rank}.txt")
         return path.read_text() if path.exists() else "(no traceback: the process died without raising)"
 
     def stop(self, wait_s: float) -> None:
         """End the ranks: those still running after `wait_s` are killed."""
+        self._end(wait_s)
+        self._errors.cleanup()
+
+    def _end(self, wait_s: float) -> None:
         for p in self.procs:
             p.join(timeout=wait_s)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=30)
-        self._errors.cleanup()
 
 
 def start(fn: Callable[..., None], world_size: int, *args: Any, group: Group | None = None) -> Ranks:
