@@ -33,6 +33,7 @@ enum {
   GRAPHAR_CAPTURED_COPY = 1,  // the same, known to be inside someone else's CUDA-graph capture
   GRAPHAR_ZERO_COPY = 2,      // read the inputs through a graph slot filled in after capture
   GRAPHAR_STAGED = 3,         // the kernel copies into the registered buffer; peers read it through a graph slot
+  GRAPHAR_UNCAPTURED = 4,     // GRAPHAR_EAGER on a stream a plan found not capturing: the stream is not asked again
 };
 // the capture modes of a kernel table (graphar_kernels)
 enum { GRAPHAR_ROWS_EAGER = 0, GRAPHAR_ROWS_GRAPH = 1, GRAPHAR_ROWS_GRAPHAR_GRAPH = 2, GRAPHAR_ROW_MODES = 3 };
@@ -101,9 +102,12 @@ typedef struct graphar_tensor {
   int32_t reserved;
 } graphar_tensor;
 // The one place a call's kernel is chosen: the kernel (GRAPHAR_ONE_STAGE ...) of an all-reduce of x on
-// stream in *algo_out; algo 0 the table's, else that kernel where it can take x. GRAPHAR_DECLINED
-// when none takes x, GRAPHAR_CAPTURING (GRAPHAR_PLAN_EAGER_ONLY), an error once the group timed out.
-int graphar_comm_plan(void* comm, const graphar_tensor* x, uint64_t stream, int how, int algo, int32_t* algo_out);
+// stream in *algo_out, algo 0 the table's, else that kernel where it can take x; in *path_out the
+// path to launch it on (GRAPHAR_UNCAPTURED, or GRAPHAR_CAPTURED_COPY inside a capture: a v1 kernel in
+// graphar.graph's takes a graph slot instead), so the stream is asked once. GRAPHAR_DECLINED when none
+// takes x, GRAPHAR_CAPTURING (GRAPHAR_PLAN_EAGER_ONLY), an error once the group timed out.
+int graphar_comm_plan(void* comm, const graphar_tensor* x, uint64_t stream, int how, int algo, int32_t* algo_out,
+                      int32_t* path_out);
 // Whether the fused norm takes x in rows of row_bytes, with residual (x's size) and weight (one row):
 // 0, GRAPHAR_DECLINED, or an error once the group timed out.
 int graphar_comm_plan_norm(void* comm, const graphar_tensor* x, const graphar_tensor* residual,

@@ -126,7 +126,7 @@ int check_all_reduce(const Comm* c, const graphar_all_reduce_args& a) {
   }
   if (a.input % 16 != 0 || a.output % 16 != 0) return fail(GRAPHAR_EINVAL, "input and output must be 16-byte aligned");
   const bool graph_slot = a.path == GRAPHAR_ZERO_COPY || a.path == GRAPHAR_STAGED;
-  if (!graph_slot && a.path != GRAPHAR_EAGER && a.path != GRAPHAR_CAPTURED_COPY) {
+  if (!graph_slot && a.path != GRAPHAR_EAGER && a.path != GRAPHAR_UNCAPTURED && a.path != GRAPHAR_CAPTURED_COPY) {
     return fail(GRAPHAR_EINVAL, "unknown input path %d", a.path);
   }
   if (graph_slot && (a.slot < 1 || a.slot >= c->graph_slots)) {
@@ -172,7 +172,7 @@ int graphar_comm_all_reduce(void* comm, const graphar_all_reduce_args* args) {
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
-  bool eager = false;  // the other paths are graph slots or known captures
+  bool eager = a.path == GRAPHAR_UNCAPTURED;  // a plan asked the stream; the other paths are captures
   if (a.path == GRAPHAR_EAGER) {
     if (int rc = is_eager(stream, &eager)) return rc;
   }

@@ -60,16 +60,18 @@ int check_tensor(const Comm* c, const graphar_tensor& t, const char* what) {
   return 0;
 }
 
-int plan(const Comm* c, const graphar_tensor& x, cudaStream_t stream, int how, int forced, int32_t* out) {
+int plan(const Comm* c, const graphar_tensor& x, cudaStream_t stream, int how, int forced, int32_t* out,
+         int32_t* path) {
   if (int rc = check_usable(c)) return rc;
   if (int rc = check_tensor(c, x, "input")) return rc;
   int mode = GRAPHAR_ROWS_GRAPHAR_GRAPH;
+  bool eager = false;  // graphar.graph's calls are captured
   if (how != GRAPHAR_PLAN_GRAPHAR_GRAPH) {
-    bool eager = true;
     if (int rc = is_eager(stream, &eager)) return rc;
     if (!eager && how == GRAPHAR_PLAN_EAGER_ONLY) return GRAPHAR_CAPTURING;
     mode = eager ? GRAPHAR_ROWS_EAGER : GRAPHAR_ROWS_GRAPH;
   }
+  *path = eager ? GRAPHAR_UNCAPTURED : GRAPHAR_CAPTURED_COPY;
   if (forced != 0) {
     if (algo_name(forced) == nullptr) return fail(GRAPHAR_EINVAL, "unknown all-reduce algorithm %d", forced);
     if (x.nbytes > (forced == GRAPHAR_PUSH_ONE_SHOT ? one_shot_limit(c) : c->max_bytes)) {
@@ -151,8 +153,9 @@ int graphar_comm_set_kernels(void* comm, const graphar_kernels* kernels) {
   return 0;
 }
 
-int graphar_comm_plan(void* comm, const graphar_tensor* x, uint64_t stream, int how, int algo, int32_t* algo_out) {
-  return plan(as_comm(comm), *x, reinterpret_cast<cudaStream_t>(stream), how, algo, algo_out);
+int graphar_comm_plan(void* comm, const graphar_tensor* x, uint64_t stream, int how, int algo, int32_t* algo_out,
+                      int32_t* path_out) {
+  return plan(as_comm(comm), *x, reinterpret_cast<cudaStream_t>(stream), how, algo, algo_out, path_out);
 }
 
 int graphar_comm_plan_norm(void* comm, const graphar_tensor* x, const graphar_tensor* residual,

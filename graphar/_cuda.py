@@ -71,7 +71,7 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_error_record": (c_int, [c_void_p, POINTER(c_void_p)]),
     "graphar_comm_failed_flag": (c_int, [c_void_p, POINTER(c_void_p)]),
     "graphar_comm_set_kernels": (c_int, [c_void_p, c_void_p]),
-    "graphar_comm_plan": (c_int, [c_void_p, c_void_p, c_uint64, c_int, c_int, POINTER(c_int32)]),
+    "graphar_comm_plan": (c_int, [c_void_p, c_void_p, c_uint64, c_int, c_int, POINTER(c_int32), POINTER(c_int32)]),
     "graphar_comm_plan_norm": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_uint64]),
     "graphar_comm_all_reduce": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_push_limits": (c_int, [c_void_p, POINTER(c_uint64), POINTER(c_uint64)]),

@@ -23,8 +23,9 @@ PUSH_ALGOS = frozenset({PUSH_ONE_SHOT, PUSH_TWO_SHOT})
 # Input paths of a launch (GRAPHAR_EAGER ...), PATH_ here so that they are not taken for the policy's
 # capture modes (graphar.allreduce.policy.EAGER ...): copy-in, where the library asks the stream whether it
 # is capturing; copy-in inside a foreign capture; zero copy through a graph slot; copy into the
-# registered buffer then a graph slot. The all-to-all's copy takes the first two.
-PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED = 0, 1, 2, 3
+# registered buffer then a graph slot; copy-in on a stream a plan found not capturing (graphar_comm_plan
+# gives it: the stream is asked once). The all-to-all's copy takes the first two.
+PATH_EAGER, PATH_CAPTURED_COPY, PATH_ZERO_COPY, PATH_STAGED, PATH_UNCAPTURED = 0, 1, 2, 3, 4
 # Return codes besides CUDA's: bad arguments; a GRAPHAR_PLAN_EAGER_ONLY plan on a capturing stream; a call
 # no kernel takes (graphar_comm_plan: the collective serves it, graphar_last_error says why).
 EINVAL, CAPTURING, DECLINED = -1, -2, -3
@@ -88,6 +89,15 @@ def describe(x: torch.Tensor | None) -> bytes:
     if x is None:
         return NO_TENSOR
     return TENSOR.pack(x.data_ptr(), x.nbytes, DTYPE_CODES.get(x.dtype, -1), x.get_device(), x.is_contiguous(), 0)
+
+
+class Plan(NamedTuple):
+    """graphar_comm_plan's verdict: the kernel (an ALGO_CODES value) and the path to launch it on, or
+    0 and 0 and why no kernel takes the call (`refusal`)."""
+
+    algo: int
+    path: int
+    refusal: str | None = None
 
 
 class AllToAllCopy(NamedTuple):

@@ -61,6 +61,7 @@ def test_launch_paths() -> None:
         "GRAPHAR_CAPTURED_COPY": abi.PATH_CAPTURED_COPY,
         "GRAPHAR_ZERO_COPY": abi.PATH_ZERO_COPY,
         "GRAPHAR_STAGED": abi.PATH_STAGED,
+        "GRAPHAR_UNCAPTURED": abi.PATH_UNCAPTURED,
     }
     assert {name: codes[name] for name in python} == python
 

@@ -53,7 +53,10 @@ _OUTPUTS = {
     ),
     "graphar_ipc_handle": lambda lib, base, out: _write(out, b"i" * _cuda.IPC_HANDLE_BYTES),
     "graphar_comm_graph_mappings": lambda lib, h, open_, unused: (open_.__setitem__(0, 3), unused.__setitem__(0, 1)),
-    "graphar_comm_plan": lambda lib, h, x, stream, how, algo, out: out.__setitem__(0, abi.ALGO_CODES["2stage"]),
+    "graphar_comm_plan": lambda lib, h, x, stream, how, algo, out, path: (
+        out.__setitem__(0, abi.ALGO_CODES["2stage"]),
+        path.__setitem__(0, abi.PATH_UNCAPTURED),
+    ),
 }
 
 
@@ -167,10 +170,10 @@ def test_every_call_reaches_its_function_with_the_handle(library: _Library) -> N
 def test_a_plan_gives_the_kernel_or_why_none_takes_the_call(library: _Library) -> None:
     comm = _communicator()
     x = abi.TENSOR.pack(0x5000, 64, 0, 0, 1, 0)
-    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (abi.ALGO_CODES["2stage"], None)
+    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (abi.ALGO_CODES["2stage"], abi.PATH_UNCAPTURED, None)
     assert library.calls[-1][1][2:5] == (5, abi.PLAN_STREAM, 0)
     library.answers.update(graphar_comm_plan=abi.DECLINED, graphar_comm_plan_norm=abi.DECLINED)
-    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (0, "the stand-in says no")  # a verdict, not an error
+    assert comm.plan(x, 5, abi.PLAN_STREAM, 0) == (0, 0, "the stand-in says no")  # a verdict, not an error
     assert comm.plan_norm(x, abi.NO_TENSOR, abi.NO_TENSOR, 64) == "the stand-in says no"
     library.answers.update(graphar_comm_plan=abi.EINVAL, graphar_comm_plan_norm=0)
     assert comm.plan_norm(x, abi.NO_TENSOR, abi.NO_TENSOR, 64) is None

@@ -70,8 +70,8 @@ def _declined_calls_reach_the_python_kernels(rank: int, world_size: int, library
         return abi.EINVAL if timed_out else abi.DECLINED
 
     plan = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p
-    )(lambda comm, x, stream, how, algo, out: decide("all_reduce"))
+        ctypes.c_int, *(ctypes.c_void_p,) * 2, ctypes.c_uint64, *(ctypes.c_int,) * 2, *(ctypes.c_void_p,) * 2
+    )(lambda comm, x, stream, how, algo, algo_out, path_out: decide("all_reduce"))
     plan_norm = ctypes.CFUNCTYPE(
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64
     )(lambda comm, x, residual, weight, row_bytes: decide("norm"))

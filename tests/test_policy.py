@@ -141,18 +141,30 @@ class _CpuComm:
         )
         self.tables.append((eager, kernels.fused_norm_max, bool(kernels.pdl)))
 
-    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> abi.Plan:
         _, nbytes, dtype, _, contiguous, _ = abi.TENSOR.unpack(x)
         if dtype < 0 or not contiguous or nbytes == 0 or nbytes % 16:
-            return 0, f"the input's {nbytes} bytes, dtype {dtype}, contiguous {contiguous}: no kernel reads it"
+            return abi.Plan(
+                0, 0, f"the input's {nbytes} bytes, dtype {dtype}, contiguous {contiguous}: no kernel reads it"
+            )
+        # The fixture allows no capture query: graphar.graph's calls are captured, the others not.
+        path = abi.PATH_CAPTURED_COPY if how == abi.PLAN_GRAPHAR_GRAPH else abi.PATH_UNCAPTURED
         if algo:
             room = self.one_shot_limit if algo == abi.ALGO_CODES["push-oneshot"] else self.max_bytes
-            return (algo, None) if nbytes <= room else (0, f"{nbytes} bytes is over the limits of the forced kernel")
-        mode = 2 if how == abi.PLAN_GRAPHAR_GRAPH else 0  # the fixture allows no capture query
+            return (
+                abi.Plan(algo, path)
+                if nbytes <= room
+                else abi.Plan(0, 0, f"{nbytes} bytes is over the limits of the forced kernel")
+            )
+        mode = 2 if how == abi.PLAN_GRAPHAR_GRAPH else 0
         k = self._kernels
         row = next((i for i in range(k.rows[mode]) if nbytes <= k.bounds[mode][i]), None)
         chosen = 0 if row is None else k.algos[mode][row]
-        return (chosen, None) if chosen else (0, f"the kernel table gives {nbytes} bytes to the collective")
+        return (
+            abi.Plan(chosen, path)
+            if chosen
+            else abi.Plan(0, 0, f"the kernel table gives {nbytes} bytes to the collective")
+        )
 
     def native_calls(self) -> int:
         return self.native
@@ -204,7 +216,7 @@ def test_eager_call_passes_one_struct_and_allocates_only_the_output(cpu_all_redu
             stream=1234,
             dtype=abi.DTYPE_CODES[torch.bfloat16],
             algo=abi.ALGO_CODES["push-oneshot"],
-            path=abi.PATH_EAGER,
+            path=abi.PATH_UNCAPTURED,  # the plan asked the stream: the launch does not again
             slot=0,
         )
     ]
@@ -233,7 +245,7 @@ def test_graphar_graph_records_only_the_v1_calls(cpu_all_reduce, monkeypatch) ->
     allreduce.try_all_reduce(small)
     allreduce.try_all_reduce(large)
     assert [c["algo"] for c in comm.launched] == [abi.ALGO_CODES["push-oneshot"], abi.ALGO_CODES["1stage"]]
-    assert [c["path"] for c in comm.launched] == [abi.PATH_EAGER, abi.PATH_ZERO_COPY]
+    assert [c["path"] for c in comm.launched] == [abi.PATH_CAPTURED_COPY, abi.PATH_ZERO_COPY]
     assert [c.tensor() for c in capture.recorded] == [large] and comm.launched[1]["slot"] == capture.recorded[0].slot
 
 

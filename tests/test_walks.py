@@ -171,10 +171,11 @@ class _AllReduceCalls:
     def set_kernels(self, kernels: abi.Kernels) -> None:
         pass
 
-    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> abi.Plan:
         """The library's verdict: float32 on the first kernel, anything else declined."""
         dtype = abi.TENSOR.unpack(x)[2]
-        return (1, None) if dtype == abi.DTYPE_CODES[torch.float32] else (0, f"dtype code {dtype}")
+        ok = dtype == abi.DTYPE_CODES[torch.float32]
+        return abi.Plan(1, abi.PATH_UNCAPTURED) if ok else abi.Plan(0, 0, f"dtype code {dtype}")
 
     def launch_all_reduce(self, args: bytes) -> None:
         self.launched.append(args)

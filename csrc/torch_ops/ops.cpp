@@ -34,7 +34,7 @@ using torch::stable::detail::to;
 
 thread_local std::string t_last_error;
 
-using PlanFn = int (*)(void*, const graphar_tensor*, uint64_t, int, int, int32_t*);
+using PlanFn = int (*)(void*, const graphar_tensor*, uint64_t, int, int, int32_t*, int32_t*);
 using PlanNormFn = int (*)(void*, const graphar_tensor*, const graphar_tensor*, const graphar_tensor*, uint64_t);
 using AllReduceFn = int (*)(void*, const graphar_all_reduce_args*);
 using AllReduceNormFn = int (*)(void*, const graphar_all_reduce_norm_args*);
@@ -155,9 +155,9 @@ bool planned(const graphar_op_group& g, int rc, const char* op, const std::strin
 std::optional<Tensor> try_all_reduce(const graphar_op_group& g, const Tensor& x, const std::string& name) {
   const graphar_tensor in = describe(x);
   const uint64_t stream = in.device < 0 ? 0 : current_stream(g);  // no GPU, no stream: the plan declines it first
-  int32_t algo = 0;
+  int32_t algo = 0, path = 0;
   const int rc = reinterpret_cast<PlanFn>(g.plan)(reinterpret_cast<void*>(g.comm), &in, stream,
-                                                  GRAPHAR_PLAN_EAGER_ONLY, 0, &algo);
+                                                  GRAPHAR_PLAN_EAGER_ONLY, 0, &algo, &path);
   if (!planned(g, rc, "all_reduce", name)) return std::nullopt;
   Tensor out = empty_like(x);
   graphar_all_reduce_args a{};
@@ -167,7 +167,7 @@ std::optional<Tensor> try_all_reduce(const graphar_op_group& g, const Tensor& x,
   a.stream = stream;
   a.dtype = in.dtype;
   a.algo = algo;
-  a.path = GRAPHAR_EAGER;
+  a.path = path;  // GRAPHAR_UNCAPTURED: the plan asked the stream
   check(g, reinterpret_cast<AllReduceFn>(g.all_reduce)(reinterpret_cast<void*>(g.comm), &a), "all_reduce", name);
   return out;
 }

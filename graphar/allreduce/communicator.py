@@ -204,15 +204,15 @@ class Communicator:
         """The kernel choice and launch settings every later plan and launch reads (graphar_comm_set_kernels)."""
         self._ok("set_kernels", self._lib.graphar_comm_set_kernels(self._handle, ctypes.byref(kernels)))
 
-    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]:
-        """The kernel of an all-reduce of `x` (graphar.abi.describe) on `stream`, and None; or 0 and
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> abi.Plan:
+        """The kernel of an all-reduce of `x` (graphar.abi.describe) on `stream` and its launch path, or
         why no kernel takes it (csrc graphar_comm_plan: the one place a call's kernel is chosen)."""
-        chosen = ctypes.c_int32()
-        rc = self._plan(self._handle, x, stream, how, algo, ctypes.byref(chosen))
+        chosen, path = ctypes.c_int32(), ctypes.c_int32()
+        rc = self._plan(self._handle, x, stream, how, algo, ctypes.byref(chosen), ctypes.byref(path))
         if rc == abi.DECLINED:
-            return 0, _cuda.last_error()
+            return abi.Plan(0, 0, _cuda.last_error())
         self._ok("all_reduce", rc)
-        return chosen.value, None
+        return abi.Plan(chosen.value, path.value)
 
     def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None:
         """Why the fused norm cannot take these tensors (graphar.abi.describe), or None when it can."""

@@ -33,13 +33,13 @@ from graphar.abi import (
     DTYPE_CODES,
     MAX_ROWS,
     NORM_ARGS,
-    PATH_EAGER,
     PATH_STAGED,
     PATH_ZERO_COPY,
     PLAN_GRAPHAR_GRAPH,
     PLAN_STREAM,
     PUSH_ALGOS,
     Kernels,
+    Plan,
     describe,
 )
 from graphar.allreduce import graphs, policy
@@ -99,7 +99,7 @@ class CommCalls(Protocol):
     def mark_broken(self, reason: str) -> None: ...
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
     def set_kernels(self, kernels: Kernels) -> None: ...
-    def plan(self, x: bytes, stream: int, how: int, algo: int) -> tuple[int, str | None]: ...
+    def plan(self, x: bytes, stream: int, how: int, algo: int) -> Plan: ...
     def plan_norm(self, x: bytes, residual: bytes, weight: bytes, row_bytes: int) -> str | None: ...
     def launch_all_reduce(self, args: bytes) -> None: ...  # graphar.abi.ALL_REDUCE_ARGS, packed
     def launch_all_reduce_norm(self, args: bytes) -> None: ...  # graphar.abi.NORM_ARGS, packed
@@ -232,7 +232,7 @@ class AllReduce:
         comm = self.comm
         if not comm.usable:
             return False
-        return comm.plan(describe(x), torch._C._cuda_getCurrentRawStream(comm.device), PLAN_STREAM, 0)[0] != 0
+        return comm.plan(describe(x), torch._C._cuda_getCurrentRawStream(comm.device), PLAN_STREAM, 0).refusal is None
 
     def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
         """Sum of `x` over the group, as a new tensor; `algo` forces a kernel (graphar.abi.ALGO_CODES)."""
@@ -272,13 +272,13 @@ class AllReduce:
         capture = graphs.current_capture()
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
         how = PLAN_STREAM if capture is None else PLAN_GRAPHAR_GRAPH
-        chosen, reason = comm.plan(describe(x), stream, how, 0 if forced is None else ALGO_CODES[forced])
-        if reason is not None:
-            self.refusal = reason
+        chosen, path, refusal = comm.plan(describe(x), stream, how, 0 if forced is None else ALGO_CODES[forced])
+        if refusal is not None:
+            self.refusal = refusal
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         nbytes, dtype_code = x.nbytes, DTYPE_CODES[x.dtype]
-        path, slot = PATH_EAGER, 0  # the library asks the stream whether it is capturing
+        slot = 0
         if capture is not None and chosen not in _PUSH_CODES:
             path, slot = self._record_graph_call(capture, x, (nbytes, dtype_code, chosen))
         comm.launch_all_reduce(
