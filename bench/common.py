@@ -146,17 +146,8 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, timeout_s: 
         os.environ.setdefault(name, value)
     os.environ.setdefault(COMMIT_ENV, git_commit())  # read once, before the ranks start: what runs
     progress(f"starting {world_size} processes, {'on one GPU' if shared else 'one per GPU'}...")
-    processes.run(
-        _entry,
-        world_size,
-        worker,
-        _progress.start,
-        args,
-        backend="gloo" if shared else "nccl",
-        device=0 if shared else "rank",
-        bind_device=not shared,
-        collective_timeout_s=timeout_s,
-    )
+    group = processes.gpu_group(shared, collective_timeout_s=timeout_s)
+    processes.start(_entry, world_size, worker, _progress.start, args, group=group).wait()
 
 
 def run(benchmark: ModuleType, argv: list[str] | None = None) -> int:

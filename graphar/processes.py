@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from graphar.errors import RanksFailed
+from graphar.settings import SHARE_GPU
 
 
 def free_port() -> int:
@@ -53,6 +54,20 @@ class Group:
     env: dict[str, str] = field(default_factory=dict)
     collective_timeout_s: float | None = None
     meet_at_end: bool = True
+
+
+def gpu_group(shared: bool, env: dict[str, str] | None = None, **fields: Any) -> Group:
+    """A GPU each over NCCL, bound at once; or, `shared`, every rank on cuda:0 over gloo (NCCL refuses
+    ranks that share a GPU) under graphar's testing-only GRAPHAR_SHARE_GPU. `env` and the other
+    fields as Group takes them."""
+    share = {SHARE_GPU.name: "1"} if shared else {}
+    return Group(
+        backend="gloo" if shared else "nccl",
+        device=0 if shared else "rank",
+        bind_device=not shared,
+        env={**share, **(env or {})},
+        **fields,
+    )
 
 
 class Ranks:

@@ -153,15 +153,8 @@ def main() -> int:
         f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
     )
     one_gpu = torch.cuda.device_count() < 2  # then both ranks share it, over gloo
-    processes.run(
-        _worker,
-        2,
-        args.bytes,
-        args.algo,
-        backend="gloo" if one_gpu else "nccl",
-        device=0 if one_gpu else "rank",
-        collective_timeout_s=600,
-    )
+    group = processes.gpu_group(one_gpu, collective_timeout_s=600)
+    processes.start(_worker, 2, args.bytes, args.algo, group=group).wait()
     return 0
 
 

@@ -365,7 +365,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
-    processes.run(_worker, world, device=0, collective_timeout_s=300)  # every rank on the one GPU, over gloo
+    processes.start(_worker, world, group=processes.gpu_group(True, collective_timeout_s=300)).wait()
     print(f"one-GPU check, world size {world}: every check passed")
     return 0
 

@@ -748,7 +748,7 @@ def _put(folder: str, rank: int, result: Result) -> None:
 
 
 def _rank(rank: int, world_size: int, shared: bool, quick: bool, cases: list[Case], folder: str) -> None:
-    """One rank's process (its group made by `_group`): `cases` in order, each result left in `folder`
+    """One rank's process (its group made by processes.gpu_group): `cases` in order, each result left in `folder`
     as it ends. A case that raises ends the process (its peer may wait in a collective: the launcher
     ends it)."""
     for case in cases:
@@ -784,17 +784,6 @@ GRACE_S = 60.0  # past a case's limit: a kernel's timeout, a close; beyond it th
 
 
 RankBody = Callable[[int, int, bool, bool, list[Case], str], None]  # as _rank: what a rank's process runs
-
-
-def _group(shared: bool) -> processes.Group:
-    """The ranks' default group: NCCL, a GPU each; or, shared, gloo with every rank on cuda:0."""
-    return processes.Group(
-        backend="gloo" if shared else "nccl",
-        device=0 if shared else "rank",
-        bind_device=not shared,
-        env={settings.SHARE_GPU.name: "1"} if shared else {},
-        collective_timeout_s=300,
-    )
 
 
 class _Ranks:
@@ -846,10 +835,10 @@ def soak(
 ) -> None:
     """Run `cases`, `record`ing each one's result as it ends; after a case that hung or failed a rank,
     the rest run on a fresh launch. `body` is what each rank's process runs, in `group` (default
-    `_group(shared)`; tests pass stand-ins)."""
+    `processes.gpu_group(shared, collective_timeout_s=300)`; tests pass stand-ins)."""
     todo = list(cases)
     while todo:
-        ranks = _Ranks(todo, shared, quick, body, group or _group(shared))
+        ranks = _Ranks(todo, shared, quick, body, group or processes.gpu_group(shared, collective_timeout_s=300))
         healthy = False
         try:
             extra = START_S

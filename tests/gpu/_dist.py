@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphar import processes, settings
+from graphar import processes
 from graphar.errors import RanksFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -80,13 +80,8 @@ def run_workers(
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} visible")
     # Tests set their communicators up with graphar.init; a group without one is their NCCL case. The
     # shipped kernel table, so that no pick depends on this machine's timings (test_tuner tunes).
-    shared = {settings.SHARE_GPU.name: "1"} if SHARED_GPU else {}
-    group = processes.Group(
-        backend="gloo" if SHARED_GPU else "nccl",
-        device=0 if SHARED_GPU else "rank",
-        bind_device=not SHARED_GPU,
-        env={"GRAPHAR_AUTO_INIT": "0", "GRAPHAR_TUNE": "0", **shared, **(env or {})},
-        meet_at_end=meet_at_end,
+    group = processes.gpu_group(
+        SHARED_GPU, {"GRAPHAR_AUTO_INIT": "0", "GRAPHAR_TUNE": "0", **(env or {})}, meet_at_end=meet_at_end
     )
     ranks = processes.start(fn, world_size, *args, group=group)
     WORKERS[:] = [p.pid for p in ranks.procs]
