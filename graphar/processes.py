@@ -55,6 +55,10 @@ class Group:
     collective_timeout_s: float | None = None
     meet_at_end: bool = True
 
+    def gpu(self, rank: int) -> int | None:
+        """The GPU of `rank`, or None."""
+        return None if self.device is None else rank if self.device == "rank" else int(self.device)
+
 
 def gpu_group(shared: bool, env: dict[str, str] | None = None, **fields: Any) -> Group:
     """A GPU each over NCCL, bound at once; or, `shared`, every rank on cuda:0 over gloo (NCCL refuses
@@ -150,6 +154,24 @@ def run(
     start(fn, world_size, *args, group=Group(**group)).wait(deadline_s, fail_fast)
 
 
+def init_group(group: Group, rank: int, world_size: int, port: int) -> None:
+    """Make this rank's default group as `group` says, rendezvous on 127.0.0.1:`port`, on its GPU (set
+    current first). Each rank of a launch runs it before its work; a test that destroys the world
+    makes it again with it."""
+    import torch
+    import torch.distributed as dist
+
+    gpu = group.gpu(rank)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+    seconds = group.collective_timeout_s
+    timeout = {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
+    bound = {"device_id": torch.device("cuda", gpu)} if group.bind_device and gpu is not None else {}
+    dist.init_process_group(
+        group.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout, **bound
+    )
+
+
 def _entry(
     fn: Callable[..., None], rank: int, world_size: int, port: int, args: tuple[Any, ...], group: Group, error_dir: str
 ) -> None:
@@ -158,16 +180,9 @@ def _entry(
     import torch
     import torch.distributed as dist
 
-    gpu = None if group.device is None else (rank if group.device == "rank" else int(group.device))
+    gpu = group.gpu(rank)
     try:
-        if gpu is not None:
-            torch.cuda.set_device(gpu)
-        seconds = group.collective_timeout_s
-        timeout = {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
-        bound = {"device_id": torch.device("cuda", gpu)} if group.bind_device and gpu is not None else {}
-        dist.init_process_group(
-            group.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout, **bound
-        )
+        init_group(group, rank, world_size, port)
         fn(rank, world_size, *args)
         if gpu is not None:
             torch.cuda.synchronize()

@@ -47,14 +47,8 @@ SHARED_DEADLINE_S = float(os.environ.get("GRAPHAR_TEST_SHARED_DEADLINE_S", "120"
 
 
 def init_world(rank: int, world_size: int, port: int) -> None:
-    """The default group the workers start with (also for a test that destroys it and makes another)."""
-    dist.init_process_group(
-        "gloo" if SHARED_GPU else "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        device_id=None if SHARED_GPU else torch.device("cuda", rank),
-    )
+    """The default group the workers start with, made again (a test that destroys it and makes another)."""
+    processes.init_group(processes.gpu_group(SHARED_GPU), rank, world_size, port)
 
 
 def skip_where_nccl_is_captured() -> None:
