@@ -134,7 +134,9 @@ class EmulatedWorld:
             mock.patch.object(shapes, "world_size", lambda name: world),
             mock.patch.object(torch, "empty", _poisoned_empty),
             mock.patch.object(bodies, "_all_to_all", all_to_all_single),
-            mock.patch.object(bodies, "_ipc_exchange", lambda name, device: None if self.transport == "nccl" else fake),
+            mock.patch.object(
+                bodies, "_ipc_transport", lambda name, device: None if self.transport == "nccl" else fake
+            ),
         )
         results = []
         with contextlib.ExitStack() as stack:

@@ -267,12 +267,13 @@ class AllReduce:
         comm = self.comm
         comm.check()
         forced = algo if algo is not None else self._policy.forced
-        if forced is not None and forced not in ALGO_CODES:
+        code = 0 if forced is None else ALGO_CODES.get(forced)
+        if code is None:
             raise ValueError(f"all-reduce algorithm must be one of {sorted(ALGO_CODES)}, got {forced!r}")
         capture = graphs.current_capture()
         stream = torch._C._cuda_getCurrentRawStream(comm.device)
         how = PLAN_STREAM if capture is None else PLAN_GRAPHAR_GRAPH
-        chosen, path, refusal = comm.plan(describe(x), stream, how, 0 if forced is None else ALGO_CODES[forced])
+        chosen, path, refusal = comm.plan(describe(x), stream, how, code)
         if refusal is not None:
             self.refusal = refusal
             return None

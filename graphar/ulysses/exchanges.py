@@ -55,11 +55,11 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group_name: str, op: str
 def _ipc(group_name: str, out: torch.Tensor, plan: Callable[[], stages.Plan]) -> bool:
     """Run the exchange `plan()` plans over the group's IPC exchange into `out`; False (nothing done)
     for NCCL. The whole plan is made before the exchange runs, which calls nothing back."""
-    ex = _ipc_exchange(group_name, out.device)
+    ex = _ipc_transport(group_name, out.device)
     return ex is not None and ex.run(out, plan())
 
 
-def _ipc_exchange(group_name: str, device: torch.device) -> transport.IpcTransport | None:
+def _ipc_transport(group_name: str, device: torch.device) -> transport.IpcTransport | None:
     """The IPC exchange of a group that has a graphar communicator (`graphar.init`, or set up here at
     the group's first eager exchange: `set_up.communicator_or_set_up`), else None. The Ulysses room's one call into
     set-up: it owns which groups get a communicator and when; this room only asks for the exchange."""
@@ -167,6 +167,6 @@ def reserve(
     if b > 1:  # for b == 1 a contiguous attention output is sent as it is
         pool.reserve(_OUT_SEND, out_chunk, dtype, device, graphs)
     pool.reserve(_OUT_RECV, out_chunk, dtype, device, graphs)
-    ex = _ipc_exchange(group_name, torch.device(device))
+    ex = _ipc_transport(group_name, torch.device(device))
     if ex is not None:  # one exchange buffer serves every graph; the Q/K/V exchange is the larger
         ex.reserve(pool.nbytes(chunk, dtype))

@@ -163,11 +163,11 @@ _transports_lock = threading.Lock()
 def of(comm: TransportCalls) -> IpcTransport:
     """The IPC transport of a communicator, made at its first exchange: the Ulysses room attaches it, so
     the all-reduce's communicator knows nothing of it (one-way calls)."""
-    with _transports_lock:
-        found = _transports.get(comm)
-        if found is None:
-            found = _transports[comm] = IpcTransport(comm)
-        return found
+    found = _transports.get(comm)  # every exchange asks: the lock only where one is made
+    if found is None:
+        with _transports_lock:
+            found = _transports.setdefault(comm, IpcTransport(comm))
+    return found
 
 
 class IpcTransport:
