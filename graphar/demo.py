@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 import graphar
 from graphar import _cuda, processes
 from graphar.allreduce.registry import communicator
+from graphar.passes.manager import graph_log
 from graphar.ulysses.unpacked import heads_to_seq_unpacked, seq_to_heads_unpacked
 
 WORLD_SIZES = (2, 4, 8)  # each divides HEADS and FFN, and graphar.init serves it on NVLink GPUs
@@ -159,7 +160,7 @@ def _run(out: _Printer, rank: int, world_size: int, device: torch.device, backen
             model = TensorParallelMLP(rank, world_size, dtype, device)
             x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             _compile_and_check(out, "the tensor-parallel MLP", model, x, backend)
-            logging.getLogger("graphar.allreduce.graphs").setLevel(logging.WARNING)  # show the graphs once
+            graph_log.setLevel(logging.WARNING)  # show the graphs once
         x = torch.randn(1, SEQ, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(device)  # this rank's tokens
         _compile_and_check(out, "the Ulysses attention block", UlyssesAttention(device), x, backend)
 
@@ -169,8 +170,8 @@ def _worker(rank: int, world_size: int, use_gpu: bool, start: float) -> None:
     backend = "nccl" if use_gpu else "gloo"
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass we want to show
     if rank == 0:
-        logging.getLogger("graphar.allreduce.graphs").addHandler(_GraphPrinter())
-        logging.getLogger("graphar.allreduce.graphs").setLevel(logging.DEBUG)
+        graph_log.addHandler(_GraphPrinter())
+        graph_log.setLevel(logging.DEBUG)
     try:
         _run(_Printer(rank == 0, start), rank, world_size, device, backend)
     finally:

@@ -37,7 +37,7 @@ _PREFIX = "graphar_"
 # (and into torch's compile-time reports and traces beside Inductor's phases).
 TIMER = "graphar_pass"
 # Before/after graphs, compact, at DEBUG (the demo shows them; TORCH_LOGS="+graphar" prints them).
-graph_log = logging.getLogger("graphar.allreduce.graphs")
+graph_log = logging.getLogger("graphar.passes.graphs")
 
 _PASS_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
 
