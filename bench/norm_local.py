@@ -3,9 +3,8 @@
     python bench/norm_local.py [--tokens 1,2,...] [--hidden 4096,8192] [--quick] [--dry-run] [--out F]
 
 Runs here, in this process, on the current GPU: no peers, no process group. The fused all-reduce +
-residual add + RMSNorm kernel (csrc/push_norm.cuh, world size 2) runs through the CUDA library's
-loopback launch (graphar_comm_norm_loopback): a communicator of rank 0 that stands in for its own
-peer, so the kernel does all its local work (the claim and epoch, the pushes, the receive with its
+residual add + RMSNorm kernel (csrc/push_norm.cuh, world size 2) runs on a communicator of rank 0
+that the testing library (tools/testing_library.py) makes its own peer, so the kernel does all its local work (the claim and epoch, the pushes, the receive with its
 arrival test and slot resets, the sum, the residual add, the mean square, its split rows' exchange
 of partial sums, both outputs) with the peer's data arrived at once. What differs from a call
 between two GPUs: the pushes go to this GPU's own memory instead of over NVLink, nothing waits for a
@@ -40,6 +39,10 @@ import torch
 
 import common
 import plot
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # tools/ is not a package: by path
+import testing_library
+
 from norm import NORMED_TOLERANCE, add_rms_norm
 
 DTYPE = torch.bfloat16
@@ -89,8 +92,8 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> Settings:
 
 
 class Loopback:
-    """A world-size-2 communicator of rank 0 that is its own peer (never opened): the fused kernel's
-    local work, through graphar_comm_norm_loopback."""
+    """A world-size-2 communicator of rank 0 that is its own peer (tools/testing_library.py loopback):
+    the fused kernel's local work, launched as graphar launches it between ranks."""
 
     def __init__(self, max_bytes: int) -> None:
         from graphar import _cuda, abi
@@ -126,19 +129,18 @@ class Loopback:
         """One launch on the current stream, writing normed and summed (x's shape and dtype, contiguous, as
         residual; weight one row; None: none); returns its grid (blocks, threads per block, blocks per row)."""
         row_bytes = x.shape[-1] * x.element_size()
+        kernels = self._abi.Kernels()  # no rows: a direct launch needs no plan, only PDL
+        kernels.pdl = int(pdl)
+        self._cuda.check(self.lib.graphar_comm_set_kernels(self.handle, ctypes.byref(kernels)), "set kernels")
+        testing_library.loopback(self.handle, x.nbytes)
+        testing_library.norm_split(self.handle, max_split)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         address = [0 if t is None else t.data_ptr() for t in (x, residual, weight, normed, summed)]
         args = self._abi.NORM_ARGS.pack(
-            *address, x.nbytes, row_bytes, stream, eps, self._abi.DTYPE_CODES[x.dtype], int(weight_first), int(pdl)
+            *address, x.nbytes, row_bytes, stream, eps, self._abi.DTYPE_CODES[x.dtype], int(weight_first), 0
         )
-        blocks, threads, split = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        self._cuda.check(
-            self.lib.graphar_comm_norm_loopback(
-                self.handle, args, max_split, ctypes.byref(blocks), ctypes.byref(threads), ctypes.byref(split)
-            ),
-            "graphar_comm_norm_loopback",
-        )
-        return blocks.value, threads.value, split.value
+        self._cuda.check(self.lib.graphar_comm_all_reduce_norm(self.handle, args), "graphar_comm_all_reduce_norm")
+        return testing_library.norm_grid(self.handle, x.nbytes, row_bytes)
 
     def check(self) -> None:
         """Raise when a kernel gave up a wait (its outputs are poison, its times meaningless)."""

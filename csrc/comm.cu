@@ -6,7 +6,7 @@
 #include <climits>
 #include <cstring>
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "flags.cuh"
 #include "comm.cuh"
@@ -18,57 +18,50 @@ using namespace graphar;
 namespace graphar {
 
 int close_unused_mappings(Comm* c) {
-  int first = 0;
-  for (char* base : c->unused_mappings) {
-    const cudaError_t e = cudaIpcCloseMemHandle(base);
-    if (e != cudaSuccess && first == 0) first = cuda_fail(e, "cudaIpcCloseMemHandle(graph buffer)");
-  }
+  FirstError first;
+  for (auto& m : c->unused_mappings) first.note(m.release(), "cudaIpcCloseMemHandle(graph buffer)");
   c->unused_mappings.clear();
-  return first;
+  return first.rc;
 }
 
 }  // namespace graphar
 
 namespace {
 
+// Everything the communicator owns, closed and freed now (the device idle), the first error reported.
 int close_and_free(Comm* c) {
-  int first = 0;
-  auto note = [&](cudaError_t e, const char* what) {
-    if (e != cudaSuccess && first == 0) first = cuda_fail(e, what);
-  };
-  for (auto& kv : c->graph_mappings) c->unused_mappings.push_back(kv.second.base);
+  FirstError first;
+  for (auto& kv : c->graph_mappings) c->unused_mappings.push_back(std::move(kv.second.base));
   c->graph_mappings.clear();
-  if (const int rc = close_unused_mappings(c); rc != 0 && first == 0) first = rc;
-  if (const int rc = drop_exchange(c, false); rc != 0 && first == 0) first = rc;
-  for (void* p : c->retired_peer) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle(retired exchange)");
-  for (void* p : c->retired_own) note(cudaFree(p), "cudaFree(retired exchange)");
-  for (int r = 0; r < c->ranks && c->opened; r++) {
-    if (r == c->rank) continue;
-    if (c->signals.signals[r]) note(cudaIpcCloseMemHandle(c->signals.signals[r]), "cudaIpcCloseMemHandle(signal)");
-    if (c->peer_buffers[r]) note(cudaIpcCloseMemHandle(c->peer_buffers[r]), "cudaIpcCloseMemHandle(buffer)");
+  first.note(close_unused_mappings(c));
+  first.note(drop_exchange(c, false));
+  for (auto& m : c->retired_peer) first.note(m.release(), "cudaIpcCloseMemHandle(retired exchange)");
+  for (auto& m : c->retired_own) first.note(m.release(), "cudaFree(retired exchange)");
+  for (int r = 0; r < c->ranks; r++) {
+    first.note(c->peer_meta[r].release(), "cudaIpcCloseMemHandle(signal)");
+    first.note(c->peer_buffer[r].release(), "cudaIpcCloseMemHandle(buffer)");
   }
-  if (c->meta) note(cudaFree(c->meta), "cudaFree(meta)");
-  if (c->buffer) note(cudaFree(c->buffer), "cudaFree(buffer)");
-  if (c->slots) note(cudaFree(c->slots), "cudaFree(slots)");
-  if (c->error) note(cudaFreeHost(c->error), "cudaFreeHost(error record)");
-  if (c->last_event) note(cudaEventDestroy(c->last_event), "cudaEventDestroy");
+  first.note(c->meta.release(), "cudaFree(meta)");
+  first.note(c->buffer.release(), "cudaFree(buffer)");
+  first.note(c->slots.release(), "cudaFree(slots)");
+  first.note(c->error.release(), "cudaFreeHost(error record)");
+  first.note(c->last_event.release(), "cudaEventDestroy");
   delete c;
-  return first;
+  return first.rc;
 }
 
 // A communicator whose launches a CUDA graph holds: the graph's kernels carry its buffers, the
 // peers' mappings and the error record by address, and nothing tells graphar when the graph dies.
 // So they stay allocated and mapped for the rest of the process, and the group is marked failed: a
-// replay after destroy writes NaN (flags.cuh) instead of touching freed or reused memory.
+// replay after destroy writes NaN (flags.cuh) instead of touching freed or reused memory. The
+// communicator itself is never deleted: it owns them.
 int retire_for_graphs(Comm* c) {
   const Flag failed = 1;
-  const cudaError_t marked = cudaMemcpy(&c->signals.signals[c->rank]->failed, &failed, sizeof(failed),
-                                        cudaMemcpyHostToDevice);
-  // Only eager calls wait on the event: it goes.
-  const cudaError_t destroyed = c->last_event ? cudaEventDestroy(c->last_event) : cudaSuccess;
-  delete c;
-  if (marked != cudaSuccess) return cuda_fail(marked, "cudaMemcpy(failed flag)");
-  return destroyed == cudaSuccess ? 0 : cuda_fail(destroyed, "cudaEventDestroy");
+  FirstError first;
+  first.note(cudaMemcpy(&c->signals.signals[c->rank]->failed, &failed, sizeof(failed), cudaMemcpyHostToDevice),
+             "cudaMemcpy(failed flag)");
+  first.note(c->last_event.release(), "cudaEventDestroy");  // only eager calls wait on it
+  return first.rc;
 }
 
 // Two epochs per launch class (push.cuh epoch_regions).
@@ -90,18 +83,22 @@ int pdl_compiled_in(bool* yes) {
 
 int create(Comm* c) {
   if (int rc = pdl_compiled_in(&c->pdl)) return rc;
-  CUDA_TRY(cudaMalloc(&c->meta, sizeof(Signal) + c->max_bytes + push_region_bytes(c)));
-  CUDA_TRY(cudaMalloc(&c->buffer, c->max_bytes));
-  CUDA_TRY(cudaMalloc(&c->slots, sizeof(RankData) * c->graph_slots));
-  CUDA_TRY(cudaHostAlloc(&c->error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-  memset(c->error, 0, sizeof(ErrorRecord));
-  CUDA_TRY(cudaHostGetDevicePointer(&c->error_device, c->error, 0));
-  CUDA_TRY(cudaEventCreateWithFlags(&c->last_event, cudaEventDisableTiming));
+  if (int rc = device_alloc(c->meta, sizeof(Signal) + c->max_bytes + push_region_bytes(c), "cudaMalloc(meta)")) return rc;
+  if (int rc = device_alloc(c->buffer, c->max_bytes, "cudaMalloc(buffer)")) return rc;
+  if (int rc = device_alloc(c->slots, sizeof(RankData) * c->graph_slots, "cudaMalloc(slots)")) return rc;
+  void* error = nullptr;
+  CUDA_TRY(cudaHostAlloc(&error, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  c->error.adopt(static_cast<ErrorRecord*>(error));
+  memset(error, 0, sizeof(ErrorRecord));
+  CUDA_TRY(cudaHostGetDevicePointer(&c->error_device, error, 0));
+  cudaEvent_t event = nullptr;
+  CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  c->last_event.adopt(event);
   // Zeroed before any handle leaves this process: a peer's first flag must never be wiped.
-  CUDA_TRY(cudaMemset(c->meta, 0, sizeof(Signal) + c->max_bytes));
-  CUDA_TRY(cudaMemset(push_region(c->meta, c->max_bytes), 0xFF, push_region_bytes(c)));  // every slot kEmpty
-  CUDA_TRY(cudaMemset(c->buffer, 0, c->max_bytes));
-  CUDA_TRY(cudaMemset(c->slots, 0, sizeof(RankData) * c->graph_slots));
+  CUDA_TRY(cudaMemset(c->meta.get(), 0, sizeof(Signal) + c->max_bytes));
+  CUDA_TRY(cudaMemset(push_region(c->meta.get(), c->max_bytes), 0xFF, push_region_bytes(c)));  // every slot kEmpty
+  CUDA_TRY(cudaMemset(c->buffer.get(), 0, c->max_bytes));
+  CUDA_TRY(cudaMemset(c->slots.get(), 0, sizeof(RankData) * c->graph_slots));
   CUDA_TRY(cudaDeviceSynchronize());
   return 0;
 }
@@ -153,9 +150,7 @@ int graphar_comm_create(int rank, int world_size, uint64_t max_bytes, int block_
   const cudaError_t e = cudaGetDevice(&c->device);
   int rc = e != cudaSuccess ? cuda_fail(e, "cudaGetDevice") : create(c);
   if (rc != 0) {
-    const std::string msg = t_last_error;
-    close_and_free(c);
-    t_last_error = msg;
+    delete c;  // its owners free what it made
     return rc;
   }
   *comm_out = c;
@@ -167,8 +162,8 @@ int graphar_comm_handles(void* comm, void* handles_out) {
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
   cudaIpcMemHandle_t h[2];
-  CUDA_TRY(cudaIpcGetMemHandle(&h[0], c->meta));
-  CUDA_TRY(cudaIpcGetMemHandle(&h[1], c->buffer));
+  CUDA_TRY(cudaIpcGetMemHandle(&h[0], c->meta.get()));
+  CUDA_TRY(cudaIpcGetMemHandle(&h[1], c->buffer.get()));
   memcpy(handles_out, h, sizeof(h));
   return 0;
 }
@@ -179,26 +174,22 @@ int graphar_comm_open(void* comm, const void* handles) {
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
   const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
-  c->opened = true;  // from here on close_and_free closes whatever got opened
+  c->opened = true;  // an open that fails half-way is not tried again; destroy closes what it opened
   for (int r = 0; r < c->ranks; r++) {
     if (r == c->rank) {
-      c->signals.signals[r] = reinterpret_cast<Signal*>(c->meta);
-      c->peer_buffers[r] = c->buffer;
+      c->signals.signals[r] = reinterpret_cast<Signal*>(c->meta.get());
       continue;
     }
-    void* meta = nullptr;
-    void* buffer = nullptr;
-    CUDA_TRY(cudaIpcOpenMemHandle(&meta, h[2 * r], cudaIpcMemLazyEnablePeerAccess));
-    c->signals.signals[r] = static_cast<Signal*>(meta);
-    CUDA_TRY(cudaIpcOpenMemHandle(&buffer, h[2 * r + 1], cudaIpcMemLazyEnablePeerAccess));
-    c->peer_buffers[r] = buffer;
+    if (int rc = open_peer(c->peer_meta[r], h[2 * r], "cudaIpcOpenMemHandle(signal)")) return rc;
+    c->signals.signals[r] = reinterpret_cast<Signal*>(c->peer_meta[r].get());
+    if (int rc = open_peer(c->peer_buffer[r], h[2 * r + 1], "cudaIpcOpenMemHandle(buffer)")) return rc;
   }
   RankData eager{};
   for (int r = 0; r < c->ranks; r++) {
-    eager.ptrs[r] = c->peer_buffers[r];
+    eager.ptrs[r] = c->buffer_of(r);
     c->regions.ptrs[r] = push_region(c->signals.signals[r], c->max_bytes);
   }
-  CUDA_TRY(cudaMemcpy(c->slots, &eager, sizeof(eager), cudaMemcpyHostToDevice));
+  CUDA_TRY(cudaMemcpy(c->slots.get(), &eager, sizeof(eager), cudaMemcpyHostToDevice));
   CUDA_TRY(cudaDeviceSynchronize());
   return 0;
 }
@@ -229,7 +220,7 @@ int graphar_comm_probe(void* comm, int phase, int* bad_peer) {
 }
 
 int graphar_comm_error_record(void* comm, void** record_out) {
-  *record_out = as_comm(comm)->error;
+  *record_out = as_comm(comm)->error.get();
   return 0;
 }
 
@@ -243,31 +234,6 @@ int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot)
   const Comm* c = as_comm(comm);
   *one_shot = one_shot_limit(c);
   *two_shot = c->max_bytes;  // the epoch was sized for it
-  return 0;
-}
-
-int graphar_comm_set_barrier_counters(void* comm, uint32_t value) {
-  Comm* c = as_comm(comm);
-  DeviceGuard g;
-  if (int rc = g.enter(c->device)) return rc;
-  std::vector<Signal> host(1);
-  Signal& s = host[0];
-  for (int b = 0; b < kMaxBlocks; b++) {
-    for (int r = 0; r < kMaxRanks; r++) {
-      s.self_counter[b][r] = value;  // the flags as eager calls store them (flags.cuh flag_value)
-      s.peer_counter[value & 1][b][r] = value & kCount;
-      s.peer_counter[(value + 1) & 1][b][r] = (value - 1) & kCount;
-    }
-    s.push_epoch[0][b] = s.push_epoch[1][b] = value;
-  }
-  CUDA_TRY(cudaDeviceSynchronize());
-  CUDA_TRY(cudaMemcpy(c->meta, &s, sizeof(Signal), cudaMemcpyHostToDevice));
-  CUDA_TRY(cudaDeviceSynchronize());
-  return 0;
-}
-
-int graphar_comm_registered_buffer(void* comm, uint64_t* ptr_out) {
-  *ptr_out = reinterpret_cast<uint64_t>(as_comm(comm)->buffer);
   return 0;
 }
 

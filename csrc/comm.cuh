@@ -10,8 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "signal.cuh"
 #include "graphar_cuda.h"
+#include "owned.h"
+#include "signal.cuh"
 
 namespace graphar {
 
@@ -21,37 +22,48 @@ struct Comm {
   int64_t epoch_packs = 0;  // packs per epoch of the push receive region
   bool pdl = false;         // the kernels may use programmatic dependent launch (pdl_compiled_in)
   graphar_kernels kernels{};  // which kernel serves which call (plan.cu): none until set
-  char* meta = nullptr;     // Signal, the 2stage tmp buffer (max_bytes), the push region (2 epochs)
-  char* buffer = nullptr;  // registered input buffer (max_bytes)
-  RankData* slots = nullptr;  // slot 0: the registered buffers; 1..: graph calls
-  ErrorRecord* error = nullptr;  // host-mapped: read by the host, written by kernels through error_device
+  int norm_max_split = 0;     // n > 0: the fused norm splits a row between at most n blocks (norm_grid.h)
+  // What it owns (owned.h): graphar_comm_destroy frees it and reports the first error; any other way
+  // out (a create that fails half-way) frees it through the owners.
+  DeviceMemory<char> meta;     // Signal, the 2stage tmp buffer (max_bytes), the push region (2 epochs)
+  DeviceMemory<char> buffer;   // registered input buffer (max_bytes)
+  DeviceMemory<RankData> slots;  // slot 0: the registered buffers; 1..: graph calls
+  PinnedMemory<ErrorRecord> error;  // host-mapped: read by the host, written by kernels through error_device
   ErrorRecord* error_device = nullptr;
-  RankSignals signals{};
+  // The peers' meta and input buffers, mapped by graphar_comm_open (this rank's own: none).
+  PeerMapping<char> peer_meta[kMaxRanks], peer_buffer[kMaxRanks];
+  RankSignals signals{};  // every rank's Signal as the kernels read it: meta, or the peer's mapping
   RankData regions{};  // every rank's push receive region, inside its meta allocation
-  void* peer_buffers[kMaxRanks] = {};
   bool opened = false;
   // Peers' allocations that graph slots read, by IPC handle: opened by the first slot that needs one,
   // closed once no slot does (after the device is idle, as a replay of a freed graph may still run).
   struct Mapping {
-    char* base;
+    PeerMapping<char> base;
     int slots;  // graph slots that read it
   };
   std::map<std::string, Mapping> graph_mappings;
   std::map<int, std::vector<std::string>> slot_mappings;  // what each filled graph slot reads
-  std::vector<char*> unused_mappings;  // no slot reads them: closed at the next idle point
-  cudaEvent_t last_event = nullptr;
+  std::vector<PeerMapping<char>> unused_mappings;  // no slot reads them: closed at the next idle point
+  Event last_event;
   cudaStream_t last_stream = nullptr;
   bool launched = false;
   uint64_t launches = 0;  // launches so far, captured ones too: the next one's tag is launches + 1
   // Of them captured, into CUDA graphs that may be replayed after destroy: the next one's call is
   // this + 1 (BarrierParams::call).
   uint64_t captured_launches = 0;
-  // All-to-all exchange buffers: this rank's (exchange_ptrs[rank]) and the peers' mappings, all of
-  // exchange_bytes; zero until graphar_comm_exchange_open. Buffers a captured graph may still use
-  // are retired (kept until destroy) when they are replaced.
+  // All-to-all exchange buffers: this rank's and the peers' mappings, all of exchange_bytes; zero
+  // until graphar_comm_exchange_open. Buffers a captured graph may still use are retired (kept until
+  // destroy) when they are replaced.
   uint64_t exchange_bytes = 0;
-  void* exchange_ptrs[kMaxRanks] = {};
-  std::vector<void*> retired_own, retired_peer;
+  DeviceMemory<char> exchange_own;
+  PeerMapping<char> exchange_peer[kMaxRanks];
+  std::vector<DeviceMemory<char>> retired_own;
+  std::vector<PeerMapping<char>> retired_peer;
+
+  // Rank r's input buffer as this process maps it.
+  void* buffer_of(int r) const { return r == rank ? buffer.get() : peer_buffer[r].get(); }
+  // Rank r's exchange buffer as this process maps it.
+  char* exchange_of(int r) const { return r == rank ? exchange_own.get() : exchange_peer[r].get(); }
 };
 
 inline Comm* as_comm(void* p) { return static_cast<Comm*>(p); }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "all_to_all.cuh"
 #include "comm.cuh"
@@ -17,21 +18,17 @@ using namespace graphar;
 namespace graphar {
 
 int drop_exchange(Comm* c, bool keep) {
-  int first = 0;
-  for (int r = 0; r < c->ranks; r++) {
-    void* p = c->exchange_ptrs[r];
-    c->exchange_ptrs[r] = nullptr;
-    if (p == nullptr) continue;
-    const bool own = r == c->rank;
-    if (keep) {
-      (own ? c->retired_own : c->retired_peer).push_back(p);
-      continue;
+  FirstError first;
+  if (keep && c->exchange_own.get() != nullptr) {
+    c->retired_own.push_back(std::move(c->exchange_own));
+    for (auto& m : c->exchange_peer) {
+      if (m.get() != nullptr) c->retired_peer.push_back(std::move(m));
     }
-    const cudaError_t e = own ? cudaFree(p) : cudaIpcCloseMemHandle(p);
-    if (e != cudaSuccess && first == 0) first = cuda_fail(e, own ? "cudaFree(exchange)" : "cudaIpcCloseMemHandle(exchange)");
   }
+  first.note(c->exchange_own.release(), "cudaFree(exchange)");
+  for (auto& m : c->exchange_peer) first.note(m.release(), "cudaIpcCloseMemHandle(exchange)");
   c->exchange_bytes = 0;
-  return first;
+  return first.rc;
 }
 
 }  // namespace graphar
@@ -63,29 +60,25 @@ int graphar_comm_exchange_alloc(void* comm, uint64_t nbytes, int keep_old, uint6
   CUDA_TRY(cudaDeviceSynchronize());
   if (int rc = close_unused_mappings(c)) return rc;  // idle anyway
   if (int rc = drop_exchange(c, keep_old != 0)) return rc;
-  void* buffer = nullptr;
-  CUDA_TRY(cudaMalloc(&buffer, nbytes));
-  c->exchange_ptrs[c->rank] = buffer;
+  if (int rc = device_alloc(c->exchange_own, nbytes, "cudaMalloc(exchange)")) return rc;
   cudaIpcMemHandle_t h;
-  CUDA_TRY(cudaIpcGetMemHandle(&h, buffer));
+  CUDA_TRY(cudaIpcGetMemHandle(&h, c->exchange_own.get()));
   memcpy(handle_out, &h, sizeof(h));
-  *ptr_out = reinterpret_cast<uint64_t>(buffer);
+  *ptr_out = reinterpret_cast<uint64_t>(c->exchange_own.get());
   return 0;
 }
 
 int graphar_comm_exchange_open(void* comm, uint64_t nbytes, const void* handles, uint64_t* ptrs_out) {
   Comm* c = as_comm(comm);
-  if (c->exchange_ptrs[c->rank] == nullptr) return fail(GRAPHAR_EINVAL, "no exchange buffer of this rank to open with");
+  if (c->exchange_own.get() == nullptr) return fail(GRAPHAR_EINVAL, "no exchange buffer of this rank to open with");
   DeviceGuard g;
   if (int rc = g.enter(c->device)) return rc;
   const auto* h = static_cast<const cudaIpcMemHandle_t*>(handles);
   for (int r = 0; r < c->ranks; r++) {
     if (r == c->rank) continue;
-    void* peer = nullptr;
-    CUDA_TRY(cudaIpcOpenMemHandle(&peer, h[r], cudaIpcMemLazyEnablePeerAccess));
-    c->exchange_ptrs[r] = peer;
+    if (int rc = open_peer(c->exchange_peer[r], h[r], "cudaIpcOpenMemHandle(exchange)")) return rc;
   }
-  for (int r = 0; r < c->ranks; r++) ptrs_out[r] = reinterpret_cast<uint64_t>(c->exchange_ptrs[r]);
+  for (int r = 0; r < c->ranks; r++) ptrs_out[r] = reinterpret_cast<uint64_t>(c->exchange_of(r));
   c->exchange_bytes = nbytes;
   return 0;
 }
@@ -130,7 +123,7 @@ int graphar_comm_all_to_all(void* comm, int mode, uint64_t output, uint64_t src_
   p.out = reinterpret_cast<void*>(output);
   const bool pushed = (flags & GRAPHAR_A2A_PUSHED) != 0;
   for (int r = 0; r < c->ranks; r++) {  // pushed: slot r of this rank's buffer; pulled: slot `rank` of rank r's
-    const auto* buffer = static_cast<const char*>(c->exchange_ptrs[pushed ? c->rank : r]);
+    const char* buffer = c->exchange_of(pushed ? c->rank : r);
     p.chunks.ptrs[r] = buffer + src_offset + (pushed ? r : c->rank) * chunk_bytes;
   }
   p.skip = (flags & GRAPHAR_A2A_OWN_PLACED) != 0 ? c->rank : -1;

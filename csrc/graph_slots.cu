@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+#include <utility>
 
 #include "comm.cuh"
 #include "graphar_cuda.h"
@@ -22,7 +23,7 @@ void forget_slot(Comm* c, int slot) {
   for (const std::string& key : it->second) {
     auto m = c->graph_mappings.find(key);
     if (--m->second.slots > 0) continue;
-    c->unused_mappings.push_back(m->second.base);
+    c->unused_mappings.push_back(std::move(m->second.base));
     c->graph_mappings.erase(m);
   }
   c->slot_mappings.erase(it);
@@ -55,25 +56,25 @@ int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, con
     for (int r = 0; r < c->ranks; r++) {
       const int k = i * c->ranks + r;
       if (staged[k]) {
-        filled[i].ptrs[r] = c->peer_buffers[r];
+        filled[i].ptrs[r] = c->buffer_of(r);
       } else if (r == c->rank) {
         filled[i].ptrs[r] = reinterpret_cast<const void*>(own_ptrs[i]);
       } else {
         const std::string key(reinterpret_cast<const char*>(&h[k]), sizeof(cudaIpcMemHandle_t));
         auto it = c->graph_mappings.find(key);
         if (it == c->graph_mappings.end()) {
-          void* base = nullptr;
-          CUDA_TRY(cudaIpcOpenMemHandle(&base, h[k], cudaIpcMemLazyEnablePeerAccess));
-          it = c->graph_mappings.emplace(key, Comm::Mapping{static_cast<char*>(base), 0}).first;
+          Comm::Mapping m{};
+          if (int rc = open_peer(m.base, h[k], "cudaIpcOpenMemHandle(graph buffer)")) return rc;
+          it = c->graph_mappings.emplace(key, std::move(m)).first;
         }
         it->second.slots++;
         reads.push_back(key);
-        filled[i].ptrs[r] = it->second.base + offsets[k];
+        filled[i].ptrs[r] = it->second.base.get() + offsets[k];
       }
     }
   }
   for (int i = 0; i < count; i++) {
-    CUDA_TRY(cudaMemcpy(c->slots + slots[i], &filled[i], sizeof(RankData), cudaMemcpyHostToDevice));
+    CUDA_TRY(cudaMemcpy(c->slots.get() + slots[i], &filled[i], sizeof(RankData), cudaMemcpyHostToDevice));
   }
   // A pageable host-to-device copy may return before it lands; no replay may see an empty slot.
   CUDA_TRY(cudaDeviceSynchronize());

@@ -144,17 +144,6 @@ typedef struct graphar_all_reduce_norm_args {
   int32_t reserved;
 } graphar_all_reduce_norm_args;
 int graphar_comm_all_reduce_norm(void* comm, const graphar_all_reduce_norm_args* args);
-// Benchmarks and tests on one GPU: the fused kernel of a world-size-2 communicator of rank 0 that was
-// never opened (no peer), this rank standing in for rank 1 (its pushes land in its own slots for rank
-// 1, so the arrival wait is met at once): the kernel's local work, summing the input twice. max_split:
-// 0 the launch's own grid, n > 0 at most n blocks per row. Writes the grid launched: blocks, threads
-// per block, blocks per row.
-int graphar_comm_norm_loopback(void* comm, const graphar_all_reduce_norm_args* args, int max_split, int* blocks,
-                               int* threads, int* split);
-// The fused kernel's grid for a message of nbytes in rows of row_bytes, at most block_limit blocks and
-// scratch_words scratch words (a host computation; GRAPHAR_EINVAL for shapes the kernel cannot take).
-int graphar_norm_grid(uint64_t nbytes, uint64_t row_bytes, int block_limit, uint64_t scratch_words, int max_split,
-                      int* blocks, int* threads, int* split);
 // The largest message of each push kernel (bytes).
 int graphar_comm_push_limits(void* comm, uint64_t* one_shot, uint64_t* two_shot);
 // Before an exchange's first pack: takes the exchange's lease on the communicator (a one-thread
@@ -191,11 +180,6 @@ int graphar_comm_forget_graph_slots(void* comm, const int32_t* slots, int count)
 int graphar_comm_close_unused_mappings(void* comm);
 // Peers' allocations mapped for graph slots: open (read by some slot), unused (not closed yet).
 int graphar_comm_graph_mappings(void* comm, int* open, int* unused);
-// Test only: set every barrier counter as if `value` barriers had passed (and `value` push calls). Every rank must call it
-// with the same value while no kernel of the communicator runs anywhere.
-int graphar_comm_set_barrier_counters(void* comm, uint32_t value);
-// Test only: where this rank's registered input buffer (max_bytes) starts, for a test to read it.
-int graphar_comm_registered_buffer(void* comm, uint64_t* ptr_out);
 // Waits for the device, closes the peers' mappings and frees everything, even after an error. If a
 // launch of it was captured into a CUDA graph, which may outlive it, it instead marks the group failed
 // and keeps its buffers and mappings for the rest of the process: a later replay writes NaN.

@@ -21,7 +21,7 @@ namespace {
 // One op in flight per communicator: an eager launch on another stream waits for the previous one
 // instead of racing it for the Signal and the registered buffers.
 int wait_for_previous(Comm* c, cudaStream_t stream) {
-  if (c->launched && stream != c->last_stream) CUDA_TRY(cudaStreamWaitEvent(stream, c->last_event, 0));
+  if (c->launched && stream != c->last_stream) CUDA_TRY(cudaStreamWaitEvent(stream, c->last_event.get(), 0));
   return 0;
 }
 
@@ -90,7 +90,7 @@ int launch(Comm* c, bool eager, const void* kernel, void* params, int blocks, in
     c->captured_launches++;
     return 0;
   }
-  CUDA_TRY(cudaEventRecord(c->last_event, stream));
+  CUDA_TRY(cudaEventRecord(c->last_event.get(), stream));
   c->last_stream = stream;
   c->launched = true;
   return 0;
@@ -142,7 +142,7 @@ int launch_v1(Comm* c, const graphar_all_reduce_args& a, const void* kernel, boo
   const int packs = static_cast<int>(a.nbytes / 16);
   Params p{};
   p.barrier = barrier_params(c, eager);
-  p.data = c->slots + (graph_slot ? a.slot : 0);
+  p.data = c->slots.get() + (graph_slot ? a.slot : 0);
   // A staged input (graphar.graph, where legacy IPC cannot share it) is copied in by the kernel after its
   // claim, as an eager call's is: a copy before the kernel could run while another kernel of the
   // communicator (an eager call on another stream) holds the registered buffer.

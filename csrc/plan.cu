@@ -31,7 +31,7 @@ const char* algo_name(int algo) {
 // An error, not a verdict: nothing of a group that timed out may run (its peers may be gone).
 int check_usable(const Comm* c) {
   if (!c->opened) return fail(GRAPHAR_EINVAL, "a call before the peers' buffers were opened");
-  if (*reinterpret_cast<const volatile uint32_t*>(&c->error->failed) != 0) {  // the kernels write it, mapped
+  if (*reinterpret_cast<const volatile uint32_t*>(&c->error.get()->failed) != 0) {  // the kernels write it, mapped
     return fail(GRAPHAR_EINVAL,
                 "the group timed out (a kernel of it gave up waiting for a peer), so every call raises; "
                 "graphar's GrapharTimeoutError (the communicator's check()) says where");

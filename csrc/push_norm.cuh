@@ -3,7 +3,7 @@
 // epochs and arrival test, push.cuh), adds the residual, reduces the row's mean square in fp32 and
 // writes both the normalised row and the new residual.
 //
-// The grid (launch_norm.cu norm_grid). With at least as many rows as blocks, a block owns whole rows
+// The grid (norm_grid.h). With at least as many rows as blocks, a block owns whole rows
 // (every gridDim.x-th). With fewer, each row is split between `split` blocks: block b takes slice
 // b % split (a run of whole segments, below) of row b / split, so that a long row is not left to a
 // block with several packs a thread. The blocks of a split row hand each other their
@@ -31,7 +31,7 @@
 // marked failed (a block that gave up or lost the claim publishes nothing, and it, or the kernel
 // before it, marked the group failed) or the time bound passes (recorded as a push receive of this
 // rank itself). The words live in the tail of this rank's 2stage tmp buffer, which that kernel never
-// reaches (launch_norm.cu norm_scratch).
+// reaches (norm_grid.h norm_scratch).
 #pragma once
 
 #include "push.cuh"
@@ -43,7 +43,7 @@ constexpr int kNormPacksPerThread = 8;  // rows of up to 4096 packs: hidden 3276
 constexpr uint64_t kNormMaxRowBytes = static_cast<uint64_t>(kNormThreads) * kNormPacksPerThread * 16;
 // Packs of a segment: the unit of the mean square's tree and of a row's split between blocks.
 constexpr int kNormSegmentPacks = 8;
-// Packs of a split row's slice, about (launch_norm.cu norm_grid): a pack per thread, as push_one_shot.
+// Packs of a split row's slice, about (norm_grid.h): a pack per thread, as push_one_shot.
 constexpr int kNormSlicePacks = kPushThreads;
 static_assert(kNormSlicePacks % kNormSegmentPacks == 0, "a slice is whole segments: never more slices than segments");
 constexpr int kNormMaxSegments = kNormThreads * kNormPacksPerThread / kNormSegmentPacks;

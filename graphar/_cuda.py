@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
-from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint8, c_uint64, c_void_p
 from pathlib import Path
 
 LIB_NAME = "libgraphar_cuda.so"
@@ -76,11 +76,6 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_all_reduce": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_push_limits": (c_int, [c_void_p, POINTER(c_uint64), POINTER(c_uint64)]),
     "graphar_comm_all_reduce_norm": (c_int, [c_void_p, c_void_p]),
-    "graphar_comm_norm_loopback": (c_int, [c_void_p, c_void_p, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)]),
-    "graphar_norm_grid": (
-        c_int,
-        [c_uint64, c_uint64, c_int, c_uint64, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int)],
-    ),
     "graphar_comm_exchange_lease": (c_int, [c_void_p, c_int, c_uint64, POINTER(c_uint64)]),
     "graphar_comm_exchange_alloc": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_uint64), c_void_p]),
     "graphar_comm_exchange_open": (c_int, [c_void_p, c_uint64, c_void_p, POINTER(c_uint64)]),
@@ -95,8 +90,6 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_comm_forget_graph_slots": (c_int, [c_void_p, POINTER(c_int32), c_int]),
     "graphar_comm_close_unused_mappings": (c_int, [c_void_p]),
     "graphar_comm_graph_mappings": (c_int, [c_void_p, POINTER(c_int), POINTER(c_int)]),
-    "graphar_comm_set_barrier_counters": (c_int, [c_void_p, c_uint32]),
-    "graphar_comm_registered_buffer": (c_int, [c_void_p, POINTER(c_uint64)]),
     "graphar_comm_destroy": (c_int, [c_void_p]),
 }
 IPC_HANDLE_BYTES = 64
@@ -139,6 +132,10 @@ def build_targets(archs: list[str]) -> tuple[list[str], list[str]]:
     return archs, [max(portable, key=int)] if portable else []
 
 
+# Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
+HOST_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17"]
+
+
 def nvcc_flags(archs: list[str]) -> list[str]:
     """What every translation unit of the library is compiled with, the targets included (and named
     in the library: graphar_targets)."""
@@ -146,12 +143,10 @@ def nvcc_flags(archs: list[str]) -> list[str]:
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in elf]
     gencode += [f"-gencode=arch=compute_{a},code=compute_{a}" for a in ptx]
     named = ",".join([f"sm_{a}" for a in elf] + [f"compute_{a}" for a in ptx])
-    # Hidden: the library exports the C ABI of graphar_cuda.h alone, not the helpers its files share.
-    flags = ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17"]
     # nvcc splits a -D value at its commas (defining sm_80 and the like, which breaks CUDA's own headers)
     # unless they are escaped.
     escaped = named.replace(",", "\\,")
-    return [*flags, *gencode, f"-DGRAPHAR_TARGETS={escaped}"]
+    return [*HOST_FLAGS, *gencode, f"-DGRAPHAR_TARGETS={escaped}"]
 
 
 def compile_commands(nvcc: str, src: Path, objects: Path, archs: list[str]) -> dict[Path, list[str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import torch
 
 from graphar import _cuda
 from graphar.errors import GrapharUnavailable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # tools/ is not a package: by path
+import testing_library
 
 MB = 1 << 20
 needs_nvcc = pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
@@ -234,60 +238,39 @@ def test_fused_norm_ptx_reduces_in_a_fixed_order(build) -> None:
         assert sorted(atomics) == ["atom", "red"], (fragment, atomics)  # the claim and its release
 
 
-def _norm_grid(
-    lib: ctypes.CDLL,
-    tokens: int,
-    hidden: int,
-    itemsize: int = 2,
-    block_limit: int = 64,
-    scratch_words: int = 1 << 20,
-    max_split: int = 0,
-) -> tuple[int, int, int]:
-    blocks, threads, split = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    rc = lib.graphar_norm_grid(
-        tokens * hidden * itemsize,
-        hidden * itemsize,
-        block_limit,
-        scratch_words,
-        max_split,
-        ctypes.byref(blocks),
-        ctypes.byref(threads),
-        ctypes.byref(split),
-    )
-    assert rc == 0, lib.graphar_last_error()
-    return blocks.value, threads.value, split.value
-
-
 @needs_nvcc
 def test_the_fused_norm_grid_takes_short_rows_whole_and_splits_long_ones(build) -> None:
     """(blocks, threads per block, blocks per row) of the fused norm's launch: a row of up to 512 packs
     (bf16 hidden 4096) goes to one block, a pack per thread; a longer one is split into slices of about
     256 packs while the rows' blocks fit the launch's 64; slices are whole segments of 8 packs, no block
     without any; a split that needs more scratch words than there are is cut down to fit."""
-    lib = _cuda.bind(ctypes.CDLL(str(build[0])), _cuda.PROTOTYPES)
+    lib = testing_library.build(build[1], _cuda.source_dir())
+
+    def grid(tokens: int, hidden: int, block_limit: int = 64, scratch_words: int = 1 << 20, max_split: int = 0):
+        return testing_library.norm_grid(
+            None, tokens * hidden * 2, hidden * 2, block_limit, scratch_words, max_split, lib
+        )
+
     for tokens in (1, 2, 8, 32, 64):
-        assert _norm_grid(lib, tokens, 4096) == (tokens, 512, 1), tokens
+        assert grid(tokens, 4096) == (tokens, 512, 1), tokens
     for tokens in (1, 2, 8, 16):
-        assert _norm_grid(lib, tokens, 8192) == (4 * tokens, 256, 4), tokens
-    assert _norm_grid(lib, 32, 8192) == (64, 512, 2)  # 64 blocks at most: 2 a row
+        assert grid(tokens, 8192) == (4 * tokens, 256, 4), tokens
+    assert grid(32, 8192) == (64, 512, 2)  # 64 blocks at most: 2 a row
     for tokens in (64, 128, 512):
-        assert _norm_grid(lib, tokens, 4096) == (64, 512, 1)
-        assert _norm_grid(lib, tokens, 8192) == (64, 512, 1)  # 2 packs per thread
-    assert _norm_grid(lib, 1, 8192, max_split=1) == (1, 512, 1)
-    assert _norm_grid(lib, 1, 8192, max_split=3) == (3, 352, 3)  # 128 segments in slices of 43
-    assert _norm_grid(lib, 1, 8192, scratch_words=0) == (1, 512, 1)
-    assert _norm_grid(lib, 1, 8192, scratch_words=2 * 128) == (2, 512, 2)  # 128 segments per reader block
-    assert _norm_grid(lib, 1, 4104) == (3, 192, 3)  # 513 packs, 65 segments: 22, 22 and 21
-    assert _norm_grid(lib, 1, 32768) == (16, 256, 16)  # the longest rows
-    assert _norm_grid(lib, 8, 32768) == (64, 512, 8)  # 64 blocks at most: slices of 512
-    assert _norm_grid(lib, 64, 32768) == (64, 512, 1)  # 8 packs per thread
-    assert _norm_grid(lib, 1, 8) == (1, 32, 1)  # one pack
-    assert _norm_grid(lib, 4, 32768, block_limit=36) == (36, 480, 9)  # before Hopper: 36 blocks, whole segments
-    blocks = ctypes.c_int()
-    assert (
-        lib.graphar_norm_grid(72, 24, 64, 0, 0, ctypes.byref(blocks), ctypes.byref(blocks), ctypes.byref(blocks)) == -1
-    )  # rows of 24 bytes
-    assert b"rows of 24" in lib.graphar_last_error()
+        assert grid(tokens, 4096) == (64, 512, 1)
+        assert grid(tokens, 8192) == (64, 512, 1)  # 2 packs per thread
+    assert grid(1, 8192, max_split=1) == (1, 512, 1)
+    assert grid(1, 8192, max_split=3) == (3, 352, 3)  # 128 segments in slices of 43
+    assert grid(1, 8192, scratch_words=0) == (1, 512, 1)
+    assert grid(1, 8192, scratch_words=2 * 128) == (2, 512, 2)  # 128 segments per reader block
+    assert grid(1, 4104) == (3, 192, 3)  # 513 packs, 65 segments: 22, 22 and 21
+    assert grid(1, 32768) == (16, 256, 16)  # the longest rows
+    assert grid(8, 32768) == (64, 512, 8)  # 64 blocks at most: slices of 512
+    assert grid(64, 32768) == (64, 512, 1)  # 8 packs per thread
+    assert grid(1, 8) == (1, 32, 1)  # one pack
+    assert grid(4, 32768, block_limit=36) == (36, 480, 9)  # before Hopper: 36 blocks, whole segments
+    with pytest.raises(RuntimeError, match="rows of 24"):
+        testing_library.norm_grid(None, 72, 24, 64, 0, 0, lib)
 
 
 @needs_nvcc

@@ -3,7 +3,7 @@
 // world-size-2 rank 0 that stands in for its peer, against a launch of the same grid that does
 // nothing. Rank 1's Signal is rank 0's own, one Flag on, and rank 1's receive region is rank 0's,
 // one message on, so that every flag and pack the kernel sends "to rank 1" lands where it reads rank
-// 1's (as graphar_comm_norm_loopback places the fused norm's): the kernel runs its whole protocol
+// 1's (as tools/graphar_testing.cu's loopback places the fused norm's): the kernel runs its whole protocol
 // with the peer's part already there. The kernels come from csrc's headers, so this tool built from
 // two trees compares two versions of them in one session.
 //

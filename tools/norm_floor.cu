@@ -1,9 +1,9 @@
 // Where the fused norm kernel's local time goes on one GPU: a ladder of kernels that each add one of
-// its fixed steps, on the fused kernel's own grid, against the kernel itself (the library's loopback
-// launch, as `python bench/norm_local.py` runs it) and a plain add + RMSNorm with no protocol;
-// then the fused kernel with its split capped at each of kSplitCaps blocks per row.
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/norm_floor tools/norm_floor.cu \
-//     -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/norm_floor
+// its fixed steps, on the fused kernel's own grid, against the kernel itself (a communicator made its
+// own peer by the testing library, as `python bench/norm_local.py` runs it) and a plain add + RMSNorm
+// with no protocol; then the fused kernel with its split capped at each of kSplitCaps blocks per row.
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Icsrc -o /tmp/norm_floor tools/norm_floor.cu \
+//     tools/graphar_testing.cu -Lgraphar -lgraphar_cuda -Xlinker -rpath=$PWD/graphar && /tmp/norm_floor
 // (a diagnostic, not part of the library; needs graphar/libgraphar_cuda.so built for this GPU).
 // Each figure: us per launch (graph_timing.cuh).
 #include <algorithm>
@@ -13,6 +13,15 @@
 
 #include "../csrc/push_norm.cuh"
 #include "graph_timing.cuh"
+#include "graphar_testing.h"
+
+#define TESTING(call)                                                                               \
+  do {                                                                                              \
+    if ((call) != 0) {                                                                              \
+      std::fprintf(stderr, "%s failed at line %d: %s\n", #call, __LINE__, graphar_testing_last_error()); \
+      std::exit(1);                                                                                 \
+    }                                                                                               \
+  } while (0)
 
 using namespace graphar;
 using T = __nv_bfloat16;
@@ -151,15 +160,16 @@ struct Shape {
     for (void* t : {x, residual, out, residual_out, weight}) CHECK(cudaFree(t));
   }
 
-  // us per launch of the library's fused kernel through its loopback launch, its split capped at
+  // us per launch of the library's fused kernel, its communicator its own peer, its split capped at
   // max_split (0: the library's own grid); the grid it used in *grid.
   double fused_us(void* comm, cudaStream_t s, int pdl, int max_split, int grid[3]) {
-    graphar_kernels kernels{};  // no rows: the loopback launch needs no plan, only PDL
+    graphar_kernels kernels{};  // no rows: a direct launch needs no plan, only PDL
     kernels.pdl = pdl;
     CHECK(graphar_comm_set_kernels(comm, &kernels));
-    return us_per_launch(s, [&](int) {
-      CHECK(graphar_comm_norm_loopback(comm, &args, max_split, &grid[0], &grid[1], &grid[2]));
-    });
+    TESTING(graphar_testing_loopback(comm, args.nbytes));
+    TESTING(graphar_testing_norm_split(comm, max_split));
+    TESTING(graphar_testing_norm_grid(comm, args.nbytes, args.row_bytes, 0, 0, 0, &grid[0], &grid[1], &grid[2]));
+    return us_per_launch(s, [&](int) { CHECK(graphar_comm_all_reduce_norm(comm, &args)); });
   }
 };
 

@@ -32,6 +32,7 @@ from graphar import processes
 from graphar.errors import RanksFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import testing_library
 from one_gpu_common import mps_running  # tools/ is not a package: by path
 
 SHARED_GPU = os.environ.get("GRAPHAR_TEST_SHARE_GPU") == "1"
@@ -145,26 +146,19 @@ def check_exact(comm: Any, x: torch.Tensor, algo: str | None, group: dist.Proces
 
 def set_barrier_counters(comm: Any, value: int) -> None:
     """Collective, while no kernel of `comm` runs anywhere: every barrier counter as if `value`
-    barriers had passed (through the library's test-only entry point), to test the epoch wrap."""
-    from graphar import _cuda
-
+    barriers had passed (through the testing library), to test the epoch wrap."""
     torch.cuda.synchronize()
     comm.all_gather(None, "barrier counter reset (idle)")
-    _cuda.check(_cuda.library().graphar_comm_set_barrier_counters(comm.handle, value), "set barrier counters")
+    testing_library.set_barrier_counters(comm, value)
     comm.all_gather(None, "barrier counter reset (done)")
 
 
 def registered_buffer(comm: Any, nbytes: int) -> torch.Tensor:
-    """The first `nbytes` of this rank's registered input buffer, as uint8 (through the library's test-only
-    entry point): what an eager or copy-in call's kernel copies its input into, and peers read."""
-    import ctypes
-
-    from graphar import _cuda
+    """The first `nbytes` of this rank's registered input buffer, as uint8 (through the testing library):
+    what an eager or copy-in call's kernel copies its input into, and peers read."""
     from graphar.ulysses.transport import _DeviceMemory
 
-    ptr = ctypes.c_uint64()
-    _cuda.check(_cuda.library().graphar_comm_registered_buffer(comm.handle, ctypes.byref(ptr)), "registered buffer")
-    return torch.as_tensor(_DeviceMemory(ptr.value, nbytes), device="cuda")
+    return torch.as_tensor(_DeviceMemory(testing_library.registered_buffer(comm), nbytes), device="cuda")
 
 
 def assert_timed_out_for_good(call: Callable[[], object], group_name: str, barrier: str) -> None:
