@@ -5,7 +5,7 @@ it (simulated by hiding the module) the table is written all the same and a line
 plot. Also: where results go by default, the charts built from a benchmark's own results, progress
 lines, each benchmark's options, a benchmark run as a script, partial reports, the ranks' agreement
 on what to measure (two gloo processes) and a world of one without a process group (the one-GPU
-benchmarks), each benchmark's NCCL timeout against its time limit in tools/gpu_session.sh, and what
+benchmarks), each benchmark's NCCL timeout against graphar's exchange timeout, and what
 the one-GPU benchmarks run, on the CPU: the chunking benchmark's emulated exchanges around graphar's
 own pipelined attention, the pack benchmark's swept launches under the Triton interpreter.
 """
@@ -233,17 +233,12 @@ def test_the_compile_benchmark_times_both_backends_and_the_pass_on_the_cpu(tmp_p
     assert_real_png(out.with_suffix(".png"))
 
 
-def test_every_benchmark_times_out_well_before_its_session_limit() -> None:
-    """A hang must end at NCCL's timeout, with a traceback, not at gpu_session.sh's kill; and graphar's
-    store exchanges give up on a dead peer before NCCL does."""
-    script = (REPO / "tools" / "gpu_session.sh").read_text()
-    default, longer, limit = re.search(r'limit=(\d+); case "\$name" in ([\w|-]+)\) limit=(\d+)', script).groups()
+def test_graphar_s_exchanges_give_up_on_a_dead_peer_before_nccl_does() -> None:
+    """A benchmark's hang ends with graphar's own error naming the peer, not NCCL's watchdog."""
     for name in HEADINGS:
         module = importlib.import_module(name)
-        if not hasattr(module, "TIMEOUT_S"):
-            continue  # in this process, one GPU or the CPU: no NCCL
-        step_limit = int(limit if f"bench-{name}" in longer.split("|") else default)
-        assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S <= step_limit - 120, name
+        if hasattr(module, "TIMEOUT_S"):  # else: in this process, one GPU or the CPU, no NCCL
+            assert float(common.EXCHANGE_TIMEOUT_S) < module.TIMEOUT_S, name
 
 
 def _all_ranks_on_cpu(flag: bool) -> bool:

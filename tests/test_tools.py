@@ -309,19 +309,6 @@ def test_the_soak_launcher_ends_a_hang_and_a_crash_and_goes_on(monkeypatch: pyte
     assert time.monotonic() - start < 60
 
 
-def test_the_session_has_a_soak_stage() -> None:
-    script = (TOOLS / "gpu_session.sh").read_text()
-    stage = re.search(r"^\s*soak\|soak=\*\).*?;;", script, re.M | re.S)
-    assert stage and "python tools/soak.py" in stage.group(0), "no soak stage in tools/gpu_session.sh"
-    limit = int(re.search(r"step soak (\d+)", stage.group(0)).group(1))
-    soak = _soak()
-    assert sum(c.limit_s for c in soak.plan(quick=True)) + 60 < limit <= 590
-    # The full soak in two steps (the docstring's commands): the replays, then the rest, each bounded.
-    full = soak.plan(quick=False)
-    for part in ("replay", "exchange,two-streams"):
-        assert sum(c.limit_s for c in soak.select(full, part)) + 30 < limit, part
-
-
 @pytest.mark.skipif(_cuda.find_nvcc() is None, reason="nvcc not found")
 @pytest.mark.parametrize("tool", ["norm_floor.cu", "all_reduce_floor.cu"])
 def test_the_floor_tools_compile_against_the_kernels_headers(tmp_path: Path, tool: str) -> None:
