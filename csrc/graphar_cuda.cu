@@ -1,6 +1,6 @@
 // The library's own entry points, that need no communicator: the per-thread error message (fail()
 // and cuda_fail() leave it, graphar_last_error reads it), the build id, the PCI bus id, pointer and
-// IPC queries, and the edges of a CUDA graph.
+// IPC queries.
 #include <cuda.h>  // driver types only: the driver entry point is resolved at run time, no -lcuda
 #include <cuda_runtime.h>
 
@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "graphar_cuda.h"
 #include "host.h"
@@ -108,19 +107,6 @@ int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_
   const int rc = pointer_info(ptr, base, size, ipc_capable);
   CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
   return rc;
-}
-
-int graphar_graph_edges(uint64_t graph, uint64_t* total, uint64_t* programmatic) {
-  auto g = reinterpret_cast<cudaGraph_t>(graph);
-  size_t n = 0;
-  CUDA_TRY(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &n));
-  std::vector<cudaGraphNode_t> from(n), to(n);
-  std::vector<cudaGraphEdgeData> data(n);
-  if (n > 0) CUDA_TRY(cudaGraphGetEdges(g, from.data(), to.data(), data.data(), &n));
-  *total = n;
-  *programmatic = 0;
-  for (size_t i = 0; i < n; i++) *programmatic += data[i].type == cudaGraphDependencyTypeProgrammatic;
-  return 0;
 }
 
 int graphar_ipc_handle(uint64_t base, void* handle_out) {

@@ -61,9 +61,6 @@ int graphar_device_pci_bus_id(int device, char* out, int len);
 // Range and legacy-IPC capability of the allocation holding ptr (expandable segments: not capable).
 int graphar_pointer_info(uint64_t ptr, uint64_t* base, uint64_t* size, int* ipc_capable);
 int graphar_ipc_handle(uint64_t base, void* handle_out);
-// Edges of a CUDA graph (a cudaGraph_t, e.g. torch.cuda.CUDAGraph.raw_cuda_graph()): all of them,
-// and the programmatic ones that PDL launches keep when captured.
-int graphar_graph_edges(uint64_t graph, uint64_t* total, uint64_t* programmatic);
 
 // On the current device: zeroed Signal+tmp and input buffers of max_bytes, a push receive region
 // (two epochs of about 2 x max_bytes, every word 0xFFFFFFFF), graph slots, and a host-mapped error record. Synchronizes before returning, so the handles may be shared at once.

@@ -63,7 +63,6 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "graphar_device_pci_bus_id": (c_int, [c_int, c_char_p, c_int]),
     "graphar_pointer_info": (c_int, [c_uint64, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_int)]),
     "graphar_ipc_handle": (c_int, [c_uint64, c_void_p]),
-    "graphar_graph_edges": (c_int, [c_uint64, POINTER(c_uint64), POINTER(c_uint64)]),
     "graphar_comm_create": (c_int, [c_int, c_int, c_uint64, c_int, c_uint64, c_int, POINTER(c_void_p)]),
     "graphar_comm_handles": (c_int, [c_void_p, c_void_p]),
     "graphar_comm_open": (c_int, [c_void_p, c_void_p]),
@@ -388,16 +387,6 @@ def pci_bus_id(device: int) -> str:
     buf = ctypes.create_string_buffer(64)
     check(library().graphar_device_pci_bus_id(device, buf, len(buf)), f"PCI bus id of cuda:{device}")
     return buf.value.decode()
-
-
-def graph_edges(graph: object) -> tuple[int, int]:
-    """(all edges, programmatic edges) of a torch.cuda.CUDAGraph captured with keep_graph=True."""
-    total, programmatic = c_uint64(), c_uint64()
-    check(
-        library().graphar_graph_edges(graph.raw_cuda_graph(), ctypes.byref(total), ctypes.byref(programmatic)),
-        "graph edges",
-    )
-    return total.value, programmatic.value
 
 
 # ---- NVML, for the NVLink check of world sizes above 2 ------------------------------------------

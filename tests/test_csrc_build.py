@@ -245,6 +245,9 @@ def test_the_fused_norm_grid_takes_short_rows_whole_and_splits_long_ones(build) 
     256 packs while the rows' blocks fit the launch's 64; slices are whole segments of 8 packs, no block
     without any; a split that needs more scratch words than there are is cut down to fit."""
     lib = testing_library.build(build[1], _cuda.source_dir())
+    exported = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True, text=True).stdout
+    assert set(re.findall(r"\b(graphar_\w+)\b", exported)) == set(testing_library.PROTOTYPES)
+    assert ctypes.sizeof(testing_library._EdgeData) == 8  # CUgraphEdgeData
 
     def grid(tokens: int, hidden: int, block_limit: int = 64, scratch_words: int = 1 << 20, max_split: int = 0):
         return testing_library.norm_grid(

@@ -66,12 +66,13 @@ from pathlib import Path
 from typing import Protocol
 from unittest import mock
 
+import testing_library
 import torch
 import torch.distributed as dist
 from one_gpu_common import KB, MB, integers, ranks_differ, reference_device, reference_sum
 
 import graphar
-from graphar import _cuda, processes, settings
+from graphar import processes, settings
 from graphar.allreduce import policy
 from graphar.allreduce.communicator import Communicator
 from graphar.ulysses import stages, transport
@@ -452,7 +453,7 @@ class _Replays:
         with torch.cuda.graph(self.graph):
             self.samples = self._body()
         self.graph.instantiate()
-        self.pdl_edges = _cuda.graph_edges(self.graph)[1]  # 0 would mean PDL was off after all
+        self.pdl_edges = testing_library.graph_edges(self.graph)[1]  # 0 would mean PDL was off after all
 
     def _body(self) -> list[torch.Tensor]:
         """Every call, then every check; returns the last output of each size (compared across ranks)."""

@@ -110,3 +110,28 @@ def norm_grid(
     )
     check(rc, "norm grid", lib)
     return out[0].value, out[1].value, out[2].value
+
+
+class _EdgeData(ctypes.Structure):
+    """CUgraphEdgeData (cuda.h)."""
+
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte)]
+    _fields_ += [("reserved", ctypes.c_ubyte * 5)]
+
+
+_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+
+
+def graph_edges(graph: Any) -> tuple[int, int]:
+    """(all edges, programmatic edges: those PDL launches keep when captured) of a torch.cuda.CUDAGraph
+    captured with keep_graph=True, through the driver (no compiler: it serves a wheel's check too)."""
+    get_edges = ctypes.CDLL("libcuda.so.1").cuGraphGetEdges_v2
+    get_edges.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, POINTER(ctypes.c_size_t)]
+    handle, n = graph.raw_cuda_graph(), ctypes.c_size_t()
+    if get_edges(handle, None, None, None, ctypes.byref(n)) != 0:
+        raise RuntimeError("cuGraphGetEdges_v2 failed to count the edges")
+    nodes = c_void_p * max(n.value, 1)
+    data = (_EdgeData * max(n.value, 1))()
+    if n.value and get_edges(handle, nodes(), nodes(), data, ctypes.byref(n)) != 0:
+        raise RuntimeError("cuGraphGetEdges_v2 failed to list the edges")
+    return n.value, sum(d.type == _PROGRAMMATIC for d in data[: n.value])

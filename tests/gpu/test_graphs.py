@@ -7,6 +7,7 @@ import gc
 import random
 
 import pytest
+import testing_library
 import torch
 from _dist import WORLD_SIZES, assert_equal_across_ranks, integer_valued, nccl_sum, repetitions, run_workers
 
@@ -100,7 +101,7 @@ def _write_after_read(rank: int, world_size: int, graphar_capture: bool) -> None
                 x.add_(3)
             assert comm.kernels.graph_calls - slots_before == (2 if graphar_capture else 0)
             graph.instantiate()
-            total, programmatic = _cuda.graph_edges(graph)  # the mul_ -> all-reduce edge: PDL kept
+            total, programmatic = testing_library.graph_edges(graph)  # the mul_ -> all-reduce edge: PDL kept
             assert programmatic >= 1, f"{algo}: PDL edge lost in capture ({total} edges)"
             for i in range(20):
                 values = _refill(x)
@@ -221,7 +222,7 @@ def _expandable_segments(rank: int, world_size: int, ranks_expandable: tuple[int
             ys = [comm.all_reduce(x, algo=algo) for x in xs for algo in ("1stage", "2stage")]
         # A staged input is copied in by the kernel after its claim: no copy node of its own, which an eager
         # call on another stream could overtake, so every rank's graph has the same edges.
-        edges = comm.all_gather(_cuda.graph_edges(graph)[0], "graph edges")
+        edges = comm.all_gather(testing_library.graph_edges(graph)[0], "graph edges")
         assert len(set(edges)) == 1, f"graph edges by rank: {edges} (a staged rank has a copy node of its own)"
         for _ in range(3):
             values = [_refill(x) for x in xs]

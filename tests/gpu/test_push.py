@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import testing_library
 import torch
 import torch.distributed as dist
 from _dist import (
@@ -22,7 +23,6 @@ from _dist import (
 )
 
 import graphar
-from graphar import _cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +128,7 @@ def _three_capture_modes(rank: int, world_size: int) -> None:
                 y, z = body(x)
             graph.instantiate()
             assert comm.kernels.graph_calls == before, f"{capture.__name__}: a push call took a graph slot"
-            total, programmatic = _cuda.graph_edges(graph)
+            total, programmatic = testing_library.graph_edges(graph)
             assert programmatic >= 1, f"{capture.__name__}: PDL edge lost in capture ({total} edges)"
             for _ in range(3):
                 values = integer_valued(x.numel(), x.dtype)
