@@ -53,7 +53,7 @@ carried_wheels() {  # the wheels in .whl/, where given, importable from here on
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
 native() {
-  step native 300 python -c "from graphar import native_op as n; assert n.library() is not None, 'see the log above'"
+  step native 300 python -c "from graphar.allreduce import native_op as n; assert n.library() is not None, 'see the log above'"
 }
 mps_dir=""
 mps_start() {
