@@ -99,12 +99,15 @@ LANES=(
   "tests/gpu/test_push.py tests/gpu/test_norm.py tests/gpu/test_mesh.py tests/gpu/test_tuner.py"
   "tests/gpu/test_compile_gpu.py tests/gpu/test_ulysses.py tests/gpu/test_overlap.py"
 )
-lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to the session log when all end, then
-  # test_lifetime alone in what is left of LIMIT_S
-  local limit=$1 dir pids=() i start=$SECONDS
+lanes() {  # lanes LIMIT_S: the lanes (LANE_SELECT: their indices, default all) at once, each pytest's log
+  # appended to the session log when all end, then test_lifetime alone in what is left of LIMIT_S. The
+  # suite at world sizes 2 and 4 takes longer than one call of the device tool: LANE_SELECT="0 1 2" in
+  # one call, "3 4 5" in the next.
+  local limit=$1 dir pids=() i rc start=$SECONDS chosen
+  read -r -a chosen <<<"${LANE_SELECT:-${!LANES[*]}}"
   dir=$(mktemp -d)
-  echo "=== lanes ($(date +%T), ${#LANES[@]} at once, ${limit} s)" | tee -a "$log"
-  for i in "${!LANES[@]}"; do
+  echo "=== lanes ($(date +%T), ${chosen[*]} at once, ${limit} s)" | tee -a "$log"
+  for i in "${chosen[@]}"; do
     read -r -a words <<<"${LANES[$i]}"
     local files=() k=()
     for w in "${words[@]}"; do [[ $w == tests/* ]] && files+=("$w"); done
@@ -113,13 +116,14 @@ lanes() {  # lanes LIMIT_S: every lane at once, each pytest's log appended to th
     GRAPHAR_TEST_SHARE_GPU=1 GRAPHAR_BLOCK_LIMIT=$LANE_BLOCKS GRAPHAR_PULL_BLOCKS=$LANE_BLOCKS \
       timeout --kill-after=10 "$limit" python -m pytest -v -s -rfEs --tb=short -p no:cacheprovider \
       "${files[@]}" "${k[@]}" >"$dir/lane$i.log" 2>&1 &
-    pids+=($!)
+    pids[$i]=$!
   done
-  for i in "${!pids[@]}"; do
+  for i in "${chosen[@]}"; do
     wait "${pids[$i]}"
-    echo "=== lane $i (${LANES[$i]}) rc=$?: $(tail -n 1 "$dir/lane$i.log")" | tee -a "$log"
+    rc=$?
+    echo "=== lane $i (${LANES[$i]}) rc=$rc: $(tail -n 1 "$dir/lane$i.log")" | tee -a "$log"
   done
-  for i in "${!LANES[@]}"; do
+  for i in "${chosen[@]}"; do
     echo "=== lane $i log" >>"$log"
     cat "$dir/lane$i.log" >>"$log"
     grep -E "^(FAILED|ERROR)" "$dir/lane$i.log" | cut -c1-300
