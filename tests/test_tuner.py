@@ -124,6 +124,7 @@ def test_the_budget_stops_every_rank_at_one_size_and_the_shipped_rows_take_the_r
     assert a.times == b.times and a.rows == b.rows
     sizes = [n for n, _ in a.times["eager"]]
     assert sizes == list(tuner.SIZE_CLASSES[: len(sizes)]) and 2 <= len(sizes) < 8  # stopped by rank 1's clock
+    assert 3 * len(sizes) <= 10  # rank 1's 3 s a size: stopped before the size that would overrun the budget
     last = sizes[-1]
     assert a.rows["eager"][-2:] == tuple((b_, k) for b_, k in SHIPPED["eager"] if b_ > last)[-2:]
 
