@@ -103,9 +103,9 @@ class Loopback:
         self.lib = _cuda.library()
         self.device = torch.cuda.current_device()
         handle = ctypes.c_void_p()
-        blocks = block_limit(torch.cuda.get_device_capability(self.device)[0])
+        self.blocks = block_limit(torch.cuda.get_device_capability(self.device)[0])
         _cuda.check(
-            self.lib.graphar_comm_create(0, 2, max_bytes, blocks, TIMEOUT_NS, 1, ctypes.byref(handle)),
+            self.lib.graphar_comm_create(0, 2, max_bytes, self.blocks, TIMEOUT_NS, 1, ctypes.byref(handle)),
             "graphar_comm_create (loopback)",
         )
         self.handle = handle.value
