@@ -96,11 +96,4 @@ int graphar_comm_close_unused_mappings(void* comm) {
   return close_unused_mappings(c);
 }
 
-int graphar_comm_graph_mappings(void* comm, int* open, int* unused) {
-  const Comm* c = as_comm(comm);
-  *open = static_cast<int>(c->graph_mappings.size());
-  *unused = static_cast<int>(c->unused_mappings.size());
-  return 0;
-}
-
 }  // extern "C"

@@ -175,8 +175,6 @@ int graphar_comm_register_graph(void* comm, const int32_t* slots, int count, con
 int graphar_comm_forget_graph_slots(void* comm, const int32_t* slots, int count);
 // Waits for the device (when any mapping is unused) and closes the unused mappings.
 int graphar_comm_close_unused_mappings(void* comm);
-// Peers' allocations mapped for graph slots: open (read by some slot), unused (not closed yet).
-int graphar_comm_graph_mappings(void* comm, int* open, int* unused);
 // Waits for the device, closes the peers' mappings and frees everything, even after an error. If a
 // launch of it was captured into a CUDA graph, which may outlive it, it instead marks the group failed
 // and keeps its buffers and mappings for the rest of the process: a later replay writes NaN.

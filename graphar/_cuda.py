@@ -88,7 +88,6 @@ PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     ),
     "graphar_comm_forget_graph_slots": (c_int, [c_void_p, POINTER(c_int32), c_int]),
     "graphar_comm_close_unused_mappings": (c_int, [c_void_p]),
-    "graphar_comm_graph_mappings": (c_int, [c_void_p, POINTER(c_int), POINTER(c_int)]),
     "graphar_comm_destroy": (c_int, [c_void_p]),
 }
 IPC_HANDLE_BYTES = 64

@@ -84,6 +84,13 @@ int graphar_testing_loopback(void* comm, uint64_t nbytes) {
   return 0;
 }
 
+int graphar_testing_graph_mappings(void* comm, int* open, int* unused) {
+  const Comm* c = as_comm(comm);
+  *open = static_cast<int>(c->graph_mappings.size());
+  *unused = static_cast<int>(c->unused_mappings.size());
+  return 0;
+}
+
 int graphar_testing_norm_split(void* comm, int max_split) {
   if (max_split < 0) return fail("max_split %d", max_split);
   as_comm(comm)->norm_max_split = max_split;

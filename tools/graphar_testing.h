@@ -23,6 +23,8 @@ int graphar_testing_registered_buffer(void* comm, uint64_t* ptr_out);
 // run their whole protocol on one GPU with the peer's data arrived at once (the kernels' local work;
 // the sum is the input twice). Call it again for another size.
 int graphar_testing_loopback(void* comm, uint64_t nbytes);
+// Peers' allocations mapped for graph slots: open (read by some slot), unused (not closed yet).
+int graphar_testing_graph_mappings(void* comm, int* open, int* unused);
 // n > 0: the fused norm splits a row between at most n blocks; 0: as the library chooses.
 int graphar_testing_norm_split(void* comm, int max_split);
 // The fused norm's grid for nbytes in rows of row_bytes: of this communicator's launch (comm), or of

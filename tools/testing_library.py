@@ -20,6 +20,7 @@ PROTOTYPES = {
     "graphar_testing_set_barrier_counters": (c_int, [c_void_p, c_uint32]),
     "graphar_testing_registered_buffer": (c_int, [c_void_p, POINTER(c_uint64)]),
     "graphar_testing_loopback": (c_int, [c_void_p, c_uint64]),
+    "graphar_testing_graph_mappings": (c_int, [c_void_p, POINTER(c_int), POINTER(c_int)]),
     "graphar_testing_norm_split": (c_int, [c_void_p, c_int]),
     "graphar_testing_norm_grid": (
         c_int,
@@ -85,6 +86,13 @@ def registered_buffer(comm: Any) -> int:
 def loopback(comm: Any, nbytes: int) -> None:
     """Make a never-opened world-size-2 communicator of rank 0 its own peer for calls of nbytes."""
     check(library().graphar_testing_loopback(handle(comm), nbytes), "loopback")
+
+
+def graph_mappings(comm: Any) -> tuple[int, int]:
+    """Peers' allocations mapped for graph slots: (read by a live graph, unused and not closed yet)."""
+    open_, unused = c_int(), c_int()
+    check(library().graphar_testing_graph_mappings(handle(comm), ctypes.byref(open_), ctypes.byref(unused)), "mappings")
+    return open_.value, unused.value
 
 
 def norm_split(comm: Any, max_split: int) -> None:

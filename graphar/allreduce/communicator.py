@@ -352,15 +352,6 @@ class Communicator:
         with self._graph_lock:
             self._ok("graph release", self._lib.graphar_comm_close_unused_mappings(self._handle))
 
-    def graph_mappings(self) -> tuple[int, int]:
-        """Peers' allocations mapped for graph slots: (read by a live graph, unused and not closed yet)."""
-        open_, unused = ctypes.c_int(), ctypes.c_int()
-        self._ok(
-            "graph mappings",
-            self._lib.graphar_comm_graph_mappings(self._handle, ctypes.byref(open_), ctypes.byref(unused)),
-        )
-        return open_.value, unused.value
-
     def _ok(self, op: str, rc: int) -> None:
         """A library call's return code: an error raises GrapharCudaError naming the op, the group and the rank."""
         if rc != 0:

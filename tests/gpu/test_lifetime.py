@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 
 import pytest
+import testing_library
 import torch
 import torch.distributed as dist
 from _dist import SHARED_GPU, integer_valued, nccl_sum, run_workers
@@ -73,7 +74,7 @@ def _state(comm: Communicator) -> tuple[float, int, int]:
     torch.cuda.empty_cache()
     dist.barrier()
     free, total = torch.cuda.mem_get_info()
-    return (total - free) / MB, sum(comm.graph_mappings()), comm.kernels.slots_in_use
+    return (total - free) / MB, sum(testing_library.graph_mappings(comm)), comm.kernels.slots_in_use
 
 
 def _cycles(rank: int, world_size: int, mode: str) -> None:
