@@ -1,7 +1,8 @@
 """Under MPS (ranks sharing one GPU, tools/gpu_session.sh stage `mps`) a fault in any client reaches every
 client of the GPU, and the server then takes no new client until all of them have exited: the first
 test whose processes faulted must fail by name, not only the tests after it. So after each test, the
-lines the MPS server logged about a fault meanwhile fail it, beside its ranks' process ids."""
+lines the MPS server logged about a fault meanwhile fail it, beside its ranks' process ids. And a failure
+is printed as it happens: the device tool's call limit cuts a run before pytest's summary."""
 
 from __future__ import annotations
 
@@ -43,3 +44,8 @@ def no_mps_fault() -> Iterator[None]:
             f"the MPS server logged a fault during this test (its ranks' pids: {WORKERS}):\n" + "\n".join(faults),
             pytrace=False,
         )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed:
+        print(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext[-4000:]}", flush=True)
