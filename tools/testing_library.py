@@ -1,6 +1,6 @@
 """The testing library (tools/graphar_testing.cu): what tests, benchmarks and the floor tools do to a
-communicator that the shipped library offers no user (set its counters, read its registered buffer,
-make it its own peer). Built on first use from this checkout, beside nothing graphar installs; it
+communicator that the shipped library offers no user (set its counters, read its registered buffer and
+its mappings, make it its own peer), and a graph's edges (through the driver: no build). Built on first use from this checkout, beside nothing graphar installs; it
 reads struct Comm by its handle, so it refuses a loaded library built from other sources."""
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def library() -> ctypes.CDLL:
                 f"the loaded graphar library ({_cuda.library()._name}) was not built from {src}: "
                 "the testing library reads its communicator's layout and needs its sources"
             )
-        key = f"testing {_cuda.build_id()} {SOURCE.read_bytes().hex()}"
+        sources = (SOURCE, SOURCE.with_suffix(".h"))
+        key = f"testing {_cuda.build_id()} " + " ".join(p.read_bytes().hex() for p in sources)
         path = _cuda.cached_build(key, LIB_NAME, lambda folder: build(folder, src))
         _loaded = _cuda.bind(ctypes.CDLL(str(path)), PROTOTYPES)
     return _loaded
