@@ -35,13 +35,16 @@ they replace).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphar.allreduce import rms_norm
 from graphar.allreduce.set_up import communicator_or_set_up
 from graphar.ulysses import exchanges, overlap, shapes
+
+if TYPE_CHECKING:
+    from graphar.allreduce.communicator import Communicator
 
 c10d = torch.ops._c10d_functional
 
@@ -87,11 +90,14 @@ def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum `x` over the group named `group_name`; returns a new contiguous tensor."""
-    comm = communicator_or_set_up(group_name, x.device)
+    return _all_reduce_on(communicator_or_set_up(group_name, x.device), x, group_name)
+
+
+def _all_reduce_on(comm: Communicator | None, x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """`all_reduce` on the group's communicator as looked up (None: the collective serves)."""
     if comm is None:
         return functional_all_reduce(x, group_name)
-    flat = _flat(x)
-    out = comm.kernels.try_all_reduce(flat)
+    out = comm.kernels.try_all_reduce(_flat(x))
     if out is None:
         comm.kernels.say_why_not()
         return functional_all_reduce(x, group_name)
@@ -231,7 +237,8 @@ def all_reduce_add_rms_norm(
         fused = comm.kernels.try_all_reduce_norm(x, residual, weight, eps, weight_first)
         if fused is not None:
             return fused
-    return add_rms_norm(all_reduce(x, group_name), rms_norm.Norm(residual, weight, eps, weight_first))
+    summed = _all_reduce_on(comm, x, group_name)  # the communicator once: not looked up again
+    return add_rms_norm(summed, rms_norm.Norm(residual, weight, eps, weight_first))
 
 
 def add_rms_norm(summed: torch.Tensor, norm: rms_norm.Norm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,7 +117,8 @@ def tune(
             measured[m].append((nbytes, slowest([times[m] for times, _ in gathered])))
         # The next size, twice the bytes, costs at most about twice this one: stop where it would
         # overrun the budget, not after it has (at world size 4 under load, one size took 0.5 s).
-        step, elapsed = max(e for _, e in gathered) - elapsed, max(e for _, e in gathered)
+        now = max(e for _, e in gathered)
+        step, elapsed = now - elapsed, now
         if elapsed + 2 * step > budget_s:
             break
     complete = len(measured[policy.MODES[0]]) == len(sizes)
